@@ -1,0 +1,145 @@
+"""Plain data at the engine's boundary: requests, results, per-request telemetry.
+
+Everything here is JSON-able (``dataclasses.asdict``) so workers, the store and the
+LangChain integration pass it around without touching tensors or ORM objects.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+FinishReason = Literal["eos", "stop", "length", "context"]
+
+
+class RequestError(ValueError):
+    """Bad input. ``field`` names the offending parameter; the message says the fix."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class GenerationRequest:
+    """One generation. ``prompt`` is text (or token ids); ``chat`` wraps text as a user turn."""
+
+    prompt: str | list[int]
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    k: int | Literal["auto"] = "auto"
+    stop: list[str] = field(default_factory=list)
+    chat: bool = False
+    mode: Literal["speculative", "baseline"] = "speculative"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise RequestError naming the first bad field (context length is checked by the engine)."""
+        p = self.prompt
+        if isinstance(p, str):
+            if not p.strip():
+                raise RequestError("prompt", "is empty; pass some text to continue")
+        elif isinstance(p, (list, tuple)):
+            if not p:
+                raise RequestError("prompt", "has no tokens; pass at least one token id")
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+                raise RequestError("prompt", "token ids must be non-negative integers")
+        else:
+            raise RequestError("prompt", f"must be text or a list of token ids, not {type(p).__name__}")
+        _int(self.max_new_tokens, "max_new_tokens", lo=1, hint="ask for at least 1 new token")
+        _float(self.temperature, "temperature", "must be >= 0 (0 = greedy)", lambda x: x >= 0)
+        _float(self.top_p, "top_p", "must be in (0, 1] (1 = off)", lambda x: 0 < x <= 1)
+        _int(self.top_k, "top_k", lo=0, hint="use 0 to turn top-k off")
+        if self.seed is not None:
+            _int(self.seed, "seed", lo=0, hint="use a non-negative integer or leave it unset")
+        if self.k != "auto":
+            _int(self.k, "k", lo=0, hint='use 0 (target only), a positive draft length, or "auto"')
+            if self.k > 64:
+                raise RequestError("k", f"{self.k} is too large; use at most 64 or \"auto\"")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError("stop", "must be a list of non-empty strings")
+        if self.mode not in ("speculative", "baseline"):
+            raise RequestError("mode", f"unknown mode {self.mode!r}; use 'speculative' or 'baseline'")
+        if self.chat and not isinstance(p, str):
+            raise RequestError("chat", "needs a text prompt, not token ids")
+
+
+def _int(value, name: str, lo: int, hint: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RequestError(name, f"must be an integer, got {value!r}")
+    if value < lo:
+        raise RequestError(name, f"{value} is below {lo}; {hint}")
+
+
+def _float(value, name: str, rule: str, ok) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(name, f"must be a number, got {value!r}")
+    if not math.isfinite(value) or not ok(value):
+        raise RequestError(name, f"{value!r} {rule}")
+
+
+@dataclass
+class Stats:
+    """Per-request telemetry. vLLM's metric names in parentheses where they differ."""
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    draft_tokens_proposed: int = 0  # (num_draft_tokens)
+    draft_tokens_accepted: int = 0  # (num_accepted_tokens)
+    acceptance_rate: float = 0.0  # accepted / proposed
+    mean_accepted_length: float = 0.0  # tokens emitted per target forward, bonus included
+    per_position_acceptance: list[float] = field(default_factory=list)  # P(accept at draft position i)
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    tokens_per_s: float = 0.0
+    k_values: list[int] = field(default_factory=list)  # k used at each iteration
+    finish_reason: FinishReason = "length"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    stats: Stats
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
+def expected_tokens_per_iteration(acceptance: float, k: int) -> float:
+    """E = (1 - a^(k+1)) / (1 - a): tokens emitted per target forward (Leviathan et al., eq. 1)."""
+    if k <= 0:
+        return 1.0
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def expected_speedup(acceptance: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
+    """Closed-form speedup over target-only decoding.
+
+    ``cost_ratio`` c = draft step time / target step time; ``verify_cost`` T(k) = time of one
+    target forward over k+1 tokens / time of a 1-token target forward (1 on a GPU; measure it
+    on a CPU). speedup = E / (k*c + T(k)).
+    """
+    return expected_tokens_per_iteration(acceptance, k) / (k * cost_ratio + verify_cost)

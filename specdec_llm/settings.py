@@ -1,0 +1,45 @@
+"""One place for configuration: ``SPECDEC_*`` environment variables (pydantic-settings)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import platformdirs
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+APP = "specdec-llm"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_", extra="ignore")
+
+    # Pairs
+    config_file: Path = Path(platformdirs.user_config_dir(APP)) / "pairs.toml"
+    cache_dir: Path = Path(platformdirs.user_cache_dir(APP))
+    default_pair: str = "smollm2-135m"
+    device: str | None = None  # overrides every pair's device, e.g. "cuda:0"
+    dtype: str | None = None  # overrides every pair's dtype, e.g. "bfloat16"
+    threads: int | None = None  # torch intra-op threads (CPU)
+
+    # Store and queue (used by the store / workers)
+    data_dir: Path = Path(platformdirs.user_data_dir(APP))
+    database_url: str | None = None  # default: SQLite file in data_dir
+    broker_url: str | None = None
+    result_backend: str | None = None
+
+    @property
+    def effective_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{self.data_dir / 'specdec.db'}"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
+
+
+def reload_settings() -> Settings:
+    get_settings.cache_clear()
+    return get_settings()
