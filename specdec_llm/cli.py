@@ -1,0 +1,135 @@
+"""The ``specdec-llm`` command."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .engine import GenerationRequest, RequestError
+from .settings import get_settings
+
+app = typer.Typer(help="Speculative decoding at scale: generate, serve, distil, report.", no_args_is_help=True)
+pairs_app = typer.Typer(help="The registry of named draft/target pairs.", no_args_is_help=True)
+app.add_typer(pairs_app, name="pairs")
+console = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str) -> None:
+    """One clear line on stderr, exit code 2."""
+    err.print(f"error: {message}", markup=False, highlight=False)
+    raise typer.Exit(2)
+
+
+@contextmanager
+def user_errors():
+    from .pairs import PairError
+
+    try:
+        yield
+    except (RequestError, PairError) as e:
+        fail(str(e))
+
+
+def parse_k(value: str) -> int | str:
+    if value == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        fail(f"k: {value!r} is not a number; use an integer >= 0 or 'auto'")
+
+
+def _threads() -> None:
+    import torch
+
+    if get_settings().threads:
+        torch.set_num_threads(get_settings().threads)
+
+
+@app.command()
+def generate(
+    prompt: str,
+    pair: Annotated[Optional[str], typer.Option(help="Pair name (default: SPECDEC_DEFAULT_PAIR)")] = None,
+    mode: Annotated[str, typer.Option(help="speculative | baseline (target only)")] = "speculative",
+    k: Annotated[str, typer.Option("--k", help="Draft length per iteration: an integer or 'auto'")] = "auto",
+    max_new_tokens: int = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: Optional[int] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable)")] = None,
+    chat: Annotated[bool, typer.Option(help="Wrap PROMPT as a user message via the chat template")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Generate one completion."""
+    from .pairs import load_pair
+
+    request = GenerationRequest(
+        prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        seed=seed, k=parse_k(k), stop=list(stop or []), chat=chat, mode=mode,
+    )  # fmt: skip
+    with user_errors():
+        request.validate()  # fail fast, before loading models
+        _threads()
+        decoder = load_pair(pair or get_settings().default_pair).decoder()
+        if as_json:
+            result = decoder.generate(request)
+            print(json.dumps(result.to_dict()))
+            return
+        result = decoder.generate(request, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+    s = result.stats
+    print()
+    err.print(
+        f"[dim]{s.output_tokens} tokens, {s.tokens_per_s:.1f} tok/s, finish={s.finish_reason}, "
+        f"acceptance={s.acceptance_rate:.2f}, tokens/target forward={s.mean_accepted_length:.2f}[/dim]"
+    )
+
+
+@pairs_app.command("list")
+def pairs_list() -> None:
+    """List the known pairs."""
+    from .pairs import registry
+
+    with user_errors():
+        pairs = registry()
+    table = Table("name", "target", "draft", "dtype", "device", "source")
+    for spec in pairs.values():
+        table.add_row(spec.name, spec.target, spec.draft or "-", spec.dtype, spec.device, spec.source)
+    console.print(table)
+
+
+@pairs_app.command("show")
+def pairs_show(
+    name: str,
+    load: Annotated[bool, typer.Option(help="Load the models and report fingerprints and sizes")] = False,
+) -> None:
+    """Show one pair (as JSON)."""
+    from .pairs import get_spec, load_pair
+
+    with user_errors():
+        spec = get_spec(name)
+        info = spec.to_dict()
+        if spec.draft and spec.draft.startswith("layers:"):
+            info["draft_note"] = "PLACEHOLDER draft: untrained target layers; expect ~4% acceptance (k=auto falls back to 0)"
+        if load:
+            pair = load_pair(spec)
+            info["target_fingerprint"] = pair.target_fingerprint
+            info["vocab_size"] = pair.vocab_size
+            info["draft_info"] = pair.draft_info
+            info["target_params"] = sum(p.numel() for p in pair.target.parameters())
+            if pair.draft is not None:
+                shared = {p.data_ptr() for p in pair.target.parameters()}
+                own = [p for p in pair.draft.parameters() if p.data_ptr() not in shared]
+                info["draft_own_params"] = sum(p.numel() for p in own)
+    print(json.dumps(info, indent=2))
+
+
+def main() -> None:  # pragma: no cover
+    app()

@@ -1,0 +1,118 @@
+"""Choosing the speculation length k from measured costs and the live acceptance rate.
+
+Expected tokens per iteration with per-token acceptance a and k drafts is
+E(a, k) = (1 - a^(k+1)) / (1 - a); an iteration costs k * draft_step + verify(k).
+``choose`` picks the k in 0..max_k with the most expected tokens per second. k = 0 is
+plain target-only decoding, so a useless draft drives k to 0; every ``probe_every``
+iterations at k = 0 one k = 1 iteration refreshes the acceptance estimate (about 1% of
+the time, at the cost of one draft step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .types import expected_tokens_per_iteration
+
+EMA = 0.2  # weight of a new timing sample
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind the acceptance prior
+
+
+@dataclass
+class CostModel:
+    """Seconds per draft step and per verify forward of k+1 tokens, measured on this device."""
+
+    max_k: int
+    draft_step_s: float = 0.0
+    verify_s: dict[int, float] = field(default_factory=dict)  # k -> seconds (measured points)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.draft_step_s > 0 and 0 in self.verify_s
+
+    def verify(self, k: int) -> float:
+        """verify(k), linearly interpolated between measured points."""
+        pts = sorted(self.verify_s)
+        if k in self.verify_s:
+            return self.verify_s[k]
+        lo = max((p for p in pts if p < k), default=pts[0])
+        hi = min((p for p in pts if p > k), default=None)
+        if hi is None:  # beyond the last point: extend the last slope
+            prev = max((p for p in pts if p < lo), default=None)
+            slope = 0.0 if prev is None else (self.verify_s[lo] - self.verify_s[prev]) / (lo - prev)
+            return self.verify_s[lo] + slope * (k - lo)
+        w = (k - lo) / (hi - lo)
+        return self.verify_s[lo] * (1 - w) + self.verify_s[hi] * w
+
+    def observe_verify(self, k: int, seconds: float) -> None:
+        old = self.verify_s.get(k)
+        self.verify_s[k] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def observe_draft(self, seconds: float) -> None:
+        self.draft_step_s = seconds if self.draft_step_s <= 0 else (1 - EMA) * self.draft_step_s + EMA * seconds
+
+    def best_k(self, acceptance: float) -> int:
+        def rate(k: int) -> float:
+            return expected_tokens_per_iteration(acceptance, k) / (k * self.draft_step_s + self.verify(k))
+
+        return max(range(self.max_k + 1), key=rate)
+
+
+def calibrate(cost: CostModel, time_verify, time_draft, points=(0, 1, 2, 4, 8), repeats: int = 3) -> None:
+    """Fill ``cost`` from timing callbacks: ``time_verify(k)`` and ``time_draft()`` return seconds."""
+    for k in points:
+        if k <= cost.max_k:
+            cost.verify_s[k] = sorted(time_verify(k) for _ in range(repeats))[repeats // 2]
+    cost.draft_step_s = sorted(time_draft() for _ in range(repeats))[repeats // 2]
+
+
+class AcceptanceTracker:
+    """Per-token acceptance a, estimated as accepted / examined draft positions.
+
+    Under the geometric model an iteration examines drafts until the first rejection, so
+    a = accepted / (accepted + rejections) is the maximum-likelihood estimate. A request
+    starts from ``prior`` (the decoder's running estimate over past requests).
+    """
+
+    def __init__(self, prior: float):
+        self.accepted = PRIOR_WEIGHT * prior
+        self.examined = PRIOR_WEIGHT
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.accepted += accepted
+        self.examined += accepted + (1 if accepted < proposed else 0)
+
+    @property
+    def rate(self) -> float:
+        return min(self.accepted / self.examined, 0.999)
+
+
+class KPolicy:
+    """Per-request k schedule on top of a shared CostModel."""
+
+    def __init__(self, cost: CostModel, prior: float, probe_every: int = 32):
+        self.cost = cost
+        self.tracker = AcceptanceTracker(prior)
+        self.probe_every = probe_every
+        self.zero_run = 0
+
+    def next_k(self) -> int:
+        k = self.cost.best_k(self.tracker.rate)
+        if k == 0:
+            self.zero_run += 1
+            if self.zero_run >= self.probe_every:
+                self.zero_run = 0
+                return 1
+        else:
+            self.zero_run = 0
+        return k
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0

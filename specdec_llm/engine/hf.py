@@ -1,0 +1,52 @@
+"""The one place for transformers version quirks (forward kwargs, KV-cache cropping).
+
+Tested with transformers 5.20-5.39 (see pyproject). transformers 5.24 renamed the
+forward argument ``past_key_values=`` to ``cache=`` (old name deprecated until 5.40) and
+``DynamicCache.crop`` takes a negative count of tokens to remove (4.x took the final
+absolute length). Everything else in the engine calls these helpers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+_MAJOR = int(transformers.__version__.split(".")[0])
+
+
+@lru_cache(maxsize=None)
+def _cache_kwarg(model_cls: type) -> str:
+    params = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def new_cache(model) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+@torch.inference_mode()
+def forward(model, token_ids: list[int], cache: DynamicCache, logits_to_keep: int) -> torch.Tensor:
+    """Run ``token_ids`` (one sequence) on top of ``cache``; return float32 logits [logits_to_keep, V]."""
+    ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
+    kwargs = {_cache_kwarg(type(model)): cache}
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+    return out.logits[0].float()
+
+
+def cache_len(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions of ``cache`` (rollback after a rejection)."""
+    current = cache.get_seq_length()
+    if length >= current:
+        return
+    if _MAJOR >= 5:
+        cache.crop(length - current)  # negative: tokens to remove
+    else:
+        cache.crop(length)  # 4.x: absolute length

