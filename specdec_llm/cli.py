@@ -133,3 +133,61 @@ def pairs_show(
 
 def main() -> None:  # pragma: no cover
     app()
+
+
+@app.command()
+def distill(
+    out: Annotated[str, typer.Option(help="Where to write the draft (a directory the pair registry loads)")],
+    pair: Annotated[Optional[str], typer.Option(help="Take the target of this pair")] = None,
+    target: Annotated[Optional[str], typer.Option(help="Or a target model reference (dir, hub id, .gguf, pkg:)")] = None,
+    work: Annotated[str, typer.Option(help="Working directory for data shards and checkpoints")] = "runs/distill",
+    phase: Annotated[str, typer.Option(help="data | train | all")] = "all",
+    layers: Annotated[str, typer.Option(help="Target layers the draft starts from, e.g. 0,1")] = "0,1",
+    prompts: Annotated[str, typer.Option(help="Seed prompts (JSONL with a 'prompt' field)")] = "data/distill_seed_prompts.jsonl",
+    expand_per_seed: int = 4,
+    samples: Annotated[int, typer.Option(help="Sampled answers per prompt besides the greedy one")] = 1,
+    max_new_tokens: int = 256,
+    gen_batch: int = 32,
+    gen_dtype: str = "bfloat16",
+    steps: int = 2000,
+    batch_size: int = 16,
+    lr: float = 1e-3,
+    resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint in --work")] = False,
+    hours: Annotated[Optional[float], typer.Option(help="Stop each phase after this many hours (resumable)")] = None,
+) -> None:
+    """Distil a draft from a target (resumable: data shards and checkpoints live in --work)."""
+    import time as _time
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import distill as D
+    from .pairs import get_spec, load_model, load_tokenizer
+
+    if phase not in ("data", "train", "all"):
+        fail(f"phase: {phase!r} unknown; use data, train or all")
+    if (pair is None) == (target is None):
+        fail("give exactly one of --pair NAME or --target REF")
+    try:
+        layer_list = [int(x) for x in layers.split(",")]
+    except ValueError:
+        fail(f"layers: {layers!r} is not a comma-separated list of integers, e.g. 0,1")
+    with user_errors():
+        _threads()
+        ref = get_spec(pair).target if pair else target
+        model = load_model(ref, "float32", "cpu")
+        tok = load_tokenizer(ref)
+        work_dir = Path(work)
+        deadline = _time.time() + hours * 3600 if hours else None
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=err) as progress:
+            if phase in ("data", "all"):
+                seeds = [json.loads(line)["prompt"] for line in Path(prompts).read_text().splitlines() if line.strip()]
+                cfg = D.DataConfig(max_new_tokens=max_new_tokens, batch_size=gen_batch, dtype=gen_dtype,
+                                   expand_per_seed=expand_per_seed, samples=samples)  # fmt: skip
+                manifest = D.build_data(model, tok, seeds, work_dir, cfg, progress, deadline)
+                err.print(f"data: {manifest.get('tokens', 0):,} answer tokens in {manifest.get('shards', 0)} shards")
+            if phase in ("train", "all"):
+                cfg = D.TrainConfig(layers=layer_list, steps=steps, batch_size=batch_size, lr=lr)
+                summary = D.train(model, work_dir, Path(out), cfg, resume, progress, deadline)
+                err.print(f"train: {json.dumps(summary)}")

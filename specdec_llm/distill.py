@@ -1,0 +1,320 @@
+"""Building a draft from a target: on-policy data, then divergence training.
+
+Two resumable phases, both on disk under ``--work DIR``:
+
+1. data: the target's own answers (one greedy, ``samples`` sampled) to instruction
+   prompts: the seed prompts plus prompts the target writes itself from them. Generated
+   in batches (bf16 by default), stored in safetensors shards with the target's top-k
+   next-token log-probabilities at every answer position. A manifest records how far it
+   got; re-running continues from there.
+2. train: a draft made of chosen target layers, sharing the target's embedding, final
+   norm and LM head (frozen), trained on those answers with a sparse forward KL to the
+   target's top-k distribution (DistillSpec's white-box objective; on greedy answers its
+   argmax labels make it optimise greedy acceptance directly). Checkpoints every
+   ``checkpoint_every`` steps; ``resume`` continues from the last one.
+
+The output directory is a draft the pair registry loads (``specdec_draft.json``, the
+draft's own tensors in ``draft.safetensors``, ``config.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from .pairs import DRAFT_META, SHARED_TENSORS, fingerprint, shared_draft
+
+EXPAND_TEMPLATE = (
+    "Here is an example of a task someone might ask an AI assistant:\n\n{seed}\n\n"
+    "Write one new, different task on a related topic. Reply with the task only."
+)
+
+
+@dataclass
+class DataConfig:
+    max_new_tokens: int = 256
+    batch_size: int = 32
+    dtype: str = "bfloat16"
+    expand_per_seed: int = 4  # new prompts the target writes from each seed
+    samples: int = 1  # sampled answers per prompt, besides the greedy one
+    temperature: float = 0.8
+    topk: int = 8  # teacher log-probs kept per answer position
+    max_prompt_tokens: int = 384
+    seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    layers: list[int] = field(default_factory=lambda: [0, 1])
+    steps: int = 2000
+    batch_size: int = 16
+    lr: float = 1e-3
+    warmup: int = 100
+    max_len: int = 448
+    checkpoint_every: int = 100
+    ce_weight: float = 0.1  # hard-label term on the answer token actually generated
+    seed: int = 0
+
+
+# -- data ---------------------------------------------------------------------------------
+def _chat(tok, text: str) -> list[int]:
+    s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tok(s, add_special_tokens=False)["input_ids"]
+
+
+@torch.inference_mode()
+def _generate(model, tok, prompts: list[list[int]], max_new: int, sample: bool, temperature: float, topk: int):
+    """Batched generation (left padded). Returns per row (answer ids, topk ids, topk logp)."""
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=sample,
+        temperature=temperature if sample else None, top_p=None, top_k=None,
+        output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
+    )  # fmt: skip
+    logits = torch.stack(out.logits, 1).float()  # [B, T, V]
+    logp, top = torch.topk(torch.log_softmax(logits, -1), topk, dim=-1)
+    answers = out.sequences[:, width:]
+    eos = tok.eos_token_id
+    rows = []
+    for b in range(len(prompts)):
+        ans = answers[b].tolist()
+        n = ans.index(eos) + 1 if eos in ans else len(ans)
+        rows.append((ans[:n], top[b, :n], logp[b, :n].half()))
+    return rows
+
+
+class DataStore:
+    """Shards of (prompt, answer, teacher top-k) under ``root``, with a resumable manifest."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.manifest_path = root / "manifest.json"
+        self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
+
+    def save_manifest(self) -> None:
+        tmp = self.manifest_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.manifest, indent=1))
+        tmp.replace(self.manifest_path)
+
+    def write_shard(self, rows: list[tuple[list[int], list[int], torch.Tensor, torch.Tensor]]) -> None:
+        seqs, starts, plens, tids, tlps = [], [0], [], [], []
+        for prompt, answer, top, logp in rows:
+            seqs += prompt + answer
+            starts.append(len(seqs))
+            plens.append(len(prompt))
+            tids.append(top)
+            tlps.append(logp)
+        n = self.manifest.get("shards", 0)
+        save_file(
+            {
+                "seq": torch.tensor(seqs, dtype=torch.int32),
+                "starts": torch.tensor(starts, dtype=torch.int64),
+                "prompt_len": torch.tensor(plens, dtype=torch.int32),
+                "topk_ids": torch.cat(tids).to(torch.int32),
+                "topk_logp": torch.cat(tlps),
+            },
+            str(self.root / f"shard-{n:05d}.safetensors"),
+        )
+        self.manifest["shards"] = n + 1
+        self.manifest["tokens"] = self.manifest.get("tokens", 0) + sum(len(r[1]) for r in rows)
+
+    def examples(self):
+        """Every (sequence, prompt_len, topk_ids, topk_logp) stored so far."""
+        for n in range(self.manifest.get("shards", 0)):
+            t = load_file(str(self.root / f"shard-{n:05d}.safetensors"))
+            pos = 0
+            for r in range(len(t["prompt_len"])):
+                seq = t["seq"][t["starts"][r] : t["starts"][r + 1]]
+                plen = int(t["prompt_len"][r])
+                m = len(seq) - plen
+                yield seq.long(), plen, t["topk_ids"][pos : pos + m].long(), t["topk_logp"][pos : pos + m].float()
+                pos += m
+
+
+def build_data(target, tok, seed_prompts: list[str], work: Path, cfg: DataConfig, progress=None, deadline=None) -> dict:
+    """Phase 1 (resumable): expand the prompts, then generate answers shard by shard."""
+    store = DataStore(work / "data")
+    model = target.to(getattr(torch, cfg.dtype))
+    rng = random.Random(cfg.seed)
+    prompts_path = work / "data" / "prompts.jsonl"
+    if not prompts_path.exists():
+        prompts = list(dict.fromkeys(p.strip() for p in seed_prompts if p.strip()))
+        asks = [_chat(tok, EXPAND_TEMPLATE.format(seed=s)) for s in prompts for _ in range(cfg.expand_per_seed)]
+        asks = [a for a in asks if len(a) <= cfg.max_prompt_tokens]
+        task = progress.add_task("writing prompts", total=len(asks)) if progress else None
+        new = []
+        for i in range(0, len(asks), cfg.batch_size):
+            torch.manual_seed(cfg.seed + i)
+            for answer, _, _ in _generate(model, tok, asks[i : i + cfg.batch_size], 96, True, 1.0, 1):
+                text = tok.decode(answer, skip_special_tokens=True).strip()
+                if 10 <= len(text) and text not in prompts:
+                    new.append(text)
+            if progress:
+                progress.advance(task, min(cfg.batch_size, len(asks) - i))
+        pool = list(dict.fromkeys(prompts + new))
+        prompts_path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in pool))
+    pool = [json.loads(line)["prompt"] for line in prompts_path.read_text().splitlines()]
+    # work items: (prompt index, variant); variant 0 greedy, others sampled. Shuffled once, fixed.
+    items = [(i, v) for i in range(len(pool)) for v in range(1 + cfg.samples)]
+    rng.shuffle(items)
+    done = store.manifest.get("items_done", 0)
+    task = progress.add_task("target answers", total=len(items), completed=done) if progress else None
+    encoded: dict[int, list[int]] = {}
+    while done < len(items):
+        if deadline and time.time() > deadline:
+            break
+        batch = items[done : done + cfg.batch_size]
+        rows = []
+        for sample in (False, True):
+            part = [(i, v) for i, v in batch if (v > 0) == sample]
+            if not part:
+                continue
+            ids = [encoded.setdefault(i, _chat(tok, pool[i])[: cfg.max_prompt_tokens]) for i, _ in part]
+            torch.manual_seed(cfg.seed + done)
+            for p, (ans, top, logp) in zip(ids, _generate(model, tok, ids, cfg.max_new_tokens, sample, cfg.temperature, cfg.topk)):
+                rows.append((p, ans, top, logp))
+        store.write_shard(rows)
+        done += len(batch)
+        store.manifest.update(items_done=done, items_total=len(items), prompts=len(pool), config=asdict(cfg))
+        store.save_manifest()
+        if progress:
+            progress.update(task, completed=done, description=f"target answers ({store.manifest['tokens']:,} tokens)")
+    return store.manifest
+
+
+# -- training -------------------------------------------------------------------------------
+def _batches(examples, batch_size: int, max_len: int, rng: random.Random):
+    order = list(range(len(examples)))
+    while True:
+        rng.shuffle(order)
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            yield [examples[j] for j in order[i : i + batch_size]]
+
+
+def _loss(draft, batch, max_len: int, ce_weight: float):
+    """Sparse forward KL(target top-k || draft) (+ a small hard-label term) on answer positions."""
+    seqs = [ex[0][:max_len] for ex in batch]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    rows, cols, t_ids, t_logp, labels = [], [], [], [], []
+    for b, ((seq, plen, top, logp), s) in enumerate(zip(batch, seqs)):
+        ids[b, : len(s)] = s
+        mask[b, : len(s)] = 1
+        n = len(s) - plen  # answer tokens kept after truncation
+        if n <= 0:
+            continue
+        pos = torch.arange(plen - 1, plen - 1 + n)  # position predicting answer token j
+        rows.append(torch.full((n,), b))
+        cols.append(pos)
+        t_ids.append(top[:n])
+        t_logp.append(logp[:n])
+        labels.append(s[plen : plen + n])
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    h = hidden[torch.cat(rows), torch.cat(cols)]
+    logq = torch.log_softmax(draft.lm_head(h).float(), -1)
+    t_ids, t_logp, labels = torch.cat(t_ids), torch.cat(t_logp), torch.cat(labels)
+    p = torch.softmax(t_logp, -1)  # teacher top-k, renormalised
+    kl = (p * (torch.log(p + 1e-9) - logq.gather(-1, t_ids))).sum(-1).mean()
+    ce = F.nll_loss(logq, labels)
+    agree = (logq.argmax(-1) == t_ids[:, 0]).float().mean()
+    return kl + ce_weight * ce, float(kl), float(agree), len(labels)
+
+
+def save_draft(draft, out: Path, target, layers: list[int], extra: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    own = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if not any(k.startswith(s) for s in SHARED_TENSORS)}
+    save_file(own, str(out / "draft.safetensors"))
+    draft.config.to_json_file(str(out / "config.json"))
+    meta = {
+        "format": 1,
+        "target": getattr(target.config, "_name_or_path", "") or target.config.model_type,
+        "target_fingerprint": fingerprint(target),
+        "init_layers": layers,
+        "shared": SHARED_TENSORS,
+        **extra,
+    }
+    (out / DRAFT_META).write_text(json.dumps(meta, indent=2))
+
+
+def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progress=None, deadline=None) -> dict:
+    """Phase 2: train the draft's own layers; checkpoint to ``work/ckpt`` and export to ``out``."""
+    target = target.float()
+    store = DataStore(work / "data")
+    examples = list(store.examples())
+    if not examples:
+        raise ValueError(f"no distillation data under {work / 'data'}; run the data phase first")
+    draft = shared_draft(target, cfg.layers).train()
+    params = [p for n, p in draft.named_parameters() if n.startswith("model.layers")]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    ckpt = work / "ckpt"
+    step, history, tokens_seen = 0, [], 0
+    if resume and (ckpt / "state.json").exists():
+        state = json.loads((ckpt / "state.json").read_text())
+        draft.load_state_dict(load_file(str(ckpt / "draft.safetensors")), strict=False)
+        opt_state = load_file(str(ckpt / "optim.safetensors"))
+        for i, p in enumerate(params):
+            if f"{i}.exp_avg" in opt_state:
+                opt.state[p] = {"step": torch.tensor(float(state["step"])), "exp_avg": opt_state[f"{i}.exp_avg"], "exp_avg_sq": opt_state[f"{i}.exp_avg_sq"]}
+        step, history, tokens_seen = state["step"], state.get("history", []), state.get("tokens_seen", 0)
+
+    def lr_at(s: int) -> float:
+        if s < cfg.warmup:
+            return cfg.lr * (s + 1) / cfg.warmup
+        frac = (s - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    rng = random.Random(cfg.seed + step)
+    batches = _batches(examples, cfg.batch_size, cfg.max_len, rng)
+    task = progress.add_task("training", total=cfg.steps, completed=step) if progress else None
+    window: list[tuple[float, float]] = []
+
+    def checkpoint() -> None:
+        ckpt.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous() for k, v in draft.state_dict().items() if k.startswith("model.layers")}, str(ckpt / "draft.safetensors"))
+        opt_state = {}
+        for i, p in enumerate(params):
+            if p in opt.state:
+                opt_state[f"{i}.exp_avg"] = opt.state[p]["exp_avg"]
+                opt_state[f"{i}.exp_avg_sq"] = opt.state[p]["exp_avg_sq"]
+        save_file(opt_state, str(ckpt / "optim.safetensors"))
+        (ckpt / "state.json").write_text(json.dumps({"step": step, "tokens_seen": tokens_seen, "history": history, "config": asdict(cfg)}))
+        save_draft(draft.eval(), out, target, cfg.layers, {"train": {"steps": step, "tokens_seen": tokens_seen, "data_tokens": store.manifest.get("tokens"), "config": asdict(cfg)}})
+        draft.train()
+
+    while step < cfg.steps:
+        if deadline and time.time() > deadline:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss, kl, agree, n = _loss(draft, next(batches), cfg.max_len, cfg.ce_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        tokens_seen += n
+        window = (window + [(kl, agree)])[-50:]
+        if step % 10 == 0 or step == cfg.steps:
+            mk, ma = (sum(x[i] for x in window) / len(window) for i in (0, 1))
+            history.append({"step": step, "tokens_seen": tokens_seen, "kl": round(mk, 4), "agreement": round(ma, 4)})
+            if progress:
+                progress.update(task, completed=step, description=f"training kl={mk:.3f} agree={ma:.3f}")
+        if step % cfg.checkpoint_every == 0:
+            checkpoint()
+    checkpoint()
+    return {"steps": step, "tokens_seen": tokens_seen, "history": history[-5:]}

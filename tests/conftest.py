@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random Llama models (speed) and the real SmolLM2 pair (truth)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_llama(seed: int, vocab: int = 256, layers: int = 2, hidden: int = 64, eos: int | None = None, ctx: int = 512):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=ctx,
+        bos_token_id=None, eos_token_id=eos, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = eos
+    return model
+
+
+def perturbed(model, scale: float, seed: int):
+    """A copy of ``model`` with noise on every weight: a partially aligned draft."""
+    torch.manual_seed(seed)
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std())
+    return out
+
+
+def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def tiny_tokenizer(vocab: int = 512):
+    """A byte-level BPE trained in-process, with a ChatML-style template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    text = ["The quick brown fox jumps over the lazy dog. Speculative decoding drafts and verifies."] * 20
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dir(tmp_path_factory) -> Path:
+    """A tiny target and a tiny unrelated draft saved as HF dirs with one tokenizer."""
+    root = tmp_path_factory.mktemp("tiny_pair")
+    tok = tiny_tokenizer()
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
+        model = tiny_llama(seed, vocab=len(tok), layers=layers, eos=tok.eos_token_id)
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root
+
+
+@pytest.fixture()
+def pairs_file(tmp_path, tiny_pair_dir, monkeypatch):
+    """A user pairs file with the tiny pair, installed through SPECDEC_CONFIG_FILE."""
+    from specdec_llm.settings import reload_settings
+
+    path = tmp_path / "pairs.toml"
+    path.write_text(
+        f'[pairs.tiny]\ntarget = "{tiny_pair_dir / "target"}"\ndraft = "{tiny_pair_dir / "draft"}"\n'
+        f'[pairs.tiny-shared]\ntarget = "{tiny_pair_dir / "target"}"\ndraft = "layers:0"\n'
+    )
+    monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(path))
+    reload_settings()
+    yield path
+    monkeypatch.delenv("SPECDEC_CONFIG_FILE")
+    reload_settings()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct target (fp32) with the built-in placeholder draft."""
+    from specdec_llm.pairs import load_pair
+
+    return load_pair("smollm2-135m")

@@ -1,0 +1,247 @@
+"""The engine's guarantees: lossless greedy, distribution-preserving sampling, stats, stops, bad input."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import greedy_reference, perturbed, tiny_llama
+
+from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder, expected_speedup
+from specdec_llm.engine import decoder as decoder_mod
+from specdec_llm.engine import hf
+from specdec_llm.engine.sampling import probs
+
+PROMPTS = [[5, 6, 7], [17, 3, 99, 4, 8, 120, 33, 1, 2, 250, 7, 7], list(range(40, 71))]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "unrelated", "partial"])
+def test_greedy_is_token_identical_to_generate(target, draft_kind):
+    draft = {"same": target, "unrelated": tiny_llama(7, layers=1), "partial": perturbed(target, 0.2, seed=3)}[draft_kind]
+    dec = SpeculativeDecoder(target, draft)
+    acceptance = []
+    for prompt, n, k in itertools.product(PROMPTS, (1, 17, 48), (0, 1, 3, 6, "auto")):
+        ref = greedy_reference(target, prompt, n)
+        res = dec.generate(GenerationRequest(prompt=prompt, max_new_tokens=n, k=k))
+        assert res.token_ids == ref, (draft_kind, prompt, n, k)
+        assert res.finish_reason == "length"
+        if k not in (0, "auto") and n > 1:
+            acceptance.append(res.stats.acceptance_rate)
+    mean = sum(acceptance) / len(acceptance)
+    if draft_kind == "same":
+        assert mean == 1.0
+    elif draft_kind == "unrelated":
+        assert mean < 0.15
+    else:
+        assert 0.15 < mean < 0.98  # partially aligned: the rollback path really runs
+
+
+@pytest.mark.smollm2
+def test_greedy_identical_on_real_smollm2(smollm2):
+    dec = smollm2.decoder()
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly."]
+    for text, k in zip(prompts, (4, "auto", 2)):
+        ids = dec.encode(GenerationRequest(prompt=text, chat=True))
+        ref = greedy_reference(smollm2.target, ids, 32)
+        res = dec.generate(GenerationRequest(prompt=text, chat=True, max_new_tokens=32, k=k))
+        eos = ref.index(2) + 1 if 2 in ref else len(ref)
+        assert res.token_ids == ref[:eos], text
+
+
+def exact_two_token_distribution(model, prompt, temperature, top_k, top_p):
+    """P(t1, t2) for the processed target distribution, computed exhaustively."""
+    with torch.no_grad():
+        p1 = probs(model(torch.tensor([prompt])).logits[0, -1:], temperature, top_k, top_p)[0]
+        V = p1.shape[0]
+        batch = torch.tensor([prompt + [t] for t in range(V)])
+        p2 = probs(model(batch).logits[:, -1], temperature, top_k, top_p)
+    return p1[:, None] * p2  # [V, V]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 6, 0.9)])
+def test_sampling_preserves_target_distribution(temperature, top_k, top_p):
+    """20,000 seeded samples of the first two tokens vs the exact target distribution.
+
+    With V=8 there are 64 outcomes; the expected total variation of an empirical
+    distribution of N samples is at most sum_x sqrt(p_x / (2 pi N)) <= 8 / sqrt(2 pi N)
+    ~ 0.023 for N = 20,000, so a bound of 0.035 leaves noise room while a sampler that
+    drifts toward the draft (TV(target, draft) > 0.2, checked) fails it.
+    """
+    V, N, prompt = 8, 20_000, [1, 2, 3]
+    target = tiny_llama(11, vocab=V, hidden=32)
+    draft = tiny_llama(12, vocab=V, hidden=32, layers=1)
+    with torch.no_grad():
+        for m, s in ((target, 1.0), (draft, 1.0)):
+            m.lm_head.weight.mul_(40 * s)  # sharpen the random models into distinct distributions
+    exact = exact_two_token_distribution(target, prompt, temperature, top_k, top_p)
+    drafty = exact_two_token_distribution(draft, prompt, temperature, top_k, top_p)
+    assert 0.5 * (exact - drafty).abs().sum() > 0.2, "draft too close to target for the test to have power"
+
+    dec = SpeculativeDecoder(target, draft)
+    counts = torch.zeros(V, V)
+    accepted = 0
+    for i in range(N):
+        res = dec.generate(
+            GenerationRequest(prompt=prompt, max_new_tokens=2, k=1 + i % 2, seed=i,
+                              temperature=temperature, top_k=top_k, top_p=top_p)  # fmt: skip
+        )
+        counts[res.token_ids[0], res.token_ids[1]] += 1
+        accepted += res.stats.draft_tokens_accepted
+    tv = 0.5 * (counts / N - exact).abs().sum()
+    assert tv < 0.035, f"TV {tv:.4f}"
+    assert accepted > N * 0.1  # the draft's tokens really were accepted, not only resampled
+
+
+def test_seed_reproducible_and_auto_k_seeded(target):
+    dec = SpeculativeDecoder(target, perturbed(target, 0.5, seed=1))
+    req = dict(prompt=[3, 4, 5], max_new_tokens=30, temperature=0.9, top_p=0.95, seed=123)
+    a = dec.generate(GenerationRequest(**req))
+    b = dec.generate(GenerationRequest(**req))
+    c = dec.generate(GenerationRequest(**{**req, "seed": 124}))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    # seeded + auto: a fixed, machine-independent k (only clipped by the room left at the end)
+    assert a.stats.k_values[:4] == [dec.seeded_k] * 4
+
+
+class CheckedRun(decoder_mod._Run):
+    """Checks the KV-cache invariant after every iteration: both caches hold exactly a
+    prefix of the emitted sequence, and their contents equal a fresh prefill of it."""
+
+    def stream(self, final):
+        assert hf.cache_len(self.tcache) == len(self.seq) - 1
+        for model, cache, n in ((self.dec.target, self.tcache, len(self.seq) - 1), (self.dec.draft, self.dcache, self.dlen)):
+            assert hf.cache_len(cache) == n
+            if n:
+                fresh = hf.new_cache(model)
+                hf.forward(model, self.seq[:n], fresh, 1)
+                for layer, ref in zip(cache.layers, fresh.layers):
+                    assert torch.allclose(layer.keys, ref.keys, atol=1e-5)
+                    assert torch.allclose(layer.values, ref.values, atol=1e-5)
+        super().stream(final)
+
+
+def test_kv_caches_hold_exactly_the_emitted_prefix(target, monkeypatch):
+    monkeypatch.setattr(decoder_mod, "_Run", CheckedRun)
+    dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
+    for k in (2, 5, "auto"):
+        for temperature in (0.0, 1.0):
+            res = dec.generate(GenerationRequest(prompt=[9, 8, 7, 6], max_new_tokens=25, k=k, temperature=temperature, seed=1))
+            assert res.stats.output_tokens == 25
+
+
+def test_stats_invariants(target):
+    dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
+    for k in (0, 3, "auto"):
+        res = dec.generate(GenerationRequest(prompt=[1, 2, 3, 4], max_new_tokens=40, k=k))
+        s = res.stats
+        assert s.output_tokens == len(res.token_ids) == 40
+        assert s.prompt_tokens == 4
+        assert 0 <= s.draft_tokens_accepted <= s.draft_tokens_proposed == sum(s.k_values)
+        assert s.target_forwards == len(s.k_values)
+        # emitted = accepted + one target token per iteration (nothing cut here)
+        assert s.output_tokens == s.draft_tokens_accepted + s.target_forwards
+        assert s.mean_accepted_length == pytest.approx(s.output_tokens / s.target_forwards)
+        assert s.acceptance_rate == (s.draft_tokens_accepted / s.draft_tokens_proposed if s.draft_tokens_proposed else 0)
+        assert all(0 <= a <= 1 for a in s.per_position_acceptance)
+        assert len(s.per_position_acceptance) == max(s.k_values)
+        assert 0 < s.time_to_first_token_s <= s.wall_time_s
+        assert s.draft_time_s + s.target_time_s <= s.wall_time_s
+        assert s.tokens_per_s == pytest.approx(s.output_tokens / s.wall_time_s)
+        if k == 0:
+            assert s.draft_forwards == 0 and s.draft_tokens_proposed == 0
+        assert res.to_dict()["stats"]["k_values"] == s.k_values  # JSON-able
+
+
+def test_baseline_mode_never_drafts(target):
+    dec = SpeculativeDecoder(target, target)
+    res = dec.generate(GenerationRequest(prompt=[1, 2], max_new_tokens=10, k=4, mode="baseline"))
+    assert res.stats.draft_forwards == 0 and set(res.stats.k_values) == {0}
+    assert res.token_ids == greedy_reference(target, [1, 2], 10)
+
+
+def test_eos_stops_inside_an_accepted_block(target):
+    ref = greedy_reference(target, [5, 6, 7], 30)
+    eos = ref[12]
+    first = ref.index(eos)
+    model = tiny_llama(0, eos=eos)  # same weights (seed 0), EOS set to a token the output hits
+    dec = SpeculativeDecoder(model, model)  # draft == target: EOS arrives inside a fully accepted block
+    res = dec.generate(GenerationRequest(prompt=[5, 6, 7], max_new_tokens=30, k=5))
+    assert res.finish_reason == "eos"
+    assert res.token_ids == ref[: first + 1]
+    assert res.stats.output_tokens == first + 1
+
+
+def test_context_limit():
+    model = tiny_llama(0, ctx=32)
+    dec = SpeculativeDecoder(model, model)
+    res = dec.generate(GenerationRequest(prompt=list(range(1, 21)), max_new_tokens=50, k=4))
+    assert res.finish_reason == "context"
+    assert len(res.token_ids) == 12
+    with pytest.raises(RequestError, match="prompt: is 40 tokens but the model's context is 32"):
+        dec.generate(GenerationRequest(prompt=list(range(1, 41)), max_new_tokens=5))
+
+
+def test_stop_strings_cut_text_and_stream(tiny_pair_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair_dir / "target")
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "target").eval()
+    dec = SpeculativeDecoder(model, model, tok)
+    full = dec.generate(GenerationRequest(prompt="The quick brown", max_new_tokens=40, k=3))
+    assert len(full.text) > 12
+    stop = full.text[8:11]
+    chunks = []
+    res = dec.generate(GenerationRequest(prompt="The quick brown", max_new_tokens=40, k=3, stop=[stop]), on_text=chunks.append)
+    cut = full.text.index(stop)
+    assert res.finish_reason == "stop"
+    assert res.text == full.text[:cut]
+    assert "".join(chunks) == res.text
+    assert stop not in "".join(chunks)
+    assert tok.decode(res.token_ids).startswith(res.text[: max(0, cut - 4)])
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("prompt", "", "prompt: is empty"),
+        ("prompt", "   ", "prompt: is empty"),
+        ("prompt", [], "prompt: has no tokens"),
+        ("max_new_tokens", 0, "max_new_tokens: 0 is below 1"),
+        ("temperature", -0.1, "temperature: -0.1 must be >= 0"),
+        ("temperature", float("nan"), "temperature: nan must be >= 0"),
+        ("top_p", 0.0, "top_p: 0.0 must be in \\(0, 1\\]"),
+        ("top_p", 1.5, "top_p: 1.5 must be in \\(0, 1\\]"),
+        ("top_k", -1, "top_k: -1 is below 0"),
+        ("k", -1, "k: -1 is below 0"),
+        ("k", "four", "k: must be an integer"),
+        ("stop", [""], "stop: must be a list of non-empty strings"),
+        ("mode", "fast", "mode: unknown mode"),
+    ],
+)
+def test_bad_input_names_the_field(target, field, value, message):
+    dec = SpeculativeDecoder(target, target)
+    kwargs = {"prompt": [1, 2, 3], field: value}
+    with pytest.raises(RequestError, match=message) as info:
+        dec.generate(GenerationRequest(**kwargs))
+    assert info.value.field == field
+
+
+def test_unknown_pair_is_a_clear_error(pairs_file):
+    from specdec_llm.pairs import get_spec
+
+    with pytest.raises(RequestError, match="pair: unknown pair 'nope'; known pairs: .*tiny"):
+        get_spec("nope")
+
+
+def test_expected_speedup_closed_form():
+    assert expected_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
+    assert expected_speedup(1.0, 4, 0.0) == pytest.approx(5.0)
+    # a = 0.8, k = 4: E = (1 - 0.8^5) / 0.2 = 3.3616; cost 4 * 0.05 + 1.2
+    assert expected_speedup(0.8, 4, 0.05, verify_cost=1.2) == pytest.approx(3.3616 / 1.4)
