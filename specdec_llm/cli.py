@@ -23,8 +23,17 @@ err = Console(stderr=True)
 
 def fail(message: str) -> None:
     """One clear line on stderr, exit code 2."""
-    err.print(f"error: {message}", markup=False, highlight=False)
+    print(f"error: {message}", file=sys.stderr)
     raise typer.Exit(2)
+
+
+@app.callback()
+def _quiet() -> None:
+    """Keep stderr for our own messages: no per-tensor progress bars from transformers."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 @contextmanager
