@@ -191,6 +191,8 @@ def build_data(target, tok, seed_prompts: list[str], work: Path, cfg: DataConfig
         store.save_manifest()
         if progress:
             progress.update(task, completed=done, description=f"target answers ({store.manifest['tokens']:,} tokens)")
+            if store.manifest["shards"] % 10 == 0:  # a plain line too, for logs of background runs
+                progress.console.print(f"data: {done}/{len(items)} answers, {store.manifest['tokens']:,} tokens")
     return store.manifest
 
 
@@ -230,7 +232,7 @@ def _loss(draft, batch, max_len: int, ce_weight: float):
     kl = (p * (torch.log(p + 1e-9) - logq.gather(-1, t_ids))).sum(-1).mean()
     ce = F.nll_loss(logq, labels)
     agree = (logq.argmax(-1) == t_ids[:, 0]).float().mean()
-    return kl + ce_weight * ce, float(kl), float(agree), len(labels)
+    return kl + ce_weight * ce, kl.item(), agree.item(), len(labels)
 
 
 def save_draft(draft, out: Path, target, layers: list[int], extra: dict) -> None:
@@ -314,6 +316,8 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
             history.append({"step": step, "tokens_seen": tokens_seen, "kl": round(mk, 4), "agreement": round(ma, 4)})
             if progress:
                 progress.update(task, completed=step, description=f"training kl={mk:.3f} agree={ma:.3f}")
+                if step % 50 == 0:
+                    progress.console.print(f"train: step {step}/{cfg.steps} tokens {tokens_seen:,} kl {mk:.3f} agreement {ma:.3f}")
         if step % cfg.checkpoint_every == 0:
             checkpoint()
     checkpoint()

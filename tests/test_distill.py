@@ -1,0 +1,71 @@
+"""Distillation on a tiny random target: training raises agreement; drafts reload only against their target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama, tiny_tokenizer
+
+from specdec_llm import distill as D
+from specdec_llm.pairs import PairError, load_draft_dir, fingerprint, shared_draft
+
+SEEDS = ["Tell me about the quick brown fox.", "Why do dogs sleep?", "Explain decoding.", "Write a short poem."]
+
+
+def agreement(draft, examples) -> float:
+    """Teacher-forced: the draft's argmax equals the target's top-1 at answer positions."""
+    hits = total = 0
+    with torch.no_grad():
+        for seq, plen, top, _ in examples:
+            logits = draft(input_ids=seq[None]).logits[0, plen - 1 : len(seq) - 1]
+            hits += int((logits.argmax(-1) == top[:, 0]).sum())
+            total += len(top)
+    return hits / total
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory):
+    torch.manual_seed(0)
+    tok = tiny_tokenizer()
+    target = tiny_llama(21, vocab=len(tok), layers=4, hidden=64, eos=tok.eos_token_id)
+    work = tmp_path_factory.mktemp("distill")
+    cfg = D.DataConfig(max_new_tokens=24, batch_size=8, dtype="float32", expand_per_seed=2, samples=1, topk=4)
+    manifest = D.build_data(target, tok, SEEDS, work, cfg)
+    assert manifest["items_done"] == manifest["items_total"] > 0
+    # resuming a finished data phase generates nothing more
+    assert D.build_data(target, tok, SEEDS, work, cfg)["tokens"] == manifest["tokens"]
+    examples = list(D.DataStore(work / "data").examples())
+    before = agreement(shared_draft(target, [0]), examples)
+    out = work / "draft"
+    D.train(target, work, out, D.TrainConfig(layers=[0], steps=80, batch_size=4, lr=3e-3, warmup=5, checkpoint_every=40), resume=False)
+    return target, out, examples, before
+
+
+def test_training_raises_agreement(distilled):
+    target, out, examples, before = distilled
+    draft, meta = load_draft_dir(out, target, fingerprint(target))
+    after = agreement(draft, examples)
+    assert after > before + 0.15, (before, after)
+    assert meta["train"]["steps"] == 80
+
+
+def test_resume_continues_from_checkpoint(distilled, tmp_path):
+    target, out, _, _ = distilled
+    work = out.parent
+    summary = D.train(target, work, out, D.TrainConfig(layers=[0], steps=90, batch_size=4, lr=3e-3, warmup=5), resume=True)
+    assert summary["steps"] == 90  # 80 from the checkpoint + 10 more
+
+
+def test_draft_refused_against_another_target(distilled):
+    _, out, _, _ = distilled
+    other = tiny_llama(99, vocab=512, layers=4, hidden=64)
+    with pytest.raises(PairError, match="was distilled for target .*; this target is"):
+        load_draft_dir(out, other, fingerprint(other))
+
+
+def test_saved_draft_holds_only_its_own_tensors(distilled):
+    from safetensors.torch import load_file
+
+    _, out, _, _ = distilled
+    names = load_file(str(out / "draft.safetensors")).keys()
+    assert names and all(n.startswith("model.layers.") for n in names)
