@@ -22,7 +22,8 @@ demo: $(STAMP)
 	$(BIN)/specdec-llm generate "Write a haiku about speculative decoding." --chat --max-new-tokens 48
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x
+	./scripts/services.sh
+	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_engine.py

@@ -200,3 +200,58 @@ def distill(
                 cfg = D.TrainConfig(layers=layer_list, steps=steps, batch_size=batch_size, lr=lr)
                 summary = D.train(model, work_dir, Path(out), cfg, resume, progress, deadline)
                 err.print(f"train: {json.dumps(summary)}")
+
+
+@app.command("eval-pair")
+def eval_pair(
+    prompts: Annotated[str, typer.Option(help="JSONL with 'prompt' (or Spec-Bench 'turns') and optional 'category'")],
+    pair: Annotated[Optional[str], typer.Option(help="Pair name (default: SPECDEC_DEFAULT_PAIR)")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="First N prompts of each category")] = None,
+    max_new_tokens: int = 128,
+    k: Annotated[int, typer.Option("--k", help="Fixed draft length")] = 4,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Greedy acceptance rate, mean accepted length and per-position acceptance of a pair."""
+    from pathlib import Path
+
+    from .evaluate import evaluate, read_prompts
+    from .pairs import load_pair
+
+    if k < 1:
+        fail(f"k: {k} is below 1; eval-pair measures drafts, use k >= 1")
+    path = Path(prompts)
+    if not path.is_file():
+        fail(f"prompts: {prompts} is not a file")
+    with user_errors():
+        try:
+            rows = read_prompts(path, limit)
+        except (ValueError, UnicodeDecodeError) as e:
+            fail(f"prompts: {e}")
+        _threads()
+        decoder = load_pair(pair or get_settings().default_pair).decoder()
+        done = 0
+
+        def show(row, res) -> None:
+            nonlocal done
+            done += 1
+            if not as_json:
+                err.print(f"[dim]{done}/{len(rows)} {row['category']}: acceptance {res.stats.acceptance_rate:.2f}[/dim]")
+
+        report = evaluate(decoder, rows, max_new_tokens, k, on_row=show)
+    if as_json:
+        print(json.dumps(report))
+        return
+    table = Table("category", "prompts", "acceptance", "tokens/target fwd", "per-position acceptance", "tok/s")
+    for name, s in [*report.get("categories", {}).items(), ("overall", report["overall"])]:
+        table.add_row(name, str(s["prompts"]), f"{s['acceptance_rate']:.3f}", f"{s['mean_accepted_length']:.2f}",
+                      " ".join(f"{x:.2f}" for x in s["per_position_acceptance"]), f"{s['tokens_per_s']:.1f}")
+    console.print(table)
+
+
+def _register_store() -> None:
+    from .store.cli import register
+
+    register(app)
+
+
+_register_store()

@@ -27,6 +27,8 @@ class Settings(BaseSettings):
     database_url: str | None = None  # default: SQLite file in data_dir
     broker_url: str | None = None
     result_backend: str | None = None
+    # USD per device-hour for cost figures: "2.5" for every device, or "cuda=2.5,cpu=0.05"
+    price_per_hour: str | None = None
 
     @property
     def effective_database_url(self) -> str:

@@ -245,3 +245,30 @@ def test_expected_speedup_closed_form():
     assert expected_speedup(1.0, 4, 0.0) == pytest.approx(5.0)
     # a = 0.8, k = 4: E = (1 - 0.8^5) / 0.2 = 3.3616; cost 4 * 0.05 + 1.2
     assert expected_speedup(0.8, 4, 0.05, verify_cost=1.2) == pytest.approx(3.3616 / 1.4)
+
+
+def test_cost_model_chooses_k_from_acceptance_and_costs():
+    from specdec_llm.engine.autok import CostModel, calibrate
+
+    cost = CostModel(max_k=8)
+    # CPU-like fp32 shape (ARCHITECTURE.md): verify grows with k; noisy point at k=2 is made monotone
+    times = {0: 0.0386, 1: 0.045, 2: 0.040, 4: 0.0657, 8: 0.0771}
+    calibrate(cost, lambda k: times[k], lambda: 0.0061, repeats=1)
+    assert cost.verify_s[2] == cost.verify_s[1] == 0.045
+    assert cost.best_k(0.02) == 0  # useless draft: target only
+    assert cost.best_k(0.95) >= 4  # excellent draft: long blocks
+    k_mid = cost.best_k(0.7)
+    for _ in range(30):  # the machine gets 3x slower for everything: same choice
+        cost.observe_verify(0, 3 * times[0])
+        cost.observe_draft(3 * 0.0061)
+    assert cost.best_k(0.7) == k_mid
+    assert cost.verify(0) == pytest.approx(3 * times[0], rel=0.05)
+
+
+def test_auto_k_settles_at_zero_with_a_useless_draft(target):
+    dec = SpeculativeDecoder(target, tiny_llama(7, layers=1))
+    dec.generate(GenerationRequest(prompt=[1, 2, 3], max_new_tokens=40))  # first request: learns a ~ 0
+    res = dec.generate(GenerationRequest(prompt=[4, 5, 6], max_new_tokens=100))
+    ks = res.stats.k_values
+    assert sum(k > 0 for k in ks[10:]) <= 3, ks  # at most the periodic k=1 probes
+    assert res.token_ids == greedy_reference(target, [4, 5, 6], 100)

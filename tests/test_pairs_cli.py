@@ -157,3 +157,17 @@ def test_cli_pairs_list_and_show(pairs_file):
     assert info["draft_info"]["kind"] == "placeholder" and info["draft_own_params"] > 0
     r = runner.invoke(app, ["pairs", "show", "nope"])
     assert r.exit_code == 2
+
+
+def test_cli_eval_pair_per_category(pairs_file, tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": f"The quick {i}", "category": c} for i, c in enumerate(["a", "a", "a", "b", "b"])]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = runner.invoke(app, ["eval-pair", "--pair", "tiny-shared", "--prompts", str(path), "--limit", "2",
+                            "--max-new-tokens", "8", "--k", "3", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["overall"]["prompts"] == 4 and set(out["categories"]) == {"a", "b"}
+    assert 0 <= out["overall"]["acceptance_rate"] <= 1 and len(out["overall"]["per_position_acceptance"]) == 3
+    r = runner.invoke(app, ["eval-pair", "--pair", "tiny", "--prompts", str(tmp_path / "missing.jsonl")])
+    assert r.exit_code == 2 and "prompts:" in r.stderr

@@ -21,50 +21,69 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind the acceptance prior
 
 @dataclass
 class CostModel:
-    """Seconds per draft step and per verify forward of k+1 tokens, measured on this device."""
+    """Seconds per draft step and per verify forward of k+1 tokens, measured on this device.
+
+    A calibration measures the shape (verify time at a few k, made non-decreasing in k, and
+    the draft step); live iterations only rescale it (EMA of observed / predicted), so load
+    on a shared machine moves every k's cost together and no stale point can mislead.
+    """
 
     max_k: int
     draft_step_s: float = 0.0
-    verify_s: dict[int, float] = field(default_factory=dict)  # k -> seconds (measured points)
+    verify_s: dict[int, float] = field(default_factory=dict)  # k -> seconds at calibration
+    verify_scale: float = 1.0
+    draft_scale: float = 1.0
 
     @property
     def calibrated(self) -> bool:
         return self.draft_step_s > 0 and 0 in self.verify_s
 
-    def verify(self, k: int) -> float:
-        """verify(k), linearly interpolated between measured points."""
+    def _calibrated_verify(self, k: int) -> float:
         pts = sorted(self.verify_s)
-        if k in self.verify_s:
-            return self.verify_s[k]
-        lo = max((p for p in pts if p < k), default=pts[0])
-        hi = min((p for p in pts if p > k), default=None)
+        lo = max((p for p in pts if p <= k), default=pts[0])
+        hi = min((p for p in pts if p >= k), default=None)
         if hi is None:  # beyond the last point: extend the last slope
             prev = max((p for p in pts if p < lo), default=None)
             slope = 0.0 if prev is None else (self.verify_s[lo] - self.verify_s[prev]) / (lo - prev)
             return self.verify_s[lo] + slope * (k - lo)
+        if hi == lo:
+            return self.verify_s[lo]
         w = (k - lo) / (hi - lo)
         return self.verify_s[lo] * (1 - w) + self.verify_s[hi] * w
 
+    def verify(self, k: int) -> float:
+        return self.verify_scale * self._calibrated_verify(k)
+
+    def draft(self) -> float:
+        return self.draft_scale * self.draft_step_s
+
     def observe_verify(self, k: int, seconds: float) -> None:
-        old = self.verify_s.get(k)
-        self.verify_s[k] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        ratio = seconds / self._calibrated_verify(k)
+        self.verify_scale = (1 - EMA) * self.verify_scale + EMA * ratio
 
     def observe_draft(self, seconds: float) -> None:
-        self.draft_step_s = seconds if self.draft_step_s <= 0 else (1 - EMA) * self.draft_step_s + EMA * seconds
+        self.draft_scale = (1 - EMA) * self.draft_scale + EMA * seconds / self.draft_step_s
 
     def best_k(self, acceptance: float) -> int:
         def rate(k: int) -> float:
-            return expected_tokens_per_iteration(acceptance, k) / (k * self.draft_step_s + self.verify(k))
+            return expected_tokens_per_iteration(acceptance, k) / (k * self.draft() + self.verify(k))
 
         return max(range(self.max_k + 1), key=rate)
 
 
-def calibrate(cost: CostModel, time_verify, time_draft, points=(0, 1, 2, 4, 8), repeats: int = 3) -> None:
-    """Fill ``cost`` from timing callbacks: ``time_verify(k)`` and ``time_draft()`` return seconds."""
+def calibrate(cost: CostModel, time_verify, time_draft, points=(0, 1, 2, 4, 8), repeats: int = 5) -> None:
+    """Fill ``cost`` from timing callbacks: ``time_verify(k)`` and ``time_draft()`` return seconds.
+
+    The minimum of a few repeats is the least disturbed by other load; verify times are
+    made non-decreasing in k (a longer verify never costs less).
+    """
+    best = 0.0
     for k in points:
         if k <= cost.max_k:
-            cost.verify_s[k] = sorted(time_verify(k) for _ in range(repeats))[repeats // 2]
-    cost.draft_step_s = sorted(time_draft() for _ in range(repeats))[repeats // 2]
+            best = max(best, min(time_verify(k) for _ in range(repeats)))
+            cost.verify_s[k] = best
+    cost.draft_step_s = min(time_draft() for _ in range(repeats))
+    cost.verify_scale = cost.draft_scale = 1.0
 
 
 class AcceptanceTracker:

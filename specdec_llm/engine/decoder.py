@@ -120,7 +120,7 @@ class SpeculativeDecoder:
             return t.seconds
 
         time_verify(0), time_draft()  # warm up
-        calibrate(self.cost, time_verify, time_draft, repeats=5)
+        calibrate(self.cost, time_verify, time_draft)
 
 
 class _Run:

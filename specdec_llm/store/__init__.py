@@ -1,0 +1,75 @@
+"""The SQL store: requests, outputs, per-request telemetry, and reports over them.
+
+Plain data in and out (dicts, ids, lists of dicts); ORM objects never leave the package.
+The database is ``SPECDEC_DATABASE_URL`` (default: SQLite file ``specdec.db`` in the data
+directory, WAL mode); PostgreSQL via ``postgresql+psycopg://user:pass@host/db``. Every
+function takes ``url=`` to use another database. Times are naive UTC.
+
+``db`` (engines, sessions, schema)
+    get_engine(url=None) -> Engine
+    session_scope(url=None) -> context manager yielding a Session (commit / rollback)
+    upgrade(url=None, revision="head") -> str | None       # Alembic, migrations/
+    downgrade(url, revision) -> str | None                 # "base" drops all tables
+    current_revision(url=None) -> str | None;  head_revision() -> str
+    ensure_schema(url=None)   # writers: empty/older database -> upgraded; else StoreError
+    check_schema(url=None)    # readers: StoreError unless at head; writes nothing
+    mask_url(url) -> str      # password hidden, for logs
+    StoreError, SchemaError   # str(e) is one line saying what to do
+
+``record`` (writes; all idempotent, all upgrade an empty/older database first)
+    upsert_pair(name, *, target, draft, target_fingerprint, draft_fingerprint, dtype, device) -> int
+    upsert_worker(worker: dict) -> int          # keys of worker_info(device_name)
+    worker_info(device_name) -> dict            # this process: host, pid, versions
+    record_baseline(pair, *, device, dtype, tokens_per_s, source="calibration"|"shadow", samples=1) -> dict
+    create_job(requests, *, name, pair, params, job_id) -> {"job_id", "request_ids", "created"}
+    mark_request(request_id, status, *, error, worker) -> bool   # queued/running/failed/cancelled
+    record_result(request_id, result, *, worker, device, queue_wait_s, pair, job_id, price_per_hour,
+                  dtype=None, category=None, finished_at=None) -> bool  # False: already recorded
+    get_request(request_id) -> dict | None;  get_job(job_id) -> dict | None
+
+``reports`` (reads only)
+    summary(since=None, until=None, group_by=("pair",), pair=None, job=None,
+            price_per_hour=None, url=None) -> list[dict]
+    GROUP_FIELDS, METRICS, ReportInputError
+
+``render``: to_table / table_text / to_csv / to_json / to_html, and
+    report(fmt, **summary filters) -> str   # query + render, "table"|"csv"|"json"|"html"
+
+``cli.register(app)`` adds ``db upgrade|downgrade|current`` and ``report`` to a Typer app.
+``testing``: ``sqlite_url(dir)``, ``temporary_postgres()`` (a database created and dropped).
+
+Concurrency: writes use INSERT ... ON CONFLICT, so duplicate deliveries race safely; the
+first upgrade of an empty database is serialised (PostgreSQL advisory lock, a lock file
+beside a SQLite file); a forked child (Celery prefork) gets fresh connections.
+"""
+
+from .db import (
+    SchemaError,
+    StoreError,
+    check_schema,
+    downgrade,
+    ensure_schema,
+    get_engine,
+    mask_url,
+    session_scope,
+    upgrade,
+)
+from .record import (
+    create_job,
+    get_job,
+    get_request,
+    mark_request,
+    record_baseline,
+    record_result,
+    upsert_pair,
+    upsert_worker,
+    worker_info,
+)
+from .reports import ReportInputError, summary
+
+__all__ = [
+    "SchemaError", "StoreError", "ReportInputError", "check_schema", "downgrade", "ensure_schema",
+    "get_engine", "mask_url", "session_scope", "upgrade", "create_job", "get_job", "get_request",
+    "mark_request", "record_baseline", "record_result", "upsert_pair", "upsert_worker",
+    "worker_info", "summary",
+]

@@ -1,0 +1,98 @@
+"""``specdec-llm db ...`` and ``specdec-llm report``: call ``register(app)`` on the main app.
+
+Every failure a person can fix prints one line (``error: ...``) to stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .db import StoreError, current_revision, downgrade, head_revision, mask_url, resolve_url, upgrade
+
+
+def _fail(e: Exception) -> None:
+    typer.echo(f"error: {e}", err=True)
+    raise typer.Exit(2)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``db`` command group (upgrade, downgrade, current) and ``report`` to ``app``."""
+    db_app = typer.Typer(help="The SQL store's schema (Alembic migrations).", no_args_is_help=True)
+
+    @db_app.command("upgrade")
+    def db_upgrade(revision: str = typer.Argument("head", help="Target revision.")) -> None:
+        """Create the tables or migrate them up (SPECDEC_DATABASE_URL, default SQLite in the data dir)."""
+        try:
+            url = resolve_url()
+            before = current_revision(url)
+            after = upgrade(url, revision)
+        except StoreError as e:
+            _fail(e)
+        change = "already at" if before == after else f"upgraded {before or 'empty'} ->"
+        typer.echo(f"{mask_url(url)}: {change} {after}")
+
+    @db_app.command("downgrade")
+    def db_downgrade(revision: str = typer.Argument(..., help='Target revision; "base" drops every table.')) -> None:
+        """Migrate the schema down to REVISION."""
+        try:
+            url = resolve_url()
+            before = current_revision(url)
+            after = downgrade(url, revision)
+        except StoreError as e:
+            _fail(e)
+        except Exception as e:  # alembic's "no such revision" etc.
+            _fail(f"cannot downgrade to {revision!r}: {str(e).splitlines()[0]}")
+        typer.echo(f"{mask_url(url)}: downgraded {before} -> {after or 'base (empty)'}")
+
+    @db_app.command("current")
+    def db_current() -> None:
+        """Show the database's schema revision and this version's head."""
+        try:
+            url = resolve_url()
+            current, head = current_revision(url), head_revision()
+        except StoreError as e:
+            _fail(e)
+        state = "up to date" if current == head else "run `specdec-llm db upgrade`"
+        typer.echo(f"{mask_url(url)}: revision {current or 'none'} (head {head}): {state}")
+
+    app.add_typer(db_app, name="db")
+
+    @app.command("report")
+    def report_cmd(
+        since: Optional[str] = typer.Option(None, help="Start: a duration back from now (7d, 12h, 30m) or a UTC date/time."),
+        until: Optional[str] = typer.Option(None, help="End (exclusive; a bare date includes that day)."),
+        group_by: List[str] = typer.Option(["pair"], "--group-by", "-g",
+                                           help="pair, day, hour, job, worker, category (repeat or comma-separate)."),
+        pair: Optional[str] = typer.Option(None, help="Only this pair (name)."),
+        job: Optional[str] = typer.Option(None, help="Only this job (id)."),
+        fmt: str = typer.Option("table", "--format", "-f", help="table, csv, json or html."),
+        out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write here instead of stdout."),
+        price_per_hour: List[str] = typer.Option(
+            [], "--price-per-hour", help="USD per device-hour: 2.5 for all, or per device kind: cuda=2.5 (repeat)."),
+    ) -> None:
+        """Speed, acceptance, speedup and cost per pair/day/hour/job/worker/category."""
+        from .render import report, to_table
+        from .reports import summary
+
+        try:
+            kw = dict(since=since, until=until, group_by=group_by, pair=pair, job=job,
+                      price_per_hour=price_per_hour or None)
+            if fmt == "table" and out is None:
+                from rich.console import Console
+
+                Console().print(to_table(summary(**kw)))
+                return
+            text = report(fmt, **kw)
+        except StoreError as e:
+            _fail(e)
+        if out is None:
+            typer.echo(text, nl=False)
+            return
+        try:
+            out.write_text(text, encoding="utf-8")
+        except OSError as e:
+            _fail(f"cannot write {out}: {e.strerror}")
+        typer.echo(f"wrote {out}", err=True)

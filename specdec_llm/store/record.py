@@ -1,0 +1,456 @@
+"""Writing to the store: plain dicts in, plain dicts/ids out.
+
+Every write is idempotent: pairs upsert on name, workers on (host, pid, device name),
+baselines on (pair, device kind, dtype), requests on their id or idempotency key, and
+a result on its request id (the first result recorded wins; later ones are ignored).
+Each call upgrades an empty or older database first (``db.ensure_schema``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from contextlib import contextmanager
+from datetime import datetime
+from importlib import metadata
+from typing import Any, Iterable, Iterator
+
+from sqlalchemy import case, func, select, update
+from sqlalchemy.orm import Session
+
+from .db import ensure_schema, resolve_url, session_scope
+from .models import (
+    BASELINE_SOURCES,
+    STATS_FIELDS,
+    Baseline,
+    Job,
+    Output,
+    Pair,
+    Request,
+    Telemetry,
+    Worker,
+    utcnow,
+)
+
+_CHUNK = 500  # ids per IN (...) list
+
+
+@contextmanager
+def _writing(url: str | None) -> Iterator[Session]:
+    url = resolve_url(url)
+    ensure_schema(url)
+    with session_scope(url) as session:
+        yield session
+
+
+def _insert(session: Session, model):
+    """A Core INSERT for this dialect, with ``on_conflict_do_nothing/update``. (To learn
+    whether a row went in, use RETURNING: psycopg reports no rowcount for these.)"""
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert(model.__table__)
+
+
+def device_kind(device: str) -> str:
+    """"cuda:1" -> "cuda". Prices and baselines are per device kind."""
+    return (device or "unknown").split(":", 1)[0].strip().lower() or "unknown"
+
+
+def worker_info(device_name: str) -> dict:
+    """This process as a worker dict for ``upsert_worker``/``record_result``."""
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "device_name": device_name,
+        "torch_version": version("torch"),
+        "transformers_version": version("transformers"),
+    }
+
+
+# --- pairs, workers, baselines --------------------------------------------------------
+
+def _pair_id(session: Session, name: str, **values) -> int:
+    now = utcnow()
+    stmt = _insert(session, Pair).values(name=name, created_at=now, updated_at=now, **values)
+    if values:
+        stmt = stmt.on_conflict_do_update(index_elements=["name"], set_={**values, "updated_at": now})
+    else:
+        stmt = stmt.on_conflict_do_nothing(index_elements=["name"])
+    session.execute(stmt)
+    return session.scalar(select(Pair.id).where(Pair.name == name))
+
+
+def upsert_pair(
+    name: str,
+    *,
+    target: str | None = None,
+    draft: str | None = None,
+    target_fingerprint: str | None = None,
+    draft_fingerprint: str | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    url: str | None = None,
+) -> int:
+    """Create or update the pair ``name``; returns its id."""
+    values = dict(
+        target=target,
+        draft=draft,
+        target_fingerprint=target_fingerprint,
+        draft_fingerprint=draft_fingerprint,
+        dtype=dtype,
+        device=device,
+    )
+    with _writing(url) as s:
+        return _pair_id(s, name, **{k: v for k, v in values.items() if v is not None})
+
+
+def _worker_id(session: Session, worker: dict) -> int:
+    key = {
+        "host": str(worker.get("host") or "unknown"),
+        "pid": int(worker.get("pid") or 0),
+        "device_name": str(worker.get("device_name") or "unknown"),
+    }
+    versions = {k: worker.get(k) for k in ("torch_version", "transformers_version")}
+    now = utcnow()
+    stmt = _insert(session, Worker).values(**key, **versions, started_at=now, last_seen_at=now)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=list(key), set_={**versions, "last_seen_at": now}
+    )
+    session.execute(stmt)
+    return session.scalar(select(Worker.id).filter_by(**key))
+
+
+def upsert_worker(worker: dict, *, url: str | None = None) -> int:
+    """Create or refresh a worker (keys: host, pid, device_name, torch_version,
+    transformers_version; see ``worker_info``); returns its id."""
+    with _writing(url) as s:
+        return _worker_id(s, worker)
+
+
+def record_baseline(
+    pair: str,
+    *,
+    device: str,
+    dtype: str,
+    tokens_per_s: float,
+    source: str = "calibration",
+    samples: int = 1,
+    url: str | None = None,
+) -> dict:
+    """Store the target-only speed of ``pair`` on ``device``'s kind in ``dtype``.
+
+    ``source="calibration"`` replaces what was there. ``source="shadow"`` (one or a few
+    target-only requests run beside real traffic) folds into an earlier shadow figure as
+    a sample-weighted mean, and replaces a calibration one. Returns the stored baseline.
+    """
+    if source not in BASELINE_SOURCES:
+        raise ValueError(f"source must be one of {BASELINE_SOURCES}, not {source!r}")
+    if not tokens_per_s > 0 or samples < 1:
+        raise ValueError("tokens_per_s must be > 0 and samples >= 1")
+    with _writing(url) as s:
+        pair_id = _pair_id(s, pair)
+        values = dict(pair_id=pair_id, device_kind=device_kind(device), dtype=dtype)
+        stmt = _insert(s, Baseline).values(
+            **values, tokens_per_s=tokens_per_s, samples=samples, source=source, measured_at=utcnow()
+        )
+        ex = stmt.excluded
+        if source == "shadow":
+            # in SQL, so concurrent shadow samples don't race
+            merge = Baseline.source == "shadow"
+            new_tps = case(
+                (merge, (Baseline.tokens_per_s * Baseline.samples + ex.tokens_per_s * ex.samples)
+                 / (Baseline.samples + ex.samples)),
+                else_=ex.tokens_per_s,
+            )
+            new_samples = case((merge, Baseline.samples + ex.samples), else_=ex.samples)
+        else:
+            new_tps, new_samples = ex.tokens_per_s, ex.samples
+        stmt = stmt.on_conflict_do_update(
+            index_elements=list(values),
+            set_={"tokens_per_s": new_tps, "samples": new_samples, "source": ex.source,
+                  "measured_at": ex.measured_at},
+        )
+        s.execute(stmt)
+        row = s.execute(select(Baseline).filter_by(**values)).scalar_one()
+        return {"pair": pair, "device_kind": row.device_kind, "dtype": row.dtype,
+                "tokens_per_s": row.tokens_per_s, "samples": row.samples, "source": row.source,
+                "measured_at": row.measured_at}
+
+
+# --- jobs and requests ----------------------------------------------------------------
+
+def _refresh_job(session: Session, job_id: str) -> None:
+    counts = dict(
+        session.execute(
+            select(Request.status, func.count()).where(Request.job_id == job_id).group_by(Request.status)
+        ).all()
+    )
+    total = sum(counts.values())
+    pending = counts.get("queued", 0) + counts.get("running", 0)
+    started = total - counts.get("queued", 0)
+    status = "done" if total and not pending else ("running" if started else "queued")
+    now = utcnow()
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(
+            n_requests=total,
+            n_ok=counts.get("ok", 0),
+            n_failed=counts.get("failed", 0),
+            status=status,
+            started_at=func.coalesce(Job.started_at, now) if started else Job.started_at,
+            finished_at=func.coalesce(Job.finished_at, now) if status == "done" else None,
+        )
+    )
+
+
+def _ensure_job(session: Session, job_id: str, **values) -> None:
+    stmt = _insert(session, Job).values(id=job_id, created_at=utcnow(), status="queued", **values)
+    session.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
+
+
+def _chunks(items: list, n: int = _CHUNK) -> Iterable[list]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def create_job(
+    requests: Iterable[dict | str],
+    *,
+    name: str | None = None,
+    pair: str | None = None,
+    params: dict | None = None,
+    job_id: str | None = None,
+    url: str | None = None,
+) -> dict:
+    """Create a job and one row per request, idempotently.
+
+    Each request is a prompt string or a dict with ``prompt`` (text) or ``messages``
+    (chat turns), and optionally ``params`` (dict), ``idempotency_key``, ``category``
+    (a label the reports can group by) and ``id``. A request whose idempotency key (or
+    id) already exists is not created again; its existing id is returned in its place.
+    Calling again with the same ``job_id`` adds only what is missing.
+
+    Returns ``{"job_id", "request_ids" (input order), "created" (new rows)}``.
+    """
+    job_id = job_id or str(uuid.uuid4())
+    rows = []
+    for item in requests:
+        item = {"prompt": item} if isinstance(item, str) else dict(item)
+        if item.get("prompt") is None and item.get("messages") is None:
+            raise ValueError("each request needs a 'prompt' or 'messages'")
+        rows.append(
+            {
+                "id": str(item.get("id") or uuid.uuid4()),
+                "idempotency_key": item.get("idempotency_key"),
+                "category": item.get("category"),
+                "prompt": item.get("prompt"),
+                "messages": item.get("messages"),
+                "params": item.get("params"),
+            }
+        )
+    with _writing(url) as s:
+        pair_id = _pair_id(s, pair) if pair else None
+        _ensure_job(s, job_id, name=name, pair_id=pair_id, params=params)
+        now = utcnow()
+        for r in rows:
+            r.update(job_id=job_id, pair_id=pair_id, status="queued", attempts=0, created_at=now)
+        # which keys and ids exist already (then the insert skips them, and any
+        # row a concurrent caller slipped in meanwhile)
+        keys = [r["idempotency_key"] for r in rows if r["idempotency_key"]]
+        by_key: dict[str, str] = {}
+        for chunk in _chunks(keys):
+            by_key.update(s.execute(
+                select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))
+            ).all())
+        ids = [r["id"] for r in rows]
+        known_ids: set[str] = set()
+        for chunk in _chunks(ids):
+            known_ids.update(s.scalars(select(Request.id).where(Request.id.in_(chunk))))
+        new = [r for r in rows if r["idempotency_key"] not in by_key and r["id"] not in known_ids]
+        if new:
+            s.execute(_insert(s, Request).on_conflict_do_nothing(), new)
+        for chunk in _chunks(keys):  # resolve again: a concurrent caller may have won a key
+            by_key.update(s.execute(
+                select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))
+            ).all())
+        _refresh_job(s, job_id)
+    request_ids = [by_key.get(r["idempotency_key"], r["id"]) if r["idempotency_key"] else r["id"] for r in rows]
+    return {"job_id": job_id, "request_ids": request_ids, "created": len(new)}
+
+
+def mark_request(
+    request_id: str,
+    status: str,
+    *,
+    error: str | None = None,
+    worker: dict | None = None,
+    url: str | None = None,
+) -> bool:
+    """Move a request to ``status`` ("queued", "running", "failed" or "cancelled").
+
+    "running" counts an attempt (``attempts += 1``) and stamps ``started_at``;
+    "failed"/"cancelled" stamp ``finished_at``; ``error`` is stored as given (None clears
+    it). A request already recorded as "ok" is never changed (a late duplicate delivery
+    can't undo a result). Returns whether a row changed. Results go through ``record_result``.
+    """
+    if status not in ("queued", "running", "failed", "cancelled"):
+        raise ValueError(f"status must be queued, running, failed or cancelled, not {status!r}")
+    with _writing(url) as s:
+        now = utcnow()
+        values: dict[str, Any] = {"status": status, "error": error}
+        if status == "running":
+            values.update(attempts=Request.attempts + 1, started_at=func.coalesce(Request.started_at, now))
+        if status in ("failed", "cancelled"):
+            values["finished_at"] = now
+        if worker:
+            values["worker_id"] = _worker_id(s, worker)
+        changed = s.execute(
+            update(Request).where(Request.id == request_id, Request.status != "ok").values(**values)
+            .returning(Request.job_id)
+        ).first()
+        if changed is not None and changed.job_id:
+            _refresh_job(s, changed.job_id)
+        return changed is not None
+
+
+# --- results ----------------------------------------------------------------------------
+
+def record_result(
+    request_id: str,
+    result: dict,
+    *,
+    worker: dict | None,
+    device: str,
+    queue_wait_s: float | None,
+    pair: str,
+    job_id: str | None,
+    price_per_hour: float | None,
+    dtype: str | None = None,
+    category: str | None = None,
+    finished_at: datetime | None = None,
+    url: str | None = None,
+) -> bool:
+    """Store a ``GenerationResult.to_dict()`` for ``request_id``: output, telemetry, status.
+
+    Idempotent: if the request already has a result, nothing is written and False is
+    returned (read the stored one with ``get_request``); True when this call wrote it.
+    A request row that was never created (direct engine use) is created here.
+    ``dtype`` defaults to the pair's; ``price_per_hour`` (USD per device-hour) gives
+    the row's estimated cost = wall time x price; ``finished_at`` (naive UTC) defaults
+    to now.
+    """
+    stats = {k: v for k, v in (result.get("stats") or {}).items() if k in STATS_FIELDS}
+    finish_reason = result.get("finish_reason") or stats.get("finish_reason") or "length"
+    stats["finish_reason"] = finish_reason
+    wall = float(stats.get("wall_time_s") or 0.0)
+    with _writing(url) as s:
+        now = finished_at or utcnow()
+        pair_id = _pair_id(s, pair)
+        worker_id = _worker_id(s, worker) if worker else None
+        if job_id:
+            _ensure_job(s, job_id, pair_id=pair_id)
+        s.execute(
+            _insert(s, Request)
+            .values(id=request_id, job_id=job_id, pair_id=pair_id, category=category,
+                    status="running", attempts=1, created_at=now, started_at=now)
+            .on_conflict_do_nothing(index_elements=["id"])
+        )
+        req = s.execute(
+            select(Request.job_id, Request.category).where(Request.id == request_id)
+        ).one()
+        wrote = s.execute(
+            _insert(s, Output)
+            .values(
+                request_id=request_id,
+                text=result.get("text") or "",
+                token_ids=list(result.get("token_ids") or []),
+                prompt_tokens=int(stats.get("prompt_tokens") or 0),
+                output_tokens=int(stats.get("output_tokens") or 0),
+                finish_reason=finish_reason,
+                created_at=now,
+            )
+            .on_conflict_do_nothing(index_elements=["request_id"])
+            .returning(Output.request_id)
+        ).first()
+        if wrote is None:
+            return False
+        pair_dtype = s.scalar(select(Pair.dtype).where(Pair.id == pair_id))
+        s.execute(
+            _insert(s, Telemetry)
+            .values(
+                request_id=request_id,
+                pair_id=pair_id,
+                job_id=req.job_id,
+                worker_id=worker_id,
+                category=req.category or category,
+                device=device,
+                device_kind=device_kind(device),
+                dtype=dtype or pair_dtype,
+                finished_at=now,
+                queue_wait_s=queue_wait_s,
+                price_per_hour=price_per_hour,
+                estimated_cost_usd=None if price_per_hour is None else wall / 3600.0 * price_per_hour,
+                **stats,
+            )
+            .on_conflict_do_nothing(index_elements=["request_id"])
+        )
+        s.execute(
+            update(Request)
+            .where(Request.id == request_id)
+            .values(status="ok", error=None, finished_at=now,
+                    worker_id=worker_id if worker_id is not None else Request.worker_id,
+                    pair_id=func.coalesce(Request.pair_id, pair_id))
+        )
+        if req.job_id:
+            _refresh_job(s, req.job_id)
+        return True
+
+
+# --- reading single rows -------------------------------------------------------------
+
+def get_request(request_id: str, *, url: str | None = None) -> dict | None:
+    """A request's status, error, attempts and (when done) output, as a dict; None if unknown."""
+    with _writing(url) as s:
+        row = s.execute(
+            select(Request, Output).outerjoin(Output, Output.request_id == Request.id)
+            .where(Request.id == request_id)
+        ).first()
+        if row is None:
+            return None
+        req, out = row
+        return {
+            "id": req.id, "job_id": req.job_id, "status": req.status, "error": req.error,
+            "attempts": req.attempts, "category": req.category, "prompt": req.prompt,
+            "messages": req.messages, "params": req.params, "created_at": req.created_at,
+            "started_at": req.started_at, "finished_at": req.finished_at,
+            "output": None if out is None else {
+                "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                "prompt_tokens": out.prompt_tokens, "output_tokens": out.output_tokens,
+            },
+        }
+
+
+def get_job(job_id: str, *, url: str | None = None) -> dict | None:
+    """A job's status and counts (recomputed now), as a dict; None if unknown."""
+    with _writing(url) as s:
+        if s.get(Job, job_id) is None:
+            return None
+        _refresh_job(s, job_id)
+        s.flush()
+        job = s.get(Job, job_id, populate_existing=True)
+        return {
+            "id": job.id, "name": job.name, "status": job.status, "n_requests": job.n_requests,
+            "n_ok": job.n_ok, "n_failed": job.n_failed, "params": job.params,
+            "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
+        }
