@@ -158,6 +158,7 @@ def distill(
     max_new_tokens: int = 256,
     gen_batch: int = 32,
     gen_dtype: str = "bfloat16",
+    device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
     steps: int = 2000,
     batch_size: int = 16,
     lr: float = 1e-3,
@@ -184,7 +185,7 @@ def distill(
     with user_errors():
         _threads()
         ref = get_spec(pair).target if pair else target
-        model = load_model(ref, "float32", "cpu")
+        model = load_model(ref, "float32", device)
         tok = load_tokenizer(ref)
         work_dir = Path(work)
         deadline = _time.time() + hours * 3600 if hours else None

@@ -78,13 +78,14 @@ def _generate(model, tok, prompts: list[list[int]], max_new: int, sample: bool, 
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=sample,
+        input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new, do_sample=sample,
         temperature=temperature if sample else None, top_p=None, top_k=None,
         output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
     )  # fmt: skip
     logits = torch.stack(out.logits, 1).float()  # [B, T, V]
     logp, top = torch.topk(torch.log_softmax(logits, -1), topk, dim=-1)
-    answers = out.sequences[:, width:]
+    answers = out.sequences[:, width:].cpu()
+    top, logp = top.cpu(), logp.cpu()
     eos = tok.eos_token_id
     rows = []
     for b in range(len(prompts)):
@@ -224,10 +225,11 @@ def _loss(draft, batch, max_len: int, ce_weight: float):
         t_ids.append(top[:n])
         t_logp.append(logp[:n])
         labels.append(s[plen : plen + n])
-    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    h = hidden[torch.cat(rows), torch.cat(cols)]
+    dev = draft.device
+    hidden = draft.model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state
+    h = hidden[torch.cat(rows).to(dev), torch.cat(cols).to(dev)]
     logq = torch.log_softmax(draft.lm_head(h).float(), -1)
-    t_ids, t_logp, labels = torch.cat(t_ids), torch.cat(t_logp), torch.cat(labels)
+    t_ids, t_logp, labels = (torch.cat(x).to(dev) for x in (t_ids, t_logp, labels))
     p = torch.softmax(t_logp, -1)  # teacher top-k, renormalised
     kl = (p * (torch.log(p + 1e-9) - logq.gather(-1, t_ids))).sum(-1).mean()
     ce = F.nll_loss(logq, labels)
@@ -238,7 +240,7 @@ def _loss(draft, batch, max_len: int, ce_weight: float):
 def save_draft(draft, out: Path, target, layers: list[int], extra: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     own = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if not any(k.startswith(s) for s in SHARED_TENSORS)}
-    save_file(own, str(out / "draft.safetensors"))
+    save_file({k: v.cpu() for k, v in own.items()}, str(out / "draft.safetensors"))
     draft.config.to_json_file(str(out / "config.json"))
     meta = {
         "format": 1,
@@ -268,7 +270,7 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
     if resume and (ckpt / "state.json").exists():
         state = json.loads((ckpt / "state.json").read_text())
         draft.load_state_dict(load_file(str(ckpt / "draft.safetensors")), strict=False)
-        opt_state = load_file(str(ckpt / "optim.safetensors"))
+        opt_state = load_file(str(ckpt / "optim.safetensors"), device=str(draft.device))
         for i, p in enumerate(params):
             if f"{i}.exp_avg" in opt_state:
                 opt.state[p] = {"step": torch.tensor(float(state["step"])), "exp_avg": opt_state[f"{i}.exp_avg"], "exp_avg_sq": opt_state[f"{i}.exp_avg_sq"]}
@@ -287,13 +289,13 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
 
     def checkpoint() -> None:
         ckpt.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in draft.state_dict().items() if k.startswith("model.layers")}, str(ckpt / "draft.safetensors"))
+        save_file({k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items() if k.startswith("model.layers")}, str(ckpt / "draft.safetensors"))
         opt_state = {}
         for i, p in enumerate(params):
             if p in opt.state:
                 opt_state[f"{i}.exp_avg"] = opt.state[p]["exp_avg"]
                 opt_state[f"{i}.exp_avg_sq"] = opt.state[p]["exp_avg_sq"]
-        save_file(opt_state, str(ckpt / "optim.safetensors"))
+        save_file({k: v.cpu() for k, v in opt_state.items()}, str(ckpt / "optim.safetensors"))
         (ckpt / "state.json").write_text(json.dumps({"step": step, "tokens_seen": tokens_seen, "history": history, "config": asdict(cfg)}))
         save_draft(draft.eval(), out, target, cfg.layers, {"train": {"steps": step, "tokens_seen": tokens_seen, "data_tokens": store.manifest.get("tokens"), "config": asdict(cfg)}})
         draft.train()

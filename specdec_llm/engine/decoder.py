@@ -110,12 +110,14 @@ class SpeculativeDecoder:
         def time_verify(k: int) -> float:
             with Timer() as t:
                 hf.forward(self.target, ids[: k + 1], tcache, k + 1)
+                hf.sync(self.target)
             hf.crop(tcache, context)
             return t.seconds
 
         def time_draft() -> float:
             with Timer() as t:
                 hf.forward(self.draft, ids[:1], dcache, 1)
+                hf.sync(self.draft)
             hf.crop(dcache, context)
             return t.seconds
 

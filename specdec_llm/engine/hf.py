@@ -37,6 +37,12 @@ def forward(model, token_ids: list[int], cache: DynamicCache, logits_to_keep: in
     return out.logits[0].float()
 
 
+def sync(model) -> None:
+    """Wait for queued GPU work (for timings); a no-op on CPU."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
 def cache_len(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
