@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/specdec-llm generate "Write a haiku about speculative decoding." --chat --max-new-tokens 48
+	$(BIN)/specdec-llm run examples/demo_prompts.jsonl --pair smollm2-135m --chat --max-new-tokens 48 --out runs/demo_results.jsonl
 
 test: $(STAMP)
 	./scripts/services.sh

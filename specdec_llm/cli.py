@@ -153,6 +153,7 @@ def distill(
     phase: Annotated[str, typer.Option(help="data | train | all")] = "all",
     layers: Annotated[str, typer.Option(help="Target layers the draft starts from, e.g. 0,1")] = "0,1",
     prompts: Annotated[str, typer.Option(help="Seed prompts (JSONL with a 'prompt' field)")] = "data/distill_seed_prompts.jsonl",
+    prompt_pool: Annotated[Optional[str], typer.Option(help="A ready prompt pool (JSONL 'prompt'): skips the expansion")] = None,
     expand_per_seed: int = 4,
     samples: Annotated[int, typer.Option(help="Sampled answers per prompt besides the greedy one")] = 1,
     max_new_tokens: int = 256,
@@ -195,7 +196,8 @@ def distill(
                 seeds = [json.loads(line)["prompt"] for line in Path(prompts).read_text().splitlines() if line.strip()]
                 cfg = D.DataConfig(max_new_tokens=max_new_tokens, batch_size=gen_batch, dtype=gen_dtype,
                                    expand_per_seed=expand_per_seed, samples=samples)  # fmt: skip
-                manifest = D.build_data(model, tok, seeds, work_dir, cfg, progress, deadline)
+                pool = Path(prompt_pool) if prompt_pool else None
+                manifest = D.build_data(model, tok, seeds, work_dir, cfg, progress, deadline, pool)
                 err.print(f"data: {manifest.get('tokens', 0):,} answer tokens in {manifest.get('shards', 0)} shards")
             if phase in ("train", "all"):
                 cfg = D.TrainConfig(layers=layer_list, steps=steps, batch_size=batch_size, lr=lr)
@@ -249,10 +251,14 @@ def eval_pair(
     console.print(table)
 
 
-def _register_store() -> None:
-    from .store.cli import register
+def _register_subcommands() -> None:
+    """The store's (db, report) and the workers' (worker, submit, status, results, retry, cancel, run)."""
+    from workers.cli import register as register_workers
 
-    register(app)
+    from .store.cli import register as register_store
+
+    register_store(app)
+    register_workers(app)
 
 
-_register_store()
+_register_subcommands()

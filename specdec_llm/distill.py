@@ -144,12 +144,16 @@ class DataStore:
                 pos += m
 
 
-def build_data(target, tok, seed_prompts: list[str], work: Path, cfg: DataConfig, progress=None, deadline=None) -> dict:
-    """Phase 1 (resumable): expand the prompts, then generate answers shard by shard."""
+def build_data(
+    target, tok, seed_prompts: list[str], work: Path, cfg: DataConfig, progress=None, deadline=None, pool: Path | None = None
+) -> dict:
+    """Phase 1 (resumable): expand the prompts (or take a ready ``pool``), then generate answers shard by shard."""
     store = DataStore(work / "data")
     model = target.to(getattr(torch, cfg.dtype))
     rng = random.Random(cfg.seed)
     prompts_path = work / "data" / "prompts.jsonl"
+    if pool is not None and not prompts_path.exists():
+        prompts_path.write_text(pool.read_text(encoding="utf-8"))
     if not prompts_path.exists():
         prompts = list(dict.fromkeys(p.strip() for p in seed_prompts if p.strip()))
         asks = [_chat(tok, EXPAND_TEMPLATE.format(seed=s)) for s in prompts for _ in range(cfg.expand_per_seed)]

@@ -1,0 +1,182 @@
+"""Bulk jobs: input files -> rows, submit/status/results/retry/cancel, and `run` end to end
+in embedded mode (no broker server: kombu's filesystem transport, SQLite store, a local
+worker subprocess that `run` starts and stops)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from specdec_llm import store
+from specdec_llm.settings import get_settings, reload_settings
+from workers import client
+from workers.app import get_app, is_embedded
+from workers.cli import register
+from workers.rows import InputError, job_id_for, read_rows
+
+cli = typer.Typer()
+register(cli)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.fixture
+def embedded(pairs_file, tmp_path, monkeypatch):
+    """Settings for embedded mode in a fresh data dir: no broker URL, default SQLite store."""
+    for var in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND", "SPECDEC_DATABASE_URL", "SPECDEC_CELERY_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("SPECDEC_THREADS", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    reload_settings()
+    yield tmp_path / "data"
+    monkeypatch.delenv("SPECDEC_DATA_DIR")
+    reload_settings()
+
+
+def jsonl(path: Path, *objects) -> Path:
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objects))
+    return path
+
+
+# -- reading input files ---------------------------------------------------------------------
+def test_jsonl_rows(tmp_path):
+    rows = read_rows(jsonl(
+        tmp_path / "in.jsonl",
+        {"id": "x", "prompt": "hi", "max_new_tokens": 5, "params": {"temperature": 0.5}, "metadata": {"k": 1}},
+        "",
+        {"messages": [{"role": "user", "content": "hey"}], "category": "chat"},
+        {"id": 7, "prompt": "seven"},
+    ))  # fmt: skip
+    assert [(r.index, r.line, r.id, r.error) for r in rows] == [(0, 1, "x", None), (1, 3, "2", None), (2, 4, "7", None)]
+    assert rows[0].params == {"max_new_tokens": 5, "temperature": 0.5} and rows[0].metadata == {"k": 1}
+    assert rows[1].messages[0]["content"] == "hey" and rows[1].category == "chat"
+
+
+def test_csv_and_text_rows(tmp_path):
+    csv_file = tmp_path / "in.csv"
+    csv_file.write_text('id,prompt,topic\nq1,"Hello, world",greeting\nq2,,empty\n')
+    rows = read_rows(csv_file)
+    assert (rows[0].id, rows[0].prompt, rows[0].metadata) == ("q1", "Hello, world", {"topic": "greeting"})
+    assert rows[1].error == "empty prompt"
+    text = tmp_path / "in.txt"
+    text.write_text("first prompt\n\n  second prompt\n")
+    assert [(r.id, r.prompt, r.line) for r in read_rows(text)] == [("1", "first prompt", 1), ("2", "  second prompt", 3)]
+
+
+def test_unreadable_files_fail_the_command(tmp_path):
+    (tmp_path / "nohead.csv").write_text("text\nhello\n")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    for name, fragment in (("nohead.csv", "'prompt' column"), ("empty.txt", "no prompts"), ("missing.jsonl", "no such file")):
+        with pytest.raises(InputError, match=fragment):
+            read_rows(tmp_path / name)
+
+
+def test_job_id_is_content_pair_and_params(tmp_path):
+    a = jsonl(tmp_path / "a.jsonl", {"prompt": "hi"})
+    b = jsonl(tmp_path / "b.jsonl", {"prompt": "hi"})
+    assert job_id_for(a, "tiny", {"max_new_tokens": 4}) == job_id_for(b, "tiny", {"max_new_tokens": 4})
+    assert job_id_for(a, "tiny", {"max_new_tokens": 4}) != job_id_for(a, "tiny", {"max_new_tokens": 5})
+    assert job_id_for(a, "tiny", {}) != job_id_for(a, "tiny-shared", {})
+
+
+# -- the commands, embedded, no worker ---------------------------------------------------------
+def test_submit_persists_every_row_then_enqueues(embedded, tmp_path):
+    assert is_embedded() and get_app().conf.broker_url.startswith("filesystem://")
+    path = jsonl(tmp_path / "in.jsonl", {"prompt": "one"}, {"prompt": "two"}, "{broken")
+    res = invoke("submit", path, "--pair", "tiny", "--max-new-tokens", "4", "--name", "nightly")
+    assert res.exit_code == 0, res.output
+    job = res.stdout.strip().splitlines()[-1]
+    assert store.get_job(job)["name"] == "nightly"
+    assert client.job_counts(job) == {"queued": 2, "running": 0, "ok": 0, "failed": 1, "cancelled": 0}
+    assert len(list((embedded / "queue").glob("*.specdec.tiny.msg"))) == 2  # one message per good row
+    st = json.loads(invoke("status", job, "--json").stdout)
+    assert (st["total"], st["counts"]["failed"], st["status"]) == (3, 1, "running")
+
+
+def test_cancel_then_retry_leaves_cancelled_rows(embedded, tmp_path):
+    path = jsonl(tmp_path / "in.jsonl", *({"prompt": f"p{i}"} for i in range(4)))
+    job = client.submit(path, "tiny")["job_id"]
+    res = invoke("cancel", job)
+    assert res.exit_code == 0 and "4 rows cancelled" in res.stdout
+    assert client.job_counts(job)["cancelled"] == 4 and store.get_job(job)["status"] == "done"
+    assert client.retry(job)["enqueued"] == 0
+    out = tmp_path / "out.jsonl"
+    assert invoke("results", job, "--out", out).exit_code == 0
+    assert [json.loads(line)["status"] for line in out.read_text().splitlines()] == ["cancelled"] * 4
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["submit", "{file}", "--pair", "nope"], "unknown pair 'nope'"),
+        (["submit", "{file}", "--pair", "tiny", "--temperature", "-1"], "temperature"),
+        (["submit", "{file}", "--pair", "tiny", "--k", "many"], "k: 'many' is not a number"),
+        (["submit", "{dir}/missing.jsonl", "--pair", "tiny"], "no such file"),
+        (["status", "0123456789abcdef"], "no job '0123456789abcdef'"),
+        (["results", "{job}", "--format", "xml"], "format: 'xml' unknown"),
+        (["worker", "--pair", "tiny", "--device", "gpu0"], "device: 'gpu0' unknown"),
+        (["worker", "--pair", "nope"], "unknown pair 'nope'"),
+    ],
+)
+def test_cli_errors_are_one_clear_line(embedded, tmp_path, args, fragment):
+    path = jsonl(tmp_path / "in.jsonl", {"prompt": "hi"})
+    job = client.submit(path, "tiny")["job_id"]
+    res = invoke(*[a.format(file=path, dir=tmp_path, job=job) for a in args])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith("error: ") and fragment in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+# -- run, end to end -------------------------------------------------------------------------------
+def test_run_embedded_end_to_end_and_resume(embedded, tmp_path):
+    """No Redis, no database server: `run` starts its own worker over the filesystem broker.
+    Rows finished before an interruption are not generated again."""
+    path = jsonl(
+        tmp_path / "demo.jsonl",
+        *({"id": f"r{i}", "prompt": f"The quick brown fox {i}"} for i in range(5)),
+        {"id": "chat", "messages": [{"role": "user", "content": "Say hello"}]},
+        {"id": "bad"},
+    )  # fmt: skip
+    args = ["run", path, "--pair", "tiny", "--max-new-tokens", "6", "--chat", "--out", tmp_path / "out.jsonl"]
+    # an earlier, interrupted run: submitted, two rows finished, then stopped
+    job = client.submit(path, "tiny", {"max_new_tokens": 6, "chat": True})["job_id"]
+    for rid in (f"{job}-1", f"{job}-2"):
+        store.record_result(rid, {"text": "from before", "token_ids": [1], "finish_reason": "length", "stats": {}},
+                            worker=None, device="cpu", queue_wait_s=None, pair="tiny", job_id=job, price_per_hour=None)  # fmt: skip
+
+    res = invoke(*args)
+    assert res.exit_code == 0, res.output
+    assert f"job {job}" in res.output and "started a local worker for tiny" in res.output
+    assert "6 ok, 1 failed" in res.output and "tok/s" in res.output and "acceptance" in res.output
+    items = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [i["id"] for i in items] == ["r0", "r1", "r2", "r3", "r4", "chat", "bad"]
+    assert [i["text"] for i in items[:2]] == ["from before", "from before"]  # not generated again
+    assert all(i["status"] == "ok" and i["text"] != "from before" for i in items[2:6])
+    assert items[6]["status"] == "failed" and 'exactly one of "prompt"' in items[6]["error"]
+    assert store.get_job(job)["status"] == "done"
+    assert not list((embedded / "queue").glob("*.msg"))  # every message consumed
+
+    again = invoke(*args)  # nothing left: no worker, same results
+    assert again.exit_code == 0, again.output
+    assert "0 to generate" in again.output and "started a local worker" not in again.output
+    assert [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()] == items
+    assert get_settings().data_dir == embedded
+
+
+def test_a_worker_that_cannot_load_its_pair_stops_and_rows_stay_queued(embedded, tmp_path, monkeypatch):
+    broken = tmp_path / "broken.toml"
+    broken.write_text(f'[pairs.broken]\ntarget = "{tmp_path / "no-such-model"}"\n')
+    monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(broken))
+    reload_settings()
+    path = jsonl(tmp_path / "in.jsonl", {"prompt": "one"}, {"prompt": "two"})
+    res = invoke("run", path, "--pair", "broken")
+    assert res.exit_code == 2
+    assert "the local worker stopped" in res.stderr and "could not load pair broken" in res.stderr
+    job = job_id_for(path, "broken", {})
+    assert client.job_counts(job)["queued"] == 2  # not failed: the rows were not at fault

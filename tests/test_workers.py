@@ -1,0 +1,412 @@
+"""Workers for real: a private redis-server, real worker subprocesses, SQLite and PostgreSQL
+stores, tiny pairs. Jobs complete exactly once each, through a SIGKILLed worker and a
+database outage; bad rows fail alone; a pickled message is refused, never unpickled."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from specdec_llm import store
+from specdec_llm.settings import reload_settings
+from specdec_llm.store.models import Baseline, Output, Request, Telemetry
+from specdec_llm.store.testing import postgres_available, sqlite_url, temporary_postgres
+from workers import client
+from workers.app import TASK, get_app, queue_name
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The quick brown fox", "Speculative decoding", "over the lazy dog", "drafts and verifies"]
+
+
+def _unavailable(why: str):
+    if os.environ.get("CI"):
+        pytest.fail(f"{why} (required on CI)")
+    pytest.skip(why)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A private redis-server on its own port: no shared keys, gone afterwards."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        _unavailable("redis-server is not installed")
+    port, folder = free_port(), tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(folder)], stdout=subprocess.DEVNULL)  # fmt: skip
+    for _ in range(100):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def pairs_toml(tiny_pair_dir, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("pairs") / "pairs.toml"
+    path.write_text(f'[pairs.tiny]\ntarget = "{tiny_pair_dir / "target"}"\ndraft = "{tiny_pair_dir / "draft"}"\n')
+    return path
+
+
+class Fleet:
+    """Settings shared by the test (the client) and its worker subprocesses."""
+
+    def __init__(self, folder: Path, env: dict):
+        self.folder, self.env, self.procs = folder, env, []
+
+    def start_worker(self, name: str = "worker", **env) -> subprocess.Popen:
+        full = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+        full.update(self.env, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env)
+        log = self.folder / f"{name}.log"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "workers", "worker", "--pair", "tiny"], env=full,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc.log_path = log
+        self.procs.append(proc)
+        return proc
+
+    def stop(self):
+        for p in self.procs:
+            client.stop_local_worker(p, timeout=15)
+
+    def log(self) -> str:
+        return "".join(p.log_path.read_text(errors="replace") for p in self.procs)
+
+
+def make_fleet(folder: Path, redis: str, db_number: int, database_url: str, pairs: Path) -> Fleet:
+    return Fleet(folder, {
+        "SPECDEC_BROKER_URL": f"{redis}/{db_number}", "SPECDEC_DATABASE_URL": database_url,
+        "SPECDEC_DATA_DIR": str(folder / "data"), "SPECDEC_CONFIG_FILE": str(pairs), "SPECDEC_THREADS": "1",
+    })  # fmt: skip
+
+
+@pytest.fixture
+def use(monkeypatch):
+    """Point this process's settings at a fleet (its env), restored afterwards."""
+
+    def apply(fleet: Fleet, **overrides):
+        for k, v in {**fleet.env, **overrides}.items():
+            monkeypatch.setenv(k, v)
+        reload_settings()
+
+    yield apply
+    monkeypatch.undo()
+    reload_settings()
+
+
+@pytest.fixture(scope="module")
+def sqlite_fleet(tmp_path_factory, redis_url, pairs_toml):
+    folder = tmp_path_factory.mktemp("sqlite_fleet")
+    fleet = make_fleet(folder, redis_url, 0, sqlite_url(folder), pairs_toml)
+    fleet.start_worker()
+    yield fleet
+    fleet.stop()
+
+
+def write_prompts(path: Path, n: int, tag: str) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps({"id": f"{tag}-{i}", "prompt": f"{PROMPTS[i % 4]} {tag} {i}"}) + "\n"
+                            for i in range(n)))  # fmt: skip
+    return path
+
+
+def assert_exactly_once(job_id: str, n: int, url: str | None = None) -> None:
+    rows = client.job_requests(job_id)
+    assert len(rows) == n
+    assert [r["status"] for r in rows] == ["ok"] * n, [(r["id"], r["status"], r["error"]) for r in rows if r["status"] != "ok"]
+    with store.session_scope(url) as s:
+        outputs = s.scalar(select(func.count()).select_from(Output).join(Request).where(Request.job_id == job_id))
+        telemetry = s.scalar(select(func.count()).select_from(Telemetry).where(Telemetry.job_id == job_id))
+        distinct = s.scalar(select(func.count(func.distinct(Telemetry.request_id))).where(Telemetry.job_id == job_id))
+    assert outputs == telemetry == distinct == n
+    job = store.get_job(job_id)
+    assert (job["status"], job["n_ok"], job["n_failed"]) == ("done", n, 0)
+
+
+# -- a job of 20 on each store ---------------------------------------------------------------
+def test_job_of_20_completes_exactly_once_sqlite(sqlite_fleet, use, tmp_path):
+    use(sqlite_fleet)
+    sub = client.submit(write_prompts(tmp_path / "p.jsonl", 20, "sq"), "tiny", {"max_new_tokens": 8})
+    assert (sub["rows"], sub["enqueued"], sub["bad"]) == (20, 20, 0)
+    client.wait(sub["job_id"], workers=sqlite_fleet.procs, timeout_s=120)
+    assert_exactly_once(sub["job_id"], 20)
+    main_pid = sqlite_fleet.procs[0].pid  # the pair was loaded in a pool child, not in the parent
+    assert "pair tiny on cpu" in sqlite_fleet.log() and f"worker {main_pid}: pair" not in sqlite_fleet.log()
+    st = client.status(sub["job_id"])
+    assert st["status"] == "done" and st["progress"] == 1.0 and st["output_tokens"] == 160
+    assert st["speedup"] is not None  # the worker's calibration stored a baseline
+    items = client.results(sub["job_id"])
+    assert [i["id"] for i in items] == [f"sq-{i}" for i in range(20)]
+    assert all(i["finish_reason"] in ("length", "eos") and i["tokens_per_s"] > 0 for i in items)
+    # submitting the same file again resumes it: nothing new to generate
+    again = client.submit(tmp_path / "p.jsonl", "tiny", {"max_new_tokens": 8})
+    assert again["job_id"] == sub["job_id"] and again["created"] == 0 and again["enqueued"] == 0
+
+
+@pytest.fixture(scope="module")
+def pg_fleet(tmp_path_factory, redis_url, pairs_toml):
+    """A worker whose database is PostgreSQL behind a TCP proxy the test can cut."""
+    why = postgres_available()
+    if why:
+        _unavailable(f"PostgreSQL test server unreachable: {why}")
+    from sqlalchemy.engine import make_url
+
+    folder = tmp_path_factory.mktemp("pg_fleet")
+    with temporary_postgres() as url:
+        store.ensure_schema(url)
+        u = make_url(url)
+        proxy = TcpProxy(u.host, u.port or 5432)
+        fleet = make_fleet(folder, redis_url, 1, u.set(port=proxy.port).render_as_string(hide_password=False), pairs_toml)
+        fleet.direct_url, fleet.proxy = url, proxy
+        fleet.start_worker()
+        try:
+            yield fleet
+        finally:
+            fleet.stop()
+            proxy.close()
+
+
+def test_job_of_20_completes_exactly_once_postgresql(pg_fleet, use, tmp_path):
+    use(pg_fleet, SPECDEC_DATABASE_URL=pg_fleet.direct_url)
+    sub = client.submit(write_prompts(tmp_path / "p.jsonl", 20, "pg"), "tiny", {"max_new_tokens": 8})
+    client.wait(sub["job_id"], workers=pg_fleet.procs, timeout_s=120)
+    assert_exactly_once(sub["job_id"], 20)
+    with store.session_scope() as s:
+        assert s.scalar(select(func.count()).select_from(Baseline)) == 1  # calibration
+
+
+def test_database_outage_tasks_retry_and_finish(pg_fleet, use, tmp_path):
+    use(pg_fleet, SPECDEC_DATABASE_URL=pg_fleet.direct_url)
+    sub = client.submit(write_prompts(tmp_path / "p.jsonl", 20, "outage"), "tiny", {"max_new_tokens": 48})
+    wait_for(lambda: client.job_counts(sub["job_id"])["ok"] >= 2, 60)
+    pg_fleet.proxy.stop()  # the database is gone: connections reset, new ones refused
+    time.sleep(3)
+    pg_fleet.proxy.start()
+    client.wait(sub["job_id"], workers=pg_fleet.procs, timeout_s=150)
+    assert_exactly_once(sub["job_id"], 20)
+    log = pg_fleet.log()
+    assert "Retry in" in log or "retrying in" in log  # tasks did hit the outage
+
+
+# -- a worker killed mid-job -------------------------------------------------------------------
+def test_sigkilled_worker_loses_and_duplicates_nothing(tmp_path, redis_url, pairs_toml, use):
+    # a short visibility timeout, so the next worker takes back the killed one's message soon
+    (tmp_path / "fast_restore.py").write_text(
+        "broker_transport_options = {'visibility_timeout': 3, 'unacked_restore_interval': 1,"
+        " 'unacked_restore_throttle': 1}\n"
+    )
+    fleet = make_fleet(tmp_path, redis_url, 2, sqlite_url(tmp_path), pairs_toml)
+    fast = {"SPECDEC_CELERY_CONFIG": "fast_restore", "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    use(fleet)
+    try:
+        first = fleet.start_worker("first", **fast)
+        sub = client.submit(write_prompts(tmp_path / "p.jsonl", 20, "kill"), "tiny", {"max_new_tokens": 96})
+        wait_for(lambda: client.job_counts(sub["job_id"])["ok"] >= 3, 90)
+        os.killpg(first.pid, signal.SIGKILL)  # the worker and its pool, no goodbyes
+        first.wait()
+        assert client.job_counts(sub["job_id"])["ok"] < 20
+        second = fleet.start_worker("second", **fast)
+        client.wait(sub["job_id"], workers=[second], timeout_s=150)
+        assert_exactly_once(sub["job_id"], 20)
+    finally:
+        fleet.stop()
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def test_bad_rows_fail_alone_with_clear_errors(sqlite_fleet, use, tmp_path):
+    use(sqlite_fleet)
+    too_long = " ".join(f"zq{i}" for i in range(400))  # > 512 tokens: the tiny target's context
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([
+        '{"id": "a", "prompt": "The quick brown fox"}',
+        '{"id": "b", "prompt": oops}',
+        '{"id": "c"}',
+        '{"id": "d", "prompt": "x", "temperature": -1}',
+        '{"id": "a", "prompt": "a second a"}',
+        '{"id": "f", "prompt": "' + too_long + '"}',
+        '{"id": "g", "prompt": "fine", "max_tokens": 5}',
+        '{"id": "h", "messages": [{"role": "user", "content": "hello there"}]}',
+        '{"id": "i", "messages": "hello"}',
+        '{"id": "j", "prompt": "fine", "params": {"top_p": 0}}',
+    ]) + "\n")  # fmt: skip
+    sub = client.submit(path, "tiny", {"max_new_tokens": 6})
+    assert (sub["rows"], sub["bad"], sub["enqueued"]) == (10, 7, 3)
+    client.wait(sub["job_id"], workers=sqlite_fleet.procs, timeout_s=60)
+    items = client.results(sub["job_id"])
+    assert [i["id"] for i in items] == ["a", "2", "c", "d", "a", "f", "g", "h", "i", "j"]  # input order
+    expected = [
+        None, "line 2: invalid JSON", 'exactly one of "prompt"', "temperature", "line 5: duplicate id 'a'",
+        "context is 512", "unknown field 'max_tokens'", None, '"messages" must be', "top_p",
+    ]  # fmt: skip
+    for item, fragment in zip(items, expected):
+        if fragment is None:
+            assert item["status"] == "ok" and item["error"] is None and item["text"] is not None, item
+        else:
+            assert item["status"] == "failed" and fragment in item["error"], item
+    job = store.get_job(sub["job_id"])
+    assert (job["status"], job["n_ok"], job["n_failed"]) == ("done", 2, 8)
+    again = client.retry(sub["job_id"])
+    assert again["bad_input"] == 7 and again["enqueued"] == 1  # only "f": it failed in the worker
+
+
+# -- JSON only ---------------------------------------------------------------------------------
+class _Payload:
+    """Unpickling this calls os.mkdir(path): the proof that a worker unpickled it."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def test_pickled_message_is_refused_not_executed(sqlite_fleet, use, tmp_path):
+    use(sqlite_fleet)
+    marker = tmp_path / "unpickled"
+    get_app().send_task(TASK, args=[_Payload(str(marker)), "tiny"], queue=queue_name("tiny"), serializer="pickle")
+    # a JSON job behind it: once it is done, the pickled message has been dealt with
+    sub = client.submit(write_prompts(tmp_path / "after.jsonl", 1, "pickle"), "tiny", {"max_new_tokens": 4})
+    client.wait(sub["job_id"], workers=sqlite_fleet.procs, timeout_s=60)
+    assert client.job_counts(sub["job_id"])["ok"] == 1
+    assert not marker.exists()
+    assert "Refusing to deserialize untrusted content of type pickle" in sqlite_fleet.log()
+
+
+# -- run against a live fleet ------------------------------------------------------------------
+def test_run_uses_reachable_workers(sqlite_fleet, use, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from workers.cli import register
+
+    use(sqlite_fleet)
+    app = typer.Typer()
+    register(app)
+    out = tmp_path / "out.csv"
+    res = CliRunner().invoke(app, ["run", str(write_prompts(tmp_path / "r.jsonl", 3, "run")), "--pair", "tiny",
+                                   "--max-new-tokens", "4", "--out", str(out), "--format", "csv"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "workers for tiny: specdec-tiny-" in res.output and "started a local worker" not in res.output
+    assert "3 ok, 0 failed" in res.output
+    assert out.read_text().splitlines()[0].startswith("id,status,text")
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def wait_for(predicate, timeout: float, poll: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(poll)
+
+
+class TcpProxy:
+    """127.0.0.1:<port> -> host:port. ``stop()`` is a database outage: the listener closes
+    and every open connection is reset; ``start()`` brings it back on the same port."""
+
+    def __init__(self, host: str, port: int):
+        self.target = (host, port)
+        self.port = free_port()
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.listener = None
+        self.start()
+
+    def start(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def _accept(self, listener) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                conn.close()
+                continue
+            with self.lock:
+                self.conns += [conn, upstream]
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        with self.lock:
+            socks, self.conns = [self.listener, *self.conns], []
+        for s in socks:  # shutdown wakes the threads blocked on them; close alone would not
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    close = stop
+
+
+
+# -- the task in-process (Celery's eager apply): what a retry redoes ------------------------------
+def test_a_failed_result_write_retries_the_write_not_the_generation(pairs_file, tmp_path, monkeypatch):
+    from workers import runtime, tasks
+
+    monkeypatch.setenv("SPECDEC_DATABASE_URL", sqlite_url(tmp_path))
+    reload_settings()
+    monkeypatch.setattr(runtime, "_runtime", None)  # this process loads the tiny pair; forgotten afterwards
+    store.create_job([{"id": "r1", "prompt": "The quick brown fox", "params": {"max_new_tokens": 4}}],
+                     pair="tiny", job_id="j1")  # fmt: skip
+    decoder = runtime.get("tiny").decoder
+    generated, real_generate = [], decoder.generate
+    monkeypatch.setattr(decoder, "generate", lambda req: generated.append(req) or real_generate(req))
+    outage, real_record = [store.StoreError("the database is down")], store.record_result
+
+    def flaky_record(*args, **kwargs):
+        if outage:
+            raise outage.pop()
+        return real_record(*args, **kwargs)
+
+    monkeypatch.setattr(store, "record_result", flaky_record)
+    out = tasks.generate.apply(args=["r1", "tiny"]).get()
+    assert out["status"] == "ok" and len(generated) == 1  # the write was retried, carrying the result
+    assert store.get_request("r1")["status"] == "ok"
+    again = tasks.generate.apply(args=["r1", "tiny"]).get()  # a redelivery
+    assert again["duplicate"] and again["text"] == out["text"] and len(generated) == 1

@@ -1,0 +1,295 @@
+"""``specdec-llm worker | submit | status | results | retry | cancel | run``.
+
+``register(app)`` adds them to a Typer app. Thin: parsing and printing here, the work in
+``workers.client`` (jobs) and ``workers.runtime`` (the worker process). Every failure a
+person can fix prints one line (``error: ...``) on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+
+PairOpt = Annotated[Optional[str], typer.Option("--pair", help="Pair name (default: SPECDEC_DEFAULT_PAIR)")]
+NameOpt = Annotated[Optional[str], typer.Option(help="A label for the job (default: the file name)")]
+ChatOpt = Annotated[bool, typer.Option("--chat", help="Wrap each text prompt as a user turn (chat template)")]
+MaxNewOpt = Annotated[Optional[int], typer.Option(help="Tokens to generate per row (default 128)")]
+TempOpt = Annotated[Optional[float], typer.Option(help="0 = greedy (default)")]
+TopPOpt = Annotated[Optional[float], typer.Option(help="Nucleus sampling (1 = off)")]
+TopKOpt = Annotated[Optional[int], typer.Option(help="Top-k sampling (0 = off)")]
+SeedOpt = Annotated[Optional[int], typer.Option(help="Sampling seed")]
+KOpt = Annotated[Optional[str], typer.Option("--k", help="Draft length: an integer or 'auto'")]
+StopOpt = Annotated[Optional[List[str]], typer.Option(help="Stop string (repeatable)")]
+ModeOpt = Annotated[Optional[str], typer.Option(help="speculative | baseline (target only)")]
+PriceOpt = Annotated[List[str], typer.Option("--price-per-hour", help="USD per device-hour: 2.5, or cuda=2.5 (repeat)")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: the pair's device)")]
+FormatOpt = Annotated[str, typer.Option("--format", "-f", help="jsonl or csv")]
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+@contextmanager
+def _errors():
+    from kombu.exceptions import OperationalError
+
+    from specdec_llm.engine import RequestError
+    from specdec_llm.pairs import PairError
+    from specdec_llm.store import StoreError
+
+    from .app import broker_display
+    from .client import QueueError
+    from .rows import InputError
+
+    try:
+        yield
+    except (RequestError, PairError, InputError, StoreError, QueueError) as e:
+        _fail(str(e))
+    except OperationalError as e:
+        _fail(f"cannot reach the broker at {broker_display()} ({e}); check SPECDEC_BROKER_URL and that it is running")
+
+
+def _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode) -> dict:
+    if k is not None and k != "auto":
+        try:
+            k = int(k)
+        except ValueError:
+            _fail(f"k: {k!r} is not a number; use an integer >= 0 or 'auto'")
+    params = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                  k=k, stop=list(stop) if stop else None, chat=chat or None, mode=mode)  # fmt: skip
+    return {key: v for key, v in params.items() if v is not None}
+
+
+def _device(device: str | None) -> str | None:
+    if device is not None and not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):
+        _fail(f"device: {device!r} unknown; use cpu, cuda or cuda:N (one worker per GPU)")
+    return device
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _fmt(v, spec: str, none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def worker(
+        pair: PairOpt = None,
+        device: DeviceOpt = None,
+        concurrency: Annotated[int, typer.Option(help="Pool processes, each holding the pair (1 per GPU)")] = 1,
+        queues: Annotated[Optional[str], typer.Option(help="Comma-separated queues (default: specdec.<pair>)")] = None,
+        price_per_hour: Annotated[Optional[float], typer.Option(help="USD per device-hour, for cost estimates")] = None,
+        calibrate: Annotated[bool, typer.Option(help="Measure target-only and speculative tok/s at start")] = True,
+        loglevel: str = "INFO",
+    ) -> None:
+        """Start a worker: one pair on one device, consuming the pair's queue."""
+        from specdec_llm.pairs import get_spec
+        from specdec_llm.settings import get_settings
+
+        from . import runtime
+        from .app import broker_display, get_app, is_embedded, queue_name
+
+        with _errors():
+            spec = get_spec(pair or get_settings().default_pair)  # reads the registry only: no model, no CUDA
+        if concurrency < 1:
+            _fail("concurrency: use at least 1")
+        device = _device(device) or spec.device
+        threads = None
+        if device == "cpu" and concurrency > 1 and not get_settings().threads:
+            threads = max(1, (os.cpu_count() or 1) // concurrency)  # share the cores, don't oversubscribe
+        _quiet_transformers()
+        runtime.configure(runtime.WorkerOptions(spec.name, device=device, price_per_hour=price_per_hour,
+                                                threads=threads, calibrate=calibrate))  # fmt: skip
+        queue_list = queues or queue_name(spec.name)
+        print(f"specdec worker: pair {spec.name} on {device}, queues {queue_list}, concurrency {concurrency}, "
+              f"broker {broker_display()}", file=sys.stderr)  # fmt: skip
+        argv = ["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}", f"--queues={queue_list}",
+                f"--hostname=specdec-{spec.name}-{os.getpid()}@%h", "--pool=prefork",
+                "--without-mingle", "--without-gossip"]  # fmt: skip
+        if is_embedded():
+            argv.append("--without-heartbeat")
+        code = get_app().worker_main(argv)
+        raise typer.Exit(code or 0)
+
+    @app.command()
+    def submit(
+        file: Annotated[Path, typer.Argument(help="JSONL, CSV (a prompt column) or text (one prompt per line)")],
+        pair: PairOpt = None, name: NameOpt = None, chat: ChatOpt = False, max_new_tokens: MaxNewOpt = None,
+        temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None,
+        k: KOpt = None, stop: StopOpt = None, mode: ModeOpt = None,
+    ) -> None:  # fmt: skip
+        """Persist every row as a job, enqueue them, print the job id."""
+        from specdec_llm.settings import get_settings
+
+        from . import client
+        from .app import broker_display
+
+        params = _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode)
+        pair = pair or get_settings().default_pair
+        with _errors():
+            sub = client.submit(file, pair, params, name=name)
+        print(f"job {sub['job_id']}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} enqueued for "
+              f"pair {pair} via {broker_display()}", file=sys.stderr)  # fmt: skip
+        print(sub["job_id"])
+
+    @app.command()
+    def status(
+        job: str,
+        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+        price_per_hour: PriceOpt = [],  # noqa: B006 - typer needs a literal
+    ) -> None:
+        """Counts by state, progress, tokens/s, acceptance so far, ETA."""
+        from . import client
+
+        with _errors():
+            st = client.status(job, price_per_hour=price_per_hour or None)
+        if as_json:
+            print(json.dumps(st, default=str))
+            return
+        c = st["counts"]
+        cost = "-" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
+        print(f"job {st['job_id']} ({st['name']}): {st['status']}, {st['progress']:.0%} of {st['total']} rows")
+        print("  " + ", ".join(f"{k} {v}" for k, v in c.items()))
+        print(f"  {st['output_tokens']} tokens, {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s overall, "
+              f"{_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request; acceptance "
+              f"{_fmt(st['acceptance_rate'], '.1%')}, speedup {_fmt(st['speedup'], '.2f')}x, cost {cost}")  # fmt: skip
+        print(f"  elapsed {st['elapsed_s']:.0f} s, ETA {_fmt(st['eta_s'], '.0f')} s")
+
+    @app.command()
+    def results(
+        job: str,
+        fmt: FormatOpt = "jsonl",
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write here instead of stdout")] = None,
+    ) -> None:
+        """Export a job's rows in input order: id, text, finish reason, error, key stats."""
+        from . import client
+
+        with _errors():
+            items = client.results(job)
+        _export(items, fmt, out)
+
+    @app.command()
+    def retry(job: str) -> None:
+        """Re-enqueue a job's failed rows and lost ones (queued or running with no worker)."""
+        from . import client
+
+        with _errors():
+            r = client.retry(job)
+        print(f"job {job}: {r['enqueued']} rows enqueued again"
+              + (f"; {r['bad_input']} refused at submit (fix the input and submit it again)" if r["bad_input"] else ""))
+
+    @app.command()
+    def cancel(job: str) -> None:
+        """Cancel a job's rows not started yet (rows being generated finish)."""
+        from . import client
+
+        with _errors():
+            r = client.cancel(job)
+        print(f"job {job}: {r['cancelled']} rows cancelled")
+
+    @app.command()
+    def run(
+        file: Annotated[Path, typer.Argument(help="JSONL, CSV (a prompt column) or text (one prompt per line)")],
+        pair: PairOpt = None,
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results file (default: FILE's stem + .results.jsonl)")] = None,
+        fmt: FormatOpt = "jsonl", name: NameOpt = None, chat: ChatOpt = False, max_new_tokens: MaxNewOpt = None,
+        temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None,
+        k: KOpt = None, stop: StopOpt = None, mode: ModeOpt = None, device: DeviceOpt = None,
+        concurrency: Annotated[int, typer.Option(help="Processes of a local worker, if one is started")] = 1,
+        price_per_hour: PriceOpt = [],  # noqa: B006
+    ) -> None:  # fmt: skip
+        """Submit FILE, run it to the end, export the results and print a summary.
+
+        Starts a local worker when none is reachable (always with the embedded broker) and
+        stops it at the end. Run the same command again after an interruption: it resumes."""
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from specdec_llm.settings import get_settings
+
+        from . import client
+        from .app import broker_display
+
+        err = Console(stderr=True)
+        params = _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode)
+        pair = pair or get_settings().default_pair
+        device = _device(device)
+        out = out or Path(f"{file.stem}.results.{fmt}")
+        t0 = time.time()
+        procs = []
+        with _errors():
+            sub = client.submit(file, pair, params, name=name)
+            job = sub["job_id"]
+            err.print(f"job {job}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} to generate "
+                      f"({sub['done']} done before); broker {broker_display()}")  # fmt: skip
+            try:
+                if sub["enqueued"]:
+                    client.check_broker()
+                    found = client.live_workers(pair)
+                    if found:
+                        err.print(f"workers for {pair}: {', '.join(found)}")
+                    else:
+                        procs.append(client.start_local_worker(pair, device=device, concurrency=concurrency))
+                        err.print(f"started a local worker for {pair} (log: {procs[0].log_path})")
+                columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           TextColumn("{task.fields[detail]}"))  # fmt: skip
+                with Progress(*columns, console=err) as progress:
+                    bar = progress.add_task(f"{pair}", total=sub["rows"], detail="")
+
+                    def show(c):
+                        done = c["ok"] + c["failed"] + c["cancelled"]
+                        progress.update(bar, completed=done, detail=f"ok {c['ok']} failed {c['failed']}")
+
+                    client.wait(job, workers=procs, on_progress=show)
+            except RuntimeError as e:
+                _fail(str(e))
+            except KeyboardInterrupt:
+                err.print(f"interrupted; run the same command again to resume job {job}")
+                raise typer.Exit(130)
+            finally:
+                for p in procs:
+                    client.stop_local_worker(p)
+            _export(client.results(job), fmt, out)
+            st = client.status(job, price_per_hour=price_per_hour or None)
+        c, wall = st["counts"], time.time() - t0
+        print(f"job {job}: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled; results in {out}")
+        print(f"  {st['output_tokens']} output tokens; {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s over the "
+              f"job ({wall:.1f} s this run), {_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request")  # fmt: skip
+        speedup = "unknown (no baseline)" if st["speedup"] is None else f"{st['speedup']:.2f}x"
+        cost = "unknown (give --price-per-hour)" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
+        print(f"  acceptance {_fmt(st['acceptance_rate'], '.1%')}, {_fmt(st['mean_accepted_length'], '.2f')} tokens "
+              f"per target forward; speedup vs target-only {speedup}; cost {cost}")  # fmt: skip
+        if c["failed"]:
+            print(f"  {c['failed']} rows failed: see their 'error' in {out}; `specdec-llm retry {job}` runs them again")
+
+
+def _export(items: list[dict], fmt: str, out: Path | None) -> None:
+    from . import client
+
+    if fmt not in ("jsonl", "csv"):
+        _fail(f"format: {fmt!r} unknown; use jsonl or csv")
+    if out is None:
+        client.write_results(items, fmt, sys.stdout)
+        return
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", encoding="utf-8", newline="") as f:
+            client.write_results(items, fmt, f)
+    except OSError as e:
+        _fail(f"cannot write {out}: {e.strerror}")

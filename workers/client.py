@@ -1,0 +1,295 @@
+"""Client side of bulk jobs: submit, enqueue, status, results, retry, cancel, local workers.
+
+Plain dicts in and out; the CLI (``workers/cli.py``) only prints them. Every job is first
+persisted (``store.create_job``: one row per input row, bad rows already failed), then
+enqueued (one message per row on the pair's queue). A job's id is derived from the
+file's content, the pair and the parameters, and each row's id from the job id and its
+position, so submitting the same thing again resumes it instead of duplicating it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kombu.exceptions import OperationalError
+from sqlalchemy import func, select
+
+from specdec_llm import store
+from specdec_llm.pairs import get_spec
+from specdec_llm.settings import get_settings
+from specdec_llm.store.models import utcnow
+
+from . import rows as R
+from .app import TASK, broker_display, get_app, is_embedded, queue_name
+
+PENDING = ("queued", "running")
+FINISHED = ("ok", "failed", "cancelled")
+RESULT_FIELDS = ("id", "status", "text", "finish_reason", "error", "prompt_tokens", "output_tokens",
+                 "tokens_per_s", "acceptance_rate", "mean_accepted_length", "wall_time_s", "metadata")  # fmt: skip
+
+
+class QueueError(RuntimeError):
+    """The rows are saved but the broker cannot be reached; the message says what to do."""
+
+
+# -- submit -----------------------------------------------------------------------------------
+def submit(path: Path, pair: str, params: dict | None = None, *, name: str | None = None) -> dict:
+    """Persist every row of ``path`` as a job for ``pair``, then enqueue the rows still to do.
+
+    Raises ``InputError`` (unreadable file), ``RequestError`` (unknown pair, bad job-level
+    parameters) or ``StoreError``; bad rows fail alone. Returns ``{"job_id", "rows",
+    "created", "bad", "enqueued", "done"}``.
+    """
+    params = {k: v for k, v in (params or {}).items() if v is not None}
+    get_spec(pair)  # unknown pair: fail now, not in a worker
+    R.check_params(params)
+    rows = R.read_rows(Path(path))
+    R.check_rows(rows, params)
+    job_id = R.job_id_for(Path(path), pair, params)
+    created = store.create_job(
+        [R.to_request(job_id, r, params) for r in rows], name=name or Path(path).name, pair=pair,
+        params=params, job_id=job_id,
+    )  # fmt: skip
+    pending = {r["id"] for r in job_requests(job_id, outputs=False) if r["status"] in PENDING}  # new or lost
+    todo, bad = [], 0
+    for r, rid in zip(rows, (R.request_id(job_id, r) for r in rows)):
+        bad += r.error is not None
+        if r.error is not None and rid in pending:
+            store.mark_request(rid, "failed", error=f"line {r.line}: {r.error}")
+        elif rid in pending:
+            todo.append(rid)
+    _enqueue_job(job_id, todo, pair)
+    return {"job_id": job_id, "rows": len(rows), "created": created["created"], "bad": bad,
+            "enqueued": len(todo), "done": len(rows) - len(todo) - bad}  # fmt: skip
+
+
+def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False) -> list:
+    """One message per request on the pair's queue (rows must already be in the store).
+
+    Bulk jobs read their results from the store, so by default the workers do not also
+    put them in the result backend; ``keep_results=True`` does (for ``AsyncResult.get()``),
+    and returns the AsyncResults."""
+    app, now = get_app(), time.time()
+    sent = []
+    with app.producer_or_acquire() as producer:
+        for rid in request_ids:
+            sent.append(app.send_task(TASK, args=[rid, pair], kwargs={"enqueued_at": now}, queue=queue_name(pair),
+                                      producer=producer, ignore_result=not keep_results))  # fmt: skip
+    return sent
+
+
+def _enqueue_job(job_id: str, request_ids: list[str], pair: str) -> None:
+    try:
+        enqueue(request_ids, pair)
+    except OperationalError as e:
+        raise QueueError(
+            f"job {job_id} is saved but cannot be enqueued: the broker at {broker_display()} is unreachable ({e}); "
+            f"once it is up, run `specdec-llm retry {job_id}`"
+        ) from None
+
+
+# -- reading a job -----------------------------------------------------------------------------
+def job_requests(job_id: str, *, outputs: bool = True) -> list[dict]:
+    """Every request of a job (id, status, error, params, attempts, pair) in input order,
+    with its output and key telemetry when ``outputs``.
+    (Reads the store's tables directly: a candidate for ``specdec_llm.store``.)"""
+    from specdec_llm.store.models import Output, Pair, Request, Telemetry
+
+    columns = [Request.id, Request.status, Request.error, Request.params, Request.attempts, Pair.name.label("pair")]
+    q = select(*columns).outerjoin(Pair, Pair.id == Request.pair_id).where(Request.job_id == job_id)
+    if outputs:
+        q = (
+            q.add_columns(Output.text, Output.finish_reason, Output.prompt_tokens, Output.output_tokens,
+                          Telemetry.tokens_per_s, Telemetry.acceptance_rate, Telemetry.mean_accepted_length,
+                          Telemetry.wall_time_s)
+            .outerjoin(Output, Output.request_id == Request.id)
+            .outerjoin(Telemetry, Telemetry.request_id == Request.id)
+        )  # fmt: skip
+    store.check_schema()
+    with store.session_scope() as s:
+        out = [dict(r) for r in s.execute(q).mappings()]
+    out.sort(key=lambda r: ((r["params"] or {}).get("_row", 0), r["id"]))
+    return out
+
+
+def job_counts(job_id: str) -> dict[str, int]:
+    from specdec_llm.store.models import Request
+
+    store.check_schema()
+    with store.session_scope() as s:
+        counts = dict(s.execute(
+            select(Request.status, func.count()).where(Request.job_id == job_id).group_by(Request.status)
+        ).all())  # fmt: skip
+    return {k: counts.get(k, 0) for k in (*PENDING, *FINISHED)}
+
+
+def get_job(job_id: str) -> dict:
+    store.check_schema()
+    job = store.get_job(job_id)
+    if job is None:
+        raise store.StoreError(f"no job {job_id!r} in {store.mask_url(get_settings().effective_database_url)}")
+    return job
+
+
+def status(job_id: str, price_per_hour=None) -> dict:
+    """Counts by state, progress, speed, acceptance and cost so far, and an ETA."""
+    from specdec_llm.store import summary
+
+    job = get_job(job_id)
+    counts = job_counts(job_id)
+    total = sum(counts.values())
+    done = sum(counts[s] for s in FINISHED)
+    report = summary(job=job_id, group_by=(), price_per_hour=price_per_hour)
+    rep = report[0] if report else {}
+    elapsed = ((job["finished_at"] or utcnow()) - job["started_at"]).total_seconds() if job["started_at"] else 0.0
+    rate = done / elapsed if elapsed > 0 and done else None
+    return {
+        "job_id": job_id, "name": job["name"], "status": job["status"], "total": total, "counts": counts,
+        "progress": done / total if total else 1.0, "elapsed_s": elapsed,
+        "eta_s": (total - done) / rate if rate and total > done else (0.0 if total == done else None),
+        "output_tokens": rep.get("output_tokens", 0),
+        "throughput_tokens_per_s": rep.get("output_tokens", 0) / elapsed if elapsed > 0 else None,
+        "tokens_per_s_mean": rep.get("tokens_per_s_mean"), "acceptance_rate": rep.get("acceptance_rate"),
+        "mean_accepted_length": rep.get("mean_accepted_length"), "speedup": rep.get("speedup"),
+        "cost_usd": rep.get("cost_usd"),
+    }  # fmt: skip
+
+
+def results(job_id: str) -> list[dict]:
+    """One dict per row, in input order: the row's id, outcome and key stats."""
+    get_job(job_id)
+    out = []
+    for r in job_requests(job_id):
+        params = r["params"] or {}
+        item = {k: r.get(k) for k in RESULT_FIELDS}
+        item["id"] = params.get("_id", r["id"])
+        item["metadata"] = params.get("_metadata")
+        out.append(item)
+    return out
+
+
+def write_results(items: list[dict], fmt: str, out) -> None:
+    """``jsonl``: one object per line; ``csv``: one row per result, metadata as JSON text."""
+    if fmt == "jsonl":
+        for item in items:
+            out.write(json.dumps(item, ensure_ascii=False) + "\n")
+    elif fmt == "csv":
+        import csv
+
+        writer = csv.DictWriter(out, fieldnames=RESULT_FIELDS, lineterminator="\n")
+        writer.writeheader()
+        for item in items:
+            writer.writerow({**item, "metadata": None if item["metadata"] is None else json.dumps(item["metadata"])})
+    else:
+        raise ValueError(f"format: {fmt!r} unknown; use jsonl or csv")
+
+
+# -- retry and cancel --------------------------------------------------------------------------
+def retry(job_id: str) -> dict:
+    """Re-enqueue failed rows (not those refused at submit: they would fail again) and lost
+    ones (still queued or running: a message lost with its broker or worker). A row that is
+    in fact still running elsewhere is harmless: the first result recorded wins."""
+    get_job(job_id)
+    by_pair: dict[str, list[str]] = {}
+    skipped = 0
+    for r in job_requests(job_id, outputs=False):
+        if r["status"] == "failed" and (r["params"] or {}).get("_input_error"):
+            skipped += 1
+        elif r["status"] in ("failed", *PENDING):
+            by_pair.setdefault(r["pair"], []).append(r["id"])
+    for pair, ids in by_pair.items():
+        for rid in ids:
+            store.mark_request(rid, "queued")
+        _enqueue_job(job_id, ids, pair)
+    return {"job_id": job_id, "enqueued": sum(map(len, by_pair.values())), "bad_input": skipped}
+
+
+def cancel(job_id: str) -> dict:
+    """Rows not started are cancelled (workers skip them); a row being generated finishes."""
+    get_job(job_id)
+    n = 0
+    for r in job_requests(job_id, outputs=False):
+        if r["status"] == "queued":
+            n += store.mark_request(r["id"], "cancelled", error="cancelled")
+    return {"job_id": job_id, "cancelled": n}
+
+
+# -- workers -----------------------------------------------------------------------------------
+def check_broker() -> None:
+    """Raise kombu's OperationalError quickly when the broker cannot be reached."""
+    with get_app().connection_for_write() as conn:
+        conn.ensure_connection(max_retries=1, interval_start=0.2, interval_step=0.2, timeout=3)
+
+
+def live_workers(pair: str, timeout: float = 1.0) -> list[str]:
+    """Names of the running workers that consume ``pair``'s queue (none over the embedded broker)."""
+    if is_embedded():
+        return []
+    replies = get_app().control.inspect(timeout=timeout).active_queues() or {}
+    return sorted(node for node, queues in replies.items() if any(q.get("name") == queue_name(pair) for q in queues))
+
+
+def start_local_worker(pair: str, *, device: str | None = None, concurrency: int = 1, log_path: Path | None = None,
+                       extra: list[str] | None = None) -> subprocess.Popen:  # fmt: skip
+    """``specdec-llm worker`` for ``pair`` as a child process with this environment; its
+    output goes to ``log_path`` (default: ``<data_dir>/logs/worker-<pair>-<time>.log``)."""
+    if log_path is None:
+        log_path = get_settings().data_dir / "logs" / f"worker-{pair}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "workers", "worker", "--pair", pair, "--concurrency", str(concurrency), *(extra or [])]
+    if device:
+        cmd += ["--device", device]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
+    proc.log_path = log_path
+    return proc
+
+
+def stop_local_worker(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:
+    """Warm shutdown (SIGTERM: the running task finishes, unacknowledged messages go back to
+    the queue); SIGKILL to its process group after ``timeout`` s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+def log_tail(proc: subprocess.Popen, lines: int = 12) -> str:
+    """The worker's last critical message if it logged one (why it stopped), else its last lines."""
+    try:
+        text = Path(proc.log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    critical = [line for line in text if "CRITICAL/" in line]
+    return critical[-1] if critical else "\n".join(text[-lines:])
+
+
+def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None, poll_s: float = 0.3,
+         timeout_s: float | None = None) -> dict:  # fmt: skip
+    """Until no row of the job is queued or running; returns the counts by state.
+    ``on_progress(counts)`` after each look. Raises RuntimeError when every local worker in
+    ``workers`` has stopped first, TimeoutError after ``timeout_s``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        counts = job_counts(job_id)
+        if on_progress:
+            on_progress(counts)
+        if not any(counts[s] for s in PENDING):
+            return counts
+        if workers and all(p.poll() is not None for p in workers):
+            p = workers[0]
+            raise RuntimeError(f"the local worker stopped (exit code {p.returncode}); its log {p.log_path}:\n{log_tail(p)}")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} not finished after {timeout_s} s: {counts}")
+        time.sleep(poll_s)

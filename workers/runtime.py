@@ -1,0 +1,200 @@
+"""The worker runtime: each worker process holds ONE loaded pair, loaded after the fork.
+
+``specdec-llm worker`` calls ``configure(WorkerOptions(...))`` in the parent, which never
+loads a model (so CUDA is never initialised before the fork). Each pool child loads the
+pair in ``worker_process_init`` and keeps it for every task; child 0 also runs a short
+calibration (target-only and speculative tokens/s), logs it and stores the target-only
+figure as the pair's baseline. A process started another way (``celery -A workers.app
+worker``) loads the pair of its first task instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+from celery.signals import worker_process_init
+
+from specdec_llm import store
+from specdec_llm.engine import GenerationRequest, RequestError
+from specdec_llm.settings import get_settings
+
+log = logging.getLogger("specdec.worker")
+
+CALIBRATION_PROMPT = "The quick brown fox jumps over the lazy dog. Speculative decoding drafts and verifies."
+
+
+@dataclass
+class WorkerOptions:
+    pair: str
+    device: str | None = None  # None: the pair's own device
+    price_per_hour: float | None = None  # USD per device-hour, for each row's cost estimate
+    threads: int | None = None  # torch threads on CPU (None: SPECDEC_THREADS or torch's default)
+    calibrate: bool = True
+    calibration_tokens: int = 32
+
+
+@dataclass
+class Runtime:
+    pair: str
+    device: str
+    dtype: str
+    loaded: object  # specdec_llm.pairs.Pair
+    decoder: object  # SpeculativeDecoder
+    worker: dict  # store.worker_info(...)
+    price_per_hour: float | None
+
+
+_options: WorkerOptions | None = None  # set in the parent; forked children inherit it
+_runtime: Runtime | None = None  # this process's pair, once loaded
+
+
+def configure(options: WorkerOptions) -> None:
+    global _options
+    _options = options
+
+
+def serves(pair: str) -> bool:
+    """Whether this process is (or will be) the one for ``pair``."""
+    if _runtime is not None:
+        return _runtime.pair == pair
+    return _options is None or _options.pair == pair
+
+
+def get(pair: str) -> Runtime:
+    """This process's runtime, loading ``pair`` on first use."""
+    global _runtime
+    if _runtime is None:
+        options = _options if _options is not None and _options.pair == pair else WorkerOptions(pair)
+        _runtime = load(options)
+    return _runtime
+
+
+def load(options: WorkerOptions) -> Runtime:
+    import torch
+
+    from specdec_llm.pairs import get_spec, load_pair
+
+    threads = options.threads or get_settings().threads
+    if threads:
+        torch.set_num_threads(threads)
+    spec = copy.copy(get_spec(options.pair))
+    spec.device = options.device or spec.device
+    if spec.device.startswith("cuda:"):
+        torch.cuda.set_device(torch.device(spec.device))  # this process's default GPU (kernels, caches)
+    loaded = load_pair(spec)
+    rt = Runtime(
+        pair=spec.name, device=spec.device, dtype=spec.dtype, loaded=loaded, decoder=loaded.decoder(),
+        worker=store.worker_info(spec.device), price_per_hour=_price(options.price_per_hour, spec.device),
+    )  # fmt: skip
+    log.info(
+        "worker %s: pair %s on %s (%s), %s; store %s",
+        os.getpid(), spec.name, spec.device, spec.dtype, memory_text(rt), store.mask_url(get_settings().effective_database_url),
+    )  # fmt: skip
+    try:
+        store.upsert_pair(
+            spec.name, target=spec.target, draft=spec.draft, target_fingerprint=loaded.target_fingerprint,
+            draft_fingerprint=loaded.draft_info.get("fingerprint"), dtype=spec.dtype, device=spec.device,
+        )  # fmt: skip
+        store.upsert_worker(rt.worker)
+    except store.StoreError as e:  # tasks retry their own writes; don't die over bookkeeping
+        log.warning("could not register the pair and worker in the store: %s", e)
+    return rt
+
+
+def _price(given: float | None, device: str) -> float | None:
+    """USD per device-hour: as given, else from settings (``price_per_hour``, if the settings
+    have it: one figure or per device kind, as the reports read it)."""
+    from specdec_llm.store.record import device_kind
+    from specdec_llm.store.reports import parse_prices
+
+    if given is not None:
+        return given
+    prices = parse_prices(getattr(get_settings(), "price_per_hour", None)) or {}
+    return prices.get(device_kind(device), prices.get("*"))
+
+
+def memory_text(rt: Runtime) -> str:
+    """Weights held (shared tensors once), process RSS, and CUDA memory when on a GPU."""
+    import torch
+
+    seen, weights = set(), 0
+    for model in (rt.loaded.target, rt.loaded.draft):
+        if model is None:
+            continue
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                weights += t.numel() * t.element_size()
+    parts = [f"weights {weights / 2**20:.1f} MiB"]
+    try:
+        with open("/proc/self/status") as f:
+            rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        parts.append(f"RSS {rss_kib / 1024:.0f} MiB")
+    except (OSError, StopIteration):
+        pass
+    if rt.device.startswith("cuda"):
+        parts.append(f"CUDA allocated {torch.cuda.memory_allocated(torch.device(rt.device)) / 2**20:.0f} MiB")
+    return ", ".join(parts)
+
+
+def calibrate(rt: Runtime, tokens: int = 32) -> dict:
+    """Target-only and speculative tokens/s on a short greedy prompt; the target-only
+    figure becomes the pair's baseline on this device kind and dtype."""
+    speeds = {}
+    for mode in ("baseline", "speculative"):
+        rt.decoder.generate(GenerationRequest(CALIBRATION_PROMPT, max_new_tokens=4, mode=mode))  # warm up
+        stats = rt.decoder.generate(GenerationRequest(CALIBRATION_PROMPT, max_new_tokens=tokens, mode=mode)).stats
+        speeds[mode] = stats
+    base, spec = speeds["baseline"], speeds["speculative"]
+    log.info(
+        "calibration %s on %s: target-only %.1f tok/s, speculative %.1f tok/s (acceptance %.2f, %.2f tokens/target forward)",
+        rt.pair, rt.device, base.tokens_per_s, spec.tokens_per_s, spec.acceptance_rate, spec.mean_accepted_length,
+    )  # fmt: skip
+    if base.tokens_per_s > 0:
+        try:
+            store.record_baseline(rt.pair, device=rt.device, dtype=rt.dtype, tokens_per_s=base.tokens_per_s)
+        except store.StoreError as e:
+            log.warning("could not store the calibration baseline: %s", e)
+    return {"baseline_tokens_per_s": base.tokens_per_s, "speculative_tokens_per_s": spec.tokens_per_s}
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat turns -> prompt token ids through the pair's chat template."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - no template, bad roles...: the row's fault
+        raise RequestError("messages", f"cannot apply the chat template: {e}") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_worker(reason: str) -> None:
+    """This process cannot hold its pair: stop the whole worker rather than take messages
+    it cannot serve (they go back to the queue: acks are late)."""
+    from billiard.process import current_process
+
+    log.critical("%s; stopping the worker", reason)
+    if current_process().name != "MainProcess":  # a pool child: its parent is the worker
+        os.kill(os.getppid(), signal.SIGTERM)
+
+
+@worker_process_init.connect
+def _load_after_fork(**_) -> None:
+    if _options is None:
+        return
+    try:
+        rt = get(_options.pair)
+    except Exception as e:  # noqa: BLE001 - whatever it is, this worker cannot serve
+        stop_worker(f"could not load pair {_options.pair}: {type(e).__name__}: {e}")
+        return
+    if _options.calibrate and _process_index() == 0:
+        calibrate(rt, _options.calibration_tokens)
+
+
+def _process_index() -> int:
+    from billiard.process import current_process
+
+    return getattr(current_process(), "index", 0) or 0

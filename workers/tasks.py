@@ -1,0 +1,142 @@
+"""The one task: generate the completion of one stored request and record it.
+
+``specdec.generate(request_id, pair, enqueued_at=None)``. The request row (prompt or chat
+messages, parameters) is read from the store, so a message is a few ids, not data.
+
+- Idempotent: a row already finished (ok, failed, cancelled) is a no-op, so a redelivered
+  message costs one read; the result write itself is idempotent on the request id.
+- Bad input (``RequestError``: bad parameters, prompt too long...) fails the row with its
+  error, no retry. A time-out fails the row too.
+- Transient faults (database or broker unreachable) retry with exponential backoff and
+  jitter; a failure writing the result retries the write alone, carrying the result in
+  the message, so a GPU never generates the same row twice for a database hiccup.
+- A row whose deliveries keep dying mid-generation (OOM-killed worker) fails after
+  ``MAX_ATTEMPTS`` instead of killing workers forever.
+- Returns plain JSON: ``{"request_id", "status", ...}`` plus text, token_ids,
+  finish_reason and stats when ok, ``error`` when failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import kombu.exceptions
+import sqlalchemy.exc
+from celery import Task, shared_task
+from celery.exceptions import Reject, SoftTimeLimitExceeded
+from celery.utils.time import get_exponential_backoff_interval
+
+from specdec_llm import store
+from specdec_llm.engine import GenerationRequest, RequestError
+
+from . import runtime
+from .app import TASK, queue_name
+from .rows import generation_params
+
+log = logging.getLogger("specdec.worker")
+
+TRANSIENT: tuple[type[BaseException], ...] = (
+    store.StoreError, sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError,
+    kombu.exceptions.OperationalError, ConnectionError, TimeoutError,
+)  # fmt: skip
+try:
+    import redis.exceptions
+
+    TRANSIENT += (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+except ImportError:  # pragma: no cover
+    pass
+
+MAX_RETRIES = 12
+BACKOFF_MAX = 60  # s
+MAX_ATTEMPTS = 3  # deliveries that died mid-generation before a row is given up
+
+
+class GenerateTask(Task):
+    def on_failure(self, exc, task_id, args, kwargs, einfo):
+        """Out of retries or an unexpected error: the row fails with it (if the store lets us)."""
+        request_id = args[0] if args else kwargs.get("request_id")
+        try:
+            store.mark_request(request_id, "failed", error=f"{type(exc).__name__}: {exc}")
+        except Exception as e:  # noqa: BLE001 - the store is what failed; `retry JOB` recovers the row
+            log.error("could not mark request %s failed: %s", request_id, e)
+
+
+@shared_task(
+    name=TASK, bind=True, base=GenerateTask, acks_late=True, reject_on_worker_lost=True,
+    autoretry_for=TRANSIENT, dont_autoretry_for=(store.SchemaError,), max_retries=MAX_RETRIES,
+    retry_backoff=1, retry_backoff_max=BACKOFF_MAX, retry_jitter=True,
+    resultrepr_maxsize=160,  # the worker log shows the start of each result, not all its token ids
+)  # fmt: skip
+def generate(self, request_id: str, pair: str, enqueued_at: float | None = None, result: dict | None = None) -> dict:
+    started = time.time()
+    if not runtime.serves(pair):  # routed to a worker of another pair: pass it on
+        self.app.send_task(TASK, args=[request_id, pair], kwargs={"enqueued_at": enqueued_at}, queue=queue_name(pair))
+        return {"request_id": request_id, "status": "forwarded"}
+    if result is None:
+        row = store.get_request(request_id)
+        if row is None:
+            log.warning("request %s is not in the store; nothing to do", request_id)
+            return {"request_id": request_id, "status": "missing"}
+        if row["status"] in ("ok", "failed", "cancelled"):
+            return _finished(row)
+        if row["status"] == "running" and row["attempts"] >= MAX_ATTEMPTS:
+            error = (f"gave up after {row['attempts']} attempts that ended without a result "
+                     "(the worker died each time: out of memory?)")  # fmt: skip
+            store.mark_request(request_id, "failed", error=error)
+            return {"request_id": request_id, "status": "failed", "error": error}
+        try:
+            rt = runtime.get(pair)
+        except Exception as e:  # noqa: BLE001 - not the row's fault: put it back, stop this worker
+            runtime.stop_worker(f"could not load pair {pair}: {type(e).__name__}: {e}")
+            raise Reject(f"pair {pair} unavailable here", requeue=True) from None
+        store.mark_request(request_id, "running", worker=rt.worker)
+        try:
+            result = rt.decoder.generate(build_request(row, rt.loaded.tokenizer)).to_dict()
+        except RequestError as e:
+            store.mark_request(request_id, "failed", error=str(e))
+            return {"request_id": request_id, "status": "failed", "error": str(e)}
+        except SoftTimeLimitExceeded:
+            error = f"timed out: generation took longer than the {self.soft_time_limit or self.app.conf.task_soft_time_limit} s limit"
+            store.mark_request(request_id, "failed", error=error)
+            return {"request_id": request_id, "status": "failed", "error": error}
+        result["text"] = result["text"].replace("\x00", "\ufffd")  # PostgreSQL text cannot hold NUL
+        result["job_id"] = row["job_id"]
+        result["queue_wait_s"] = started - enqueued_at if enqueued_at else None
+    rt = runtime.get(pair)
+    try:
+        store.record_result(
+            request_id, result, worker=rt.worker, device=rt.device, queue_wait_s=result.get("queue_wait_s"),
+            pair=pair, job_id=result.get("job_id"), price_per_hour=rt.price_per_hour, dtype=rt.dtype,
+        )  # fmt: skip
+    except TRANSIENT as e:
+        countdown = get_exponential_backoff_interval(1, self.request.retries, BACKOFF_MAX, full_jitter=True)
+        log.warning("request %s: cannot write its result yet (%s); retrying in %s s", request_id, e, countdown)
+        raise self.retry(exc=e, countdown=countdown, kwargs={"enqueued_at": enqueued_at, "result": result})
+    return {"request_id": request_id, "status": "ok", **{k: result[k] for k in ("text", "token_ids", "finish_reason", "stats")}}
+
+
+def build_request(row: dict, tokenizer) -> GenerationRequest:
+    """A stored request row -> GenerationRequest (chat messages rendered to token ids here,
+    with the pair's chat template, so the engine needs no notion of turns)."""
+    params = row.get("params") or {}
+    if params.get("_input_error"):
+        raise RequestError("input", params["_input_error"])
+    gen = generation_params(params)
+    prompt = row["prompt"]
+    if row.get("messages") is not None:
+        prompt, gen["chat"] = runtime.chat_prompt(tokenizer, row["messages"]), False
+    try:
+        return GenerationRequest(prompt=prompt, **gen)
+    except TypeError as e:  # an unknown parameter name
+        raise RequestError("params", str(e)) from None
+
+
+def _finished(row: dict) -> dict:
+    out = {"request_id": row["id"], "status": row["status"], "duplicate": True}
+    if row["status"] == "ok" and row.get("output"):
+        out.update(text=row["output"]["text"], token_ids=row["output"]["token_ids"],
+                   finish_reason=row["output"]["finish_reason"])  # fmt: skip
+    elif row.get("error"):
+        out["error"] = row["error"]
+    return out
