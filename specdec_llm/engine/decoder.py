@@ -151,6 +151,7 @@ class _Run:
         drafts: list[int] = []
         qs = []
         inp = self.seq[self.dlen :]
+        catch_up = len(inp)  # > 1 after k = 0 iterations: the draft first catches up in one forward
         with Timer() as t:
             for _ in range(k):
                 logits = hf.forward(dec.draft, inp, self.dcache, 1)[0, : dec.vocab_size]
@@ -165,7 +166,7 @@ class _Run:
                 drafts.append(tok)
                 inp = [tok]
         self.stats.draft_time_s += t.seconds
-        if k and isinstance(self.policy, KPolicy):
+        if k and catch_up == 1 and isinstance(self.policy, KPolicy):  # steady state: k one-token steps
             dec.cost.observe_draft(t.seconds / k)
         return drafts, (torch.stack(qs) if qs else None)
 
