@@ -92,7 +92,7 @@ def celery_config(settings: Settings) -> dict:
                 "data_folder_in": str(queue),
                 "data_folder_out": str(queue),
                 "control_folder": str(queue / "control"),
-                "polling_interval": 0.01,  # s between looks at an empty queue folder (a listdir: cheap)
+                "polling_interval": 0.002,  # s between looks at an empty queue folder (a listdir: cheap)
             },
             result_backend=settings.result_backend or f"file://{results}",
             worker_enable_remote_control=False,  # no broadcast over files: fewer folders to poll
