@@ -3,7 +3,6 @@ one head, concurrent upgrades, and the schema checks every command relies on."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -23,18 +22,10 @@ from typer.testing import CliRunner
 from specdec_llm.settings import reload_settings
 from specdec_llm.store import cli, db, record, reports
 from specdec_llm.store.models import Base
-from specdec_llm.store.testing import postgres_available, sqlite_url, temporary_postgres
+from specdec_llm.store.testing import require_postgres, sqlite_url, temporary_postgres
 
 REPO = Path(__file__).resolve().parents[1]
 TABLES = {"pairs", "workers", "jobs", "requests", "outputs", "telemetry", "baselines"}
-
-
-def _skip_or_fail_without_postgres():
-    why = postgres_available()
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL test server unreachable on CI: {why}")
-        pytest.skip(f"PostgreSQL test server unreachable: {why}")
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -45,7 +36,7 @@ def empty_url(request, tmp_path):
         yield url
         db.dispose_engine(url)
     else:
-        _skip_or_fail_without_postgres()
+        require_postgres()
         with temporary_postgres() as url:
             yield url
 

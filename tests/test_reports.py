@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import re
 from datetime import datetime, timedelta
 
@@ -20,7 +19,7 @@ from typer.testing import CliRunner
 from specdec_llm.settings import reload_settings
 from specdec_llm.store import cli, db, record, render, reports
 from specdec_llm.store.models import Request, Telemetry, utcnow
-from specdec_llm.store.testing import postgres_available, sqlite_url, temporary_postgres
+from specdec_llm.store.testing import require_postgres, sqlite_url, temporary_postgres
 
 WORKER = {"host": "node1", "pid": 42, "device_name": "cpu"}
 T0 = datetime(2026, 3, 1, 10, 15)
@@ -63,11 +62,7 @@ def url(request, tmp_path_factory):
         yield u
         db.dispose_engine(u)
     else:
-        why = postgres_available()
-        if why:
-            if os.environ.get("CI"):
-                pytest.fail(f"PostgreSQL test server unreachable on CI: {why}")
-            pytest.skip(f"PostgreSQL test server unreachable: {why}")
+        require_postgres()
         with temporary_postgres() as u:
             seed(u)
             yield u

@@ -15,7 +15,7 @@ from specdec_llm.engine.types import GenerationResult, Stats
 from specdec_llm.settings import reload_settings
 from specdec_llm.store import db, record
 from specdec_llm.store.models import STATS_FIELDS, Baseline, Output, Request, Telemetry, Worker
-from specdec_llm.store.testing import postgres_available, sqlite_url, temporary_postgres
+from specdec_llm.store.testing import require_postgres, sqlite_url, temporary_postgres
 
 TABLES = ("telemetry", "outputs", "requests", "jobs", "baselines", "workers", "pairs")
 
@@ -31,11 +31,7 @@ def sqlite_template(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def postgres_db():
-    why = postgres_available()
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL test server unreachable on CI: {why}")
-        pytest.skip(f"PostgreSQL test server unreachable: {why}")
+    require_postgres()
     with temporary_postgres() as url:
         db.upgrade(url)
         yield url

@@ -45,6 +45,17 @@ def postgres_available() -> str | None:
         engine.dispose()
 
 
+def require_postgres() -> None:
+    """Skip the calling test when the PostgreSQL test server is unreachable; fail under CI=true."""
+    import pytest
+
+    why = postgres_available()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL test server unreachable on CI: {why}")
+        pytest.skip(f"PostgreSQL test server unreachable: {why}")
+
+
 @contextmanager
 def temporary_postgres(prefix: str = "specdec_test") -> Iterator[str]:
     """Create an empty database with a unique name; yield its URL; drop it afterwards."""
