@@ -108,8 +108,12 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
     """Dequantize a GGUF once into a safetensors model dir; return the dir."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}".encode()).hexdigest()[:12]
+    size = gguf.stat().st_size
+    with gguf.open("rb") as f:  # identity by content (head and tail), not by path: one cache for every venv
+        head = f.read(1 << 20)
+        f.seek(max(0, size - (1 << 20)))
+        tail = f.read()
+    key = hashlib.sha256(head + tail + str(size).encode()).hexdigest()[:12]
     out = get_settings().cache_dir / "models" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
         return out
