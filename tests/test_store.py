@@ -253,3 +253,13 @@ def test_schema_has_the_report_index(url):
     engine = db.get_engine(url)
     names = {ix["name"] for ix in inspect(engine).get_indexes("telemetry")}
     assert "ix_telemetry_report" in names
+
+
+def test_a_cancelled_request_does_not_start_running(url):
+    job = record.create_job([{"prompt": "a"}], name="j", pair="p", params={}, job_id="cancel-race", url=url)
+    rid = job["request_ids"][0]
+    assert record.mark_request(rid, "cancelled", url=url)
+    assert not record.mark_request(rid, "running", url=url)
+    assert record.get_request(rid, url=url)["status"] == "cancelled"
+    assert record.mark_request(rid, "queued", url=url)  # retry re-queues it
+    assert record.mark_request(rid, "running", url=url)

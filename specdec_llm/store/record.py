@@ -302,7 +302,8 @@ def mark_request(
     "running" counts an attempt (``attempts += 1``) and stamps ``started_at``;
     "failed"/"cancelled" stamp ``finished_at``; ``error`` is stored as given (None clears
     it). A request already recorded as "ok" is never changed (a late duplicate delivery
-    can't undo a result). Returns whether a row changed. Results go through ``record_result``.
+    can't undo a result), and only a queued or running request starts "running" (a
+    cancelled one stays cancelled). Returns whether a row changed. Results go through ``record_result``.
     """
     if status not in ("queued", "running", "failed", "cancelled"):
         raise ValueError(f"status must be queued, running, failed or cancelled, not {status!r}")
@@ -315,8 +316,10 @@ def mark_request(
             values["finished_at"] = now
         if worker:
             values["worker_id"] = _worker_id(s, worker)
+        # "ok" is final; a row only starts running from queued/running (never over a cancel)
+        allowed = Request.status.in_(("queued", "running")) if status == "running" else Request.status != "ok"
         changed = s.execute(
-            update(Request).where(Request.id == request_id, Request.status != "ok").values(**values)
+            update(Request).where(Request.id == request_id, allowed).values(**values)
             .returning(Request.job_id)
         ).first()
         if changed is not None and changed.job_id:
