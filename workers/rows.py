@@ -188,7 +188,7 @@ def to_request(job_id: str, row: Row, job_params: dict) -> dict:
         prompt = ""
     return {
         "id": request_id(job_id, row), "messages": row.messages, "params": params,
-        "prompt": None if prompt is None else prompt.replace("\x00", "\ufffd"),  # PostgreSQL text: no NUL
+        "prompt": prompt,
         "category": row.category if isinstance(row.category, str) else None,
     }  # fmt: skip
 

@@ -254,7 +254,7 @@ def create_job(
                 "id": str(item.get("id") or uuid.uuid4()),
                 "idempotency_key": item.get("idempotency_key"),
                 "category": item.get("category"),
-                "prompt": item.get("prompt"),
+                "prompt": _text(item.get("prompt")),
                 "messages": item.get("messages"),
                 "params": item.get("params"),
             }
@@ -287,6 +287,11 @@ def create_job(
         _refresh_job(s, job_id)
     request_ids = [by_key.get(r["idempotency_key"], r["id"]) if r["idempotency_key"] else r["id"] for r in rows]
     return {"job_id": job_id, "request_ids": request_ids, "created": len(new)}
+
+
+def _text(value: str | None) -> str | None:
+    """PostgreSQL text cannot hold NUL (tiny random models emit it): store U+FFFD instead."""
+    return None if value is None else value.replace("\x00", "\ufffd")
 
 
 def mark_request(
@@ -376,7 +381,7 @@ def record_result(
             _insert(s, Output)
             .values(
                 request_id=request_id,
-                text=result.get("text") or "",
+                text=_text(result.get("text")) or "",
                 token_ids=list(result.get("token_ids") or []),
                 prompt_tokens=int(stats.get("prompt_tokens") or 0),
                 output_tokens=int(stats.get("output_tokens") or 0),
