@@ -239,14 +239,7 @@ class Pair:
     draft_info: dict = field(default_factory=dict)
 
     def decoder(self) -> SpeculativeDecoder:
-        eos = self.target.generation_config.eos_token_id
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
-            eos_ids.append(self.tokenizer.eos_token_id)
-        return SpeculativeDecoder(
-            self.target, self.draft, self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=eos_ids,
-            default_k=self.spec.k,
-        )  # fmt: skip
+        return SpeculativeDecoder(self.target, self.draft, self.tokenizer, vocab_size=self.vocab_size, default_k=self.spec.k)
 
 
 def check_vocab(target_ref: str, tok_t, draft_ref: str, tok_d, vt: int, vd: int) -> int:

@@ -50,9 +50,11 @@ class SpeculativeDecoder:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         sizes = [m.config.vocab_size for m in (target, draft) if m is not None]
         self.vocab_size = vocab_size or min(sizes)
-        if eos_token_ids is None:
+        if eos_token_ids is None:  # the generation config's, plus the tokenizer's (chat end-of-turn)
             eos = target.generation_config.eos_token_id if target.generation_config else None
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+            if tokenizer is not None and tokenizer.eos_token_id is not None:
+                eos_token_ids.append(tokenizer.eos_token_id)
         self.eos_token_ids = set(eos_token_ids)
         self.context_length = context_length or getattr(target.config, "max_position_embeddings", None) or 2048
         self.max_k = max_k if draft is not None else 0
