@@ -57,7 +57,7 @@ from langchain_core.outputs import (
     GenerationChunk,
     LLMResult,
 )
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from .engine import GenerationRequest, RequestError
 from .settings import get_settings
@@ -197,12 +197,11 @@ def _price(device: str) -> float | None:
 class _SpecDecBase(BaseModel):
     """Fields and plumbing shared by ``SpecDecLLM`` and ``ChatSpecDec``."""
 
-    pair: str = Field(default_factory=lambda: get_settings().default_pair,
-                      validation_alias=AliasChoices("pair", "model"))  # fmt: skip
+    pair: str = Field(default_factory=lambda: get_settings().default_pair)
     """Pair name from the registry (``specdec-llm pairs list``); ``model=`` also sets it."""
     backend: Literal["auto", "remote", "local"] = "auto"
     """remote: the Celery pool; local: this process; auto: remote iff SPECDEC_BROKER_URL is set."""
-    max_new_tokens: int = Field(128, validation_alias=AliasChoices("max_new_tokens", "max_tokens"))
+    max_new_tokens: int = 128
     """Tokens to generate at most (``max_tokens=`` also sets it)."""
     temperature: float = 0.0
     """0 = greedy (token-identical to the target's own greedy decoding)."""
@@ -234,6 +233,19 @@ class _SpecDecBase(BaseModel):
     api_key: SecretStr | None = None
     """Not used (the pool needs no key); accepted as one of LangChain's standard parameters."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _standard_names(cls, values: Any) -> Any:
+        """LangChain's standard names: ``model`` for ``pair``, ``max_tokens`` for
+        ``max_new_tokens`` (the project's own name wins when both are given)."""
+        if isinstance(values, dict):
+            values = dict(values)
+            for alias, name in (("model", "pair"), ("max_tokens", "max_new_tokens")):
+                if alias in values:
+                    value = values.pop(alias)
+                    values.setdefault(name, value)
+        return values
+
     # -- LangChain plumbing ---------------------------------------------------------------------
     def _spec_fields(self) -> dict:
         try:
@@ -247,14 +259,15 @@ class _SpecDecBase(BaseModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {
-            "pair": self.pair, **self._spec_fields(), "backend": self._backend(),
+            "pair": self.pair, **self._spec_fields(), "backend": self.effective_backend(),
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "seed": self.seed, "k": self.k, "decoding": self.decoding, "chat": self.chat,
         }  # fmt: skip
 
     def _ls(self, model_type: str, stop: list[str] | None, kwargs: dict) -> LangSmithParams:
         params = LangSmithParams(
-            ls_provider=PROVIDER, ls_model_name=self.pair, ls_model_type=model_type,
+            ls_provider=PROVIDER, ls_model_type=model_type,
+            ls_model_name=kwargs.get("model") or kwargs.get("pair") or self.pair,
             ls_temperature=kwargs.get("temperature", self.temperature),
             ls_max_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
         )  # fmt: skip
@@ -263,7 +276,8 @@ class _SpecDecBase(BaseModel):
             params["ls_stop"] = stop
         return params
 
-    def _backend(self) -> str:
+    def effective_backend(self) -> str:
+        """"remote" or "local": what this model uses now (``backend``, or for "auto" the settings)."""
         if self.backend != "auto":
             return self.backend
         return "remote" if get_settings().broker_url else "local"
@@ -272,6 +286,8 @@ class _SpecDecBase(BaseModel):
         """This call's settings: fields, overridden by the call's keyword arguments."""
         kwargs = dict(kwargs)
         kwargs.pop("stream", None)  # a chat model's stream flag: not a generation parameter
+        model, pair = kwargs.pop("model", None), kwargs.pop("pair", None)
+        pair = pair or model or self.pair  # a per-call pair (``model=`` is LangChain's name for it)
         if "max_tokens" in kwargs:  # LangChain's usual name
             kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
@@ -293,8 +309,8 @@ class _SpecDecBase(BaseModel):
             raise RequestError("timeout", f"{timeout!r}: use a number of seconds > 0, or None")
         from .pairs import get_spec
 
-        get_spec(self.pair)  # unknown pair: RequestError now, not in a worker
-        return _Call(pair=self.pair, backend=self._backend(), gen=gen, job_name=str(opt["job_name"]),
+        get_spec(pair)  # unknown pair: RequestError now, not in a worker
+        return _Call(pair=pair, backend=self.effective_backend(), gen=gen, job_name=str(opt["job_name"]),
                      job_metadata=opt["job_metadata"], category=opt["category"], timeout=timeout,
                      record=self.record, started=time.monotonic())  # fmt: skip
 
@@ -302,17 +318,15 @@ class _SpecDecBase(BaseModel):
     def _run(self, items: list[_Item], call: _Call) -> list[dict]:
         for item in items:
             _check_item(item)
-        if call.backend == "remote":
-            return self._remote(items, call)
-        return self._local(items, call)
+        results = self._remote(items, call) if call.backend == "remote" else self._local(items, call)
+        return [{**r, "text": _clean(r["text"]), "pair": call.pair} for r in results]
 
     def _events(self, item: _Item, call: _Call, cancel: threading.Event) -> Iterator[tuple[str, Any]]:
         """("text", delta)... then ("result", result): one prompt, streamed."""
         _check_item(item)
-        if call.backend == "remote":
-            yield from self._remote_events(item, call)
-        else:
-            yield from self._local_events(item, call, cancel)
+        events = self._remote_events(item, call) if call.backend == "remote" else self._local_events(item, call, cancel)
+        for kind, value in events:
+            yield kind, (_clean(value) if kind == "text" else {**value, "text": _clean(value["text"]), "pair": call.pair})
 
     # -- remote ---------------------------------------------------------------------------------------
     def _submit(self, items: list[_Item], call: _Call, *, stream: bool = False) -> list[tuple[str, Any]]:
@@ -332,8 +346,9 @@ class _SpecDecBase(BaseModel):
         store.create_job(rows, name=call.job_name, pair=call.pair, params={"source": "langchain"}, job_id=call.job_id)
         for attempt in range(self.max_retries + 1):
             try:
+                client.check_broker()  # fails in well under a second; a publish to a dead Redis takes ~20 s
                 return list(zip(ids, client.enqueue(ids, call.pair, keep_results=True)))
-            except (OperationalError, ConnectionError, OSError, RedisError) as e:
+            except (OperationalError, ConnectionError, OSError, RedisError, RuntimeError) as e:
                 fault = e
                 if attempt < self.max_retries and not call.expired():
                     time.sleep(min(0.5 * 2**attempt, 5.0))
@@ -421,7 +436,7 @@ class _SpecDecBase(BaseModel):
             self._cancel_queued([rid])
             raise _timeout_error(call, f"request {rid}") from None
         final = self._wait(rid, result, call)
-        sent = "".join(streamed)
+        sent = _clean("".join(streamed))
         if final["text"] != sent and final["text"].startswith(sent):  # a stream cut short: the rest
             yield "text", final["text"][len(sent) :]
         yield "result", final
@@ -429,7 +444,15 @@ class _SpecDecBase(BaseModel):
     # -- local --------------------------------------------------------------------------------------
     def _local(self, items: list[_Item], call: _Call) -> list[dict]:
         rids = self._local_rows(items, call)
-        return [self._local_one(item, rid, call) for item, rid in zip(items, rids)]
+        out = []
+        try:
+            for item, rid in zip(items, rids):
+                out.append(self._local_one(item, rid, call))
+        except BaseException:
+            for rid in rids[len(out) + 1 :] if call.record else ():  # the rest of the batch will not run
+                self._local_mark(rid, "cancelled", "cancelled: an earlier prompt of the call failed")
+            raise
+        return out
 
     def _local_rows(self, items: list[_Item], call: _Call) -> list[str]:
         rids = [str(uuid.uuid4()) for _ in items]
@@ -446,9 +469,6 @@ class _SpecDecBase(BaseModel):
     def _local_one(self, item: _Item, rid: str, call: _Call, on_text=None, cancel=None) -> dict:
         from workers.tasks import build_request  # the worker's own row -> request (chat template...)
 
-        loaded = _local_pair(call.pair)
-        started = time.time()
-
         def text(delta: str) -> None:
             if cancel is not None and cancel.is_set():
                 raise _Cancelled()
@@ -458,6 +478,7 @@ class _SpecDecBase(BaseModel):
                 on_text(delta)
 
         try:
+            loaded = _local_pair(call.pair)
             request = build_request({"prompt": item.prompt, "messages": item.messages, "params": call.gen},
                                     loaded.pair.tokenizer)  # fmt: skip
             remaining = call.remaining()
@@ -467,29 +488,32 @@ class _SpecDecBase(BaseModel):
                 result = loaded.decoder.generate(request, on_text=text).to_dict()
             finally:
                 loaded.lock.release()
-        except (RequestError, GenerationTimeout, _Cancelled) as e:
-            if call.record and not isinstance(e, _Cancelled):
-                self._local_mark_failed(rid, str(e))
+        except _Cancelled:
+            if call.record:
+                self._local_mark(rid, "cancelled", "cancelled: the stream's consumer stopped reading")
+            raise
+        except BaseException as e:
+            if call.record:
+                self._local_mark(rid, "failed", str(e) if isinstance(e, RequestError) else f"{type(e).__name__}: {e}")
             raise
         result.update(request_id=rid, status="ok", job_id=call.job_id)
         if call.record:
-            self._local_record(rid, result, call, loaded, time.time() - started)
+            self._local_record(rid, result, call, loaded)
         return result
 
-    def _local_mark_failed(self, rid: str, error: str) -> None:
+    def _local_mark(self, rid: str, status: str, error: str) -> None:
         from . import store
 
         try:
-            store.mark_request(rid, "failed", error=error)
+            store.mark_request(rid, status, error=error)
         except Exception:  # noqa: BLE001 - the error itself is what the caller needs
             pass
 
-    def _local_record(self, rid: str, result: dict, call: _Call, loaded: _Loaded, _elapsed: float) -> None:
+    def _local_record(self, rid: str, result: dict, call: _Call, loaded: _Loaded) -> None:
         from . import store
 
         spec = loaded.pair.spec
         stored = {k: result[k] for k in ("text", "token_ids", "finish_reason", "stats")}
-        stored["text"] = stored["text"].replace("\x00", "\ufffd")
         store.record_result(
             rid, stored, worker=store.worker_info(spec.device), device=spec.device, queue_wait_s=0.0, pair=call.pair,
             job_id=call.job_id, price_per_hour=_price(spec.device), dtype=spec.dtype, category=call.category,
@@ -520,6 +544,11 @@ class _SpecDecBase(BaseModel):
             cancel.set()  # a consumer that stops early stops the generation at its next step
 
 
+def _clean(text: str) -> str:
+    """What the store keeps (a NUL cannot be stored in PostgreSQL text), in both modes."""
+    return text.replace("\x00", "\ufffd")
+
+
 def _check_item(item: _Item) -> None:
     if item.prompt is not None:
         if not isinstance(item.prompt, str) or not item.prompt.strip():
@@ -542,8 +571,9 @@ async def _aiter_in_thread(make: Callable[[threading.Event], Iterator]) -> Async
             cancel.set()
 
     def pump() -> None:
+        source = make(cancel)
         try:
-            for item in make(cancel):
+            for item in source:
                 if cancel.is_set():
                     break
                 post("item", item)
@@ -551,6 +581,8 @@ async def _aiter_in_thread(make: Callable[[threading.Event], Iterator]) -> Async
             post("error", e)
         else:
             post("done", None)
+        finally:
+            source.close()  # a consumer that stopped early: the source cleans up now
 
     ctx = contextvars.copy_context()
     threading.Thread(target=ctx.run, args=(pump,), daemon=True, name="specdec-async").start()
@@ -566,11 +598,11 @@ async def _aiter_in_thread(make: Callable[[threading.Event], Iterator]) -> Async
         cancel.set()
 
 
-def _info(result: dict, pair: str) -> dict:
+def _info(result: dict) -> dict:
     stats = result.get("stats") or {}
     info = {"finish_reason": result.get("finish_reason") or stats.get("finish_reason")}
     info.update({name: stats.get(name) for name in INFO_FIELDS})
-    info.update(request_id=result.get("request_id"), job_id=result.get("job_id"), pair=pair)
+    info.update(request_id=result.get("request_id"), job_id=result.get("job_id"), pair=result.get("pair"))
     return info
 
 
@@ -600,8 +632,8 @@ class SpecDecLLM(_SpecDecBase, BaseLLM):
 
     def _result(self, results: list[dict]) -> LLMResult:
         return LLMResult(
-            generations=[[Generation(text=r["text"], generation_info=_info(r, self.pair))] for r in results],
-            llm_output={"token_usage": _usage(results), "model_name": self.pair},
+            generations=[[Generation(text=r["text"], generation_info=_info(r))] for r in results],
+            llm_output={"token_usage": _usage(results), "model_name": results[0]["pair"] if results else self.pair},
         )
 
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
@@ -614,7 +646,7 @@ class SpecDecLLM(_SpecDecBase, BaseLLM):
             usage = {"prompt_tokens": info.get("prompt_tokens") or 0, "completion_tokens": info.get("output_tokens") or 0}
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             return LLMResult(generations=[[Generation(text=final.text, generation_info=info)]],
-                             llm_output={"token_usage": usage, "model_name": self.pair})  # fmt: skip
+                             llm_output={"token_usage": usage, "model_name": info.get("pair") or self.pair})  # fmt: skip
         call = self._resolve(stop, kwargs, messages=False)
         return self._result(self._run([_Item(prompt=p) for p in prompts], call))
 
@@ -629,7 +661,7 @@ class SpecDecLLM(_SpecDecBase, BaseLLM):
             if kind == "text":
                 yield GenerationChunk(text=value)
             else:  # the last chunk: no text, every figure (see the module's docstring)
-                yield GenerationChunk(text="", generation_info=_info(value, self.pair))
+                yield GenerationChunk(text="", generation_info=_info(value))
 
     def _stream(self, prompt: str, stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:  # fmt: skip
@@ -703,7 +735,7 @@ class ChatSpecDec(_SpecDecBase, BaseChatModel):
         prompt, output = int(stats.get("prompt_tokens") or 0), int(stats.get("output_tokens") or 0)
         return {
             "usage_metadata": UsageMetadata(input_tokens=prompt, output_tokens=output, total_tokens=prompt + output),
-            "response_metadata": {"model_name": self.pair, "model_provider": PROVIDER, **_info(result, self.pair)},
+            "response_metadata": {"model_name": result["pair"], "model_provider": PROVIDER, **_info(result)},
         }
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -722,8 +754,8 @@ class ChatSpecDec(_SpecDecBase, BaseChatModel):
     def _chat_result(self, result: dict) -> ChatResult:
         message = AIMessage(content=result["text"], **self._message_fields(result))
         return ChatResult(
-            generations=[ChatGeneration(message=message, generation_info=_info(result, self.pair))],
-            llm_output={"token_usage": _usage([result]), "model_name": self.pair},
+            generations=[ChatGeneration(message=message, generation_info=_info(result))],
+            llm_output={"token_usage": _usage([result]), "model_name": result["pair"]},
         )
 
     def _chunks(self, messages: list[BaseMessage], call: _Call, cancel) -> Iterator[ChatGenerationChunk]:
@@ -732,7 +764,7 @@ class ChatSpecDec(_SpecDecBase, BaseChatModel):
                 yield ChatGenerationChunk(message=AIMessageChunk(content=value))
             else:
                 message = AIMessageChunk(content="", chunk_position="last", **self._message_fields(value))
-                yield ChatGenerationChunk(message=message, generation_info=_info(value, self.pair))
+                yield ChatGenerationChunk(message=message, generation_info=_info(value))
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:  # fmt: skip

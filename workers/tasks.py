@@ -12,6 +12,8 @@ messages, parameters) is read from the store, so a message is a few ids, not dat
   the message, so a GPU never generates the same row twice for a database hiccup.
 - A row whose deliveries keep dying mid-generation (OOM-killed worker) fails after
   ``MAX_ATTEMPTS`` instead of killing workers forever.
+- A row whose params hold ``"_stream": true`` (LangChain ``.stream``) publishes its text
+  delta by delta while it is generated (``client.StreamWriter`` / ``client.follow_stream``).
 - Returns plain JSON: ``{"request_id", "status", ...}`` plus text, token_ids,
   finish_reason and stats when ok, ``error`` when failed.
 """
@@ -32,6 +34,7 @@ from specdec_llm.engine import GenerationRequest, RequestError
 
 from . import runtime
 from .app import TASK, queue_name
+from .client import StreamWriter
 from .rows import generation_params
 
 log = logging.getLogger("specdec.worker")
@@ -90,9 +93,12 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
         except Exception as e:  # noqa: BLE001 - not the row's fault: put it back, stop this worker
             runtime.stop_worker(f"could not load pair {pair}: {type(e).__name__}: {e}")
             raise Reject(f"pair {pair} unavailable here", requeue=True) from None
-        store.mark_request(request_id, "running", worker=rt.worker)
+        if not store.mark_request(request_id, "running", worker=rt.worker):  # cancelled (or done) meanwhile
+            return _finished(store.get_request(request_id))
+        stream = StreamWriter(request_id) if (row.get("params") or {}).get("_stream") else None  # see client.py
         try:
-            result = rt.decoder.generate(build_request(row, rt.loaded.tokenizer)).to_dict()
+            req = build_request(row, rt.loaded.tokenizer)
+            result = (rt.decoder.generate(req, on_text=stream) if stream else rt.decoder.generate(req)).to_dict()
         except RequestError as e:
             store.mark_request(request_id, "failed", error=str(e))
             return {"request_id": request_id, "status": "failed", "error": str(e)}
@@ -100,7 +106,9 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
             error = f"timed out: generation took longer than the {self.soft_time_limit or self.app.conf.task_soft_time_limit} s limit"
             store.mark_request(request_id, "failed", error=error)
             return {"request_id": request_id, "status": "failed", "error": error}
-        result["text"] = result["text"].replace("\x00", "\ufffd")  # PostgreSQL text cannot hold NUL
+        finally:
+            if stream:
+                stream.close()
         result["job_id"] = row["job_id"]
         result["queue_wait_s"] = started - enqueued_at if enqueued_at else None
     rt = runtime.get(pair)

@@ -1,0 +1,128 @@
+"""Each example runs as a person would run it (a fresh data directory, the embedded broker,
+no server), with the tiny pair and few tokens so it is quick; plus the agent loop's
+plumbing with a scripted LLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+@pytest.fixture(scope="module")
+def tiny_long(tiny_pair_dir, tmp_path_factory) -> Path:
+    """The tiny pair with a 4096-token context: the agent's instructions alone are ~630
+    tokens for its 512-token BPE (the real pair's context is 8192)."""
+    root = tmp_path_factory.mktemp("tiny_long")
+    for name in ("target", "draft"):
+        shutil.copytree(tiny_pair_dir / name, root / name)
+        config = json.loads((root / name / "config.json").read_text())
+        config["max_position_embeddings"] = 4096
+        (root / name / "config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.fixture
+def run_example(tiny_long, tmp_path):
+    pairs = tmp_path / "pairs.toml"
+    pairs.write_text(f'[pairs.tiny]\ntarget = "{tiny_long / "target"}"\ndraft = "{tiny_long / "draft"}"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+    env.update(SPECDEC_DATA_DIR=str(tmp_path / "data"), SPECDEC_CONFIG_FILE=str(pairs), SPECDEC_DEFAULT_PAIR="tiny",
+               SPECDEC_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))  # fmt: skip
+
+    def run(name: str, *args: str, timeout: float = 180) -> str:
+        proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        return proc.stdout + proc.stderr
+
+    return run
+
+
+def test_chain(run_example):
+    out = run_example("chain.py", "--max-new-tokens", "8")  # the pair from SPECDEC_DEFAULT_PAIR
+    assert "# pair tiny, local mode" in out
+    assert "## invoke" in out and "## batch" in out and "## stream" in out
+    assert out.count("\n- ") >= 3  # one answer per topic of the batch
+
+
+def test_chain_through_a_local_worker(run_example):
+    # remote mode over the embedded broker: the stream comes from the worker through files
+    out = run_example("chain.py", "--worker", "--max-new-tokens", "16")
+    assert "started a local worker for tiny" in out and "# pair tiny, remote mode" in out
+    pieces = int(re.search(r"\((\d+) pieces", out).group(1))
+    assert pieces > 1
+
+
+def test_bulk_documents_job_and_export(run_example, tmp_path):
+    out = run_example("bulk_documents.py", "--pair", "tiny", "--max-new-tokens", "8", "--out", "docs")
+    docs = tmp_path / "docs"
+    results = [json.loads(line) for line in (docs / "results.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in results] == ["kv-cache", "speculative", "tokenizers", "quantization", "batching"]
+    assert all(r["status"] == "ok" and r["output_tokens"] > 0 for r in results)
+    assert results[1]["metadata"]["topic"] == "speculative decoding"
+    assert sorted(p.name for p in docs.glob("*.md")) == sorted(f"{r['id']}.md" for r in results)
+    assert (docs / "speculative.md").read_text().startswith("# speculative decoding\n")
+    assert "started a local worker for tiny" in out and "5 documents" in out
+    again = run_example("bulk_documents.py", "--pair", "tiny", "--max-new-tokens", "8", "--out", "docs")
+    assert "0 to generate, 5 done before" in again and "started a local worker" not in again  # resumed
+
+
+def test_agent_runs_with_the_real_llm(run_example):
+    out = run_example("agent.py", "What is 6 * 7?", "--pair", "tiny", "--max-new-tokens", "16", "--max-steps", "2")
+    assert "--- step 1" in out and "steps," in out
+
+
+def test_report_on_a_fresh_store(run_example):
+    out = run_example("report.py", "--max-new-tokens", "8")
+    assert "running 2 prompts through SpecDecLLM (tiny) first" in out
+    assert "(example-report): 2 ok / 0 failed" in out
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_agent_loop_plumbing_with_a_scripted_llm():
+    from langchain_core.language_models.fake import FakeListLLM
+
+    agent = _load("agent")
+
+    class Scripted(FakeListLLM):
+        prompts: list = []
+
+        def _call(self, prompt, stop=None, run_manager=None, **kwargs):
+            self.prompts.append((prompt, stop))
+            return super()._call(prompt, stop, run_manager, **kwargs)
+
+    llm = Scripted(responses=[
+        " I should compute it.\nAction: calculator\nAction Input: 17 * 23 + 4\n",
+        " Let me count.\nAction: word_count[one two three]\n",
+        " gibberish",
+        " I know the answer\nFinal Answer: 395",
+    ])  # fmt: skip
+    result = agent.run_agent(llm, "What is 17 * 23 + 4?", max_steps=5, log=lambda *_: None)
+    assert result["answer"] == "395"
+    steps = result["steps"]
+    assert [s.get("tool") for s in steps] == ["calculator", "word_count", None, None]
+    assert [s.get("observation") for s in steps[:2]] == ["395", "3"]
+    assert "invalid format" in steps[2]["observation"]
+    last_prompt, stop = llm.prompts[-1]
+    assert "Observation: 395\nThought:" in last_prompt and "Observation: 3\n" in last_prompt
+    assert "Observation:" in stop  # the model never writes observations
+    assert agent.calculator.invoke("2 ** 10") == "1024"
+    assert agent.calculator.invoke("__import__('os')").startswith("error")
