@@ -163,8 +163,9 @@ def test_local_chat_model(local):
         chat.invoke([HumanMessage(content=[{"type": "image", "url": "http://x/y.png"}])])
 
 
-def test_local_async_does_not_block_the_loop(local):
-    llm = SpecDecLLM(pair="tiny", max_new_tokens=200, record=False)
+def run_counting_loop_ticks(coro):
+    """Run ``coro``; return (how often a 1 ms ticker ran meanwhile, its result): a blocked
+    event loop would tick about once."""
 
     async def main():
         ticks = 0
@@ -177,15 +178,27 @@ def test_local_async_does_not_block_the_loop(local):
                 await asyncio.sleep(0.001)
 
         task = asyncio.create_task(ticker())
+        try:
+            result = await coro
+            return ticks, result
+        finally:
+            done.set()
+            await task
+
+    return asyncio.run(main())
+
+
+def test_local_async_does_not_block_the_loop(local):
+    llm = SpecDecLLM(pair="tiny", max_new_tokens=200, record=False)
+
+    async def work():
         text = await llm.ainvoke(PROMPTS[0])
         rec = AsyncRecorder()
         streamed = "".join([c async for c in llm.astream(PROMPTS[0], config={"callbacks": [rec]})])
         many = await llm.abatch(PROMPTS[:2])
-        done.set()
-        await task
-        return ticks, text, streamed, rec.tokens, many
+        return text, streamed, rec.tokens, many
 
-    ticks, text, streamed, tokens, many = asyncio.run(main())
+    ticks, (text, streamed, tokens, many) = run_counting_loop_ticks(work())
     assert text == streamed == "".join(tokens) == llm.invoke(PROMPTS[0])
     assert many == [llm.invoke(p) for p in PROMPTS[:2]]
     assert ticks > 5  # the loop kept running while the model generated
@@ -328,26 +341,14 @@ def test_remote_async(remote, monkeypatch):
     monkeypatch.setattr(client, "enqueue", lambda ids, pair, **kw: calls.append(list(ids)) or real(ids, pair, **kw))
     llm = SpecDecLLM(pair="tiny", max_new_tokens=48)
 
-    async def main():
-        ticks = 0
-        done = asyncio.Event()
-
-        async def ticker():
-            nonlocal ticks
-            while not done.is_set():
-                ticks += 1
-                await asyncio.sleep(0.001)
-
-        task = asyncio.create_task(ticker())
+    async def work():
         one = await llm.ainvoke(PROMPTS[0])
         many = await llm.abatch(PROMPTS)
         rec = AsyncRecorder()
         streamed = [c async for c in llm.astream(PROMPTS[1], config={"callbacks": [rec]})]
-        done.set()
-        await task
-        return ticks, one, many, streamed, rec.tokens
+        return one, many, streamed, rec.tokens
 
-    ticks, one, many, streamed, tokens = asyncio.run(main())
+    ticks, (one, many, streamed, tokens) = run_counting_loop_ticks(work())
     assert one == engine_text(PROMPTS[0], max_new_tokens=48)
     assert many == [engine_text(p, max_new_tokens=48) for p in PROMPTS]
     assert "".join(streamed) == "".join(tokens) == engine_text(PROMPTS[1], max_new_tokens=48)
