@@ -24,6 +24,7 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.tools import BaseTool, tool
 
 from specdec_llm.langchain import RequestError, SpecDecLLM
+from specdec_llm.pairs import quiet_loading
 from specdec_llm.settings import get_settings
 
 INSTRUCTIONS = """Answer the question. You can use these tools:
@@ -145,14 +146,6 @@ def run_agent(llm: BaseLLM, question: str, tools: list[BaseTool] = TOOLS, max_st
     return {"answer": None, "steps": steps}
 
 
-def quiet_transformers() -> None:
-    """No weight-loading progress bars in the example's output."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("question", nargs="?", default="What is 17 * 23 + 4?")
@@ -162,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=["auto", "local", "remote"], default="auto")
     ap.add_argument("--chat", action="store_true", help="send the transcript as a user turn (chat template)")
     args = ap.parse_args(argv)
-    quiet_transformers()
+    quiet_loading()
     llm = SpecDecLLM(pair=args.pair or get_settings().default_pair, chat=args.chat, max_new_tokens=args.max_new_tokens,
                      backend=args.backend, job_name="example-agent")  # fmt: skip
     print(f"Question: {args.question}")

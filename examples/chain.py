@@ -18,17 +18,10 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 
 from specdec_llm.langchain import SpecDecLLM
+from specdec_llm.pairs import quiet_loading
 from specdec_llm.settings import get_settings
 
 TOPICS = ["KV caches", "rejection sampling", "tokenizers"]
-
-
-def quiet_transformers() -> None:
-    """No weight-loading progress bars in the example's output."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=["auto", "local", "remote"], default="auto")
     ap.add_argument("--worker", action="store_true", help="start a local worker and use remote mode")
     args = ap.parse_args(argv)
-    quiet_transformers()
+    quiet_loading()
     pair = args.pair or get_settings().default_pair
 
     worker = None

@@ -18,6 +18,7 @@ import json
 import sys
 
 from specdec_llm import store
+from specdec_llm.pairs import quiet_loading
 from specdec_llm.settings import get_settings
 from specdec_llm.store import StoreError, mask_url, summary
 from specdec_llm.store.render import table_text
@@ -36,14 +37,6 @@ def generate(n: int, pair: str, max_new_tokens: int) -> None:
               f"(request {info['request_id']})", file=sys.stderr)  # fmt: skip
 
 
-def quiet_transformers() -> None:
-    """No weight-loading progress bars in the example's output."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--since", default="7d")
@@ -54,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
-    quiet_transformers()
+    quiet_loading()
     prices = args.price_per_hour.split(",") if args.price_per_hour else None
     query = dict(since=args.since, group_by=args.group_by.split(","), price_per_hour=prices)
 

@@ -30,10 +30,9 @@ def fail(message: str) -> None:
 @app.callback()
 def _quiet() -> None:
     """Keep stderr for our own messages: no per-tensor progress bars from transformers."""
-    from transformers.utils import logging as hf_logging
+    from .pairs import quiet_loading
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    quiet_loading()
 
 
 @contextmanager

@@ -91,6 +91,15 @@ def get_spec(name: str) -> PairSpec:
     return pairs[name]
 
 
+def quiet_loading() -> None:
+    """No per-tensor progress bars or info logs from transformers while models load
+    (for command-line output; a library user keeps transformers' own settings)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 # -- model references -----------------------------------------------------------------
 def _package_file(ref: str) -> Path:
     dist_name, _, rel = ref.removeprefix("pkg:").partition("/")

@@ -76,13 +76,6 @@ def _device(device: str | None) -> str | None:
     return device
 
 
-def _quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
 def _fmt(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
@@ -99,7 +92,7 @@ def register(app: typer.Typer) -> None:
         loglevel: str = "INFO",
     ) -> None:
         """Start a worker: one pair on one device, consuming the pair's queue."""
-        from specdec_llm.pairs import get_spec
+        from specdec_llm.pairs import get_spec, quiet_loading
         from specdec_llm.settings import get_settings
 
         from . import runtime
@@ -113,7 +106,7 @@ def register(app: typer.Typer) -> None:
         threads = None
         if device == "cpu" and concurrency > 1 and not get_settings().threads:
             threads = max(1, (os.cpu_count() or 1) // concurrency)  # share the cores, don't oversubscribe
-        _quiet_transformers()
+        quiet_loading()
         runtime.configure(runtime.WorkerOptions(spec.name, device=device, price_per_hour=price_per_hour,
                                                 threads=threads, calibrate=calibrate))  # fmt: skip
         queue_list = queues or queue_name(spec.name)
