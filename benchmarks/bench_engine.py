@@ -13,14 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
-from common import spec_bench
 from rich.console import Console
 from rich.table import Table
 
 from specdec_llm.engine import GenerationRequest
+from specdec_llm.evaluate import read_prompts
 from specdec_llm.pairs import load_pair
+
+SPEC_BENCH = Path(__file__).resolve().parent.parent / "data" / "spec_bench_dev.jsonl"
 
 
 def main() -> None:
@@ -38,7 +41,7 @@ def main() -> None:
     pair = load_pair(args.pair)
     dec = pair.decoder()
     eos = set(dec.eos_token_ids)
-    rows = spec_bench(args.per_category)
+    rows = read_prompts(SPEC_BENCH, args.per_category)
     n = args.max_new_tokens
 
     def hf(ids, assisted):
