@@ -48,6 +48,26 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def check_caches(batch) -> None:
+    """Every row's valid cache columns equal a fresh prefill of exactly its emitted prefix:
+    the target holds seq[:-1], the draft seq[:dlen] (holes and padding are invisible)."""
+    dec = batch.dec
+    for cache, model, length in ((batch.tcache, dec.target, lambda r: len(r.seq) - 1), (batch.dcache, dec.draft, lambda r: r.dlen)):
+        assert cache.rows == len(batch.rows)
+        for b, r in enumerate(batch.rows):
+            n = length(r)
+            cols = cache.valid[b].nonzero()[:, 0]
+            assert len(cols) == n
+            if n:
+                from specdec_llm.engine import hf
+
+                fresh = hf.new_cache(model)
+                hf.forward(model, r.seq[:n], fresh, 1)
+                for layer, ref in zip(cache.cache.layers, fresh.layers):
+                    assert torch.allclose(layer.keys[b][:, cols], ref.keys[0], atol=1e-5)
+                    assert torch.allclose(layer.values[b][:, cols], ref.values[0], atol=1e-5)
+
+
 def tiny_tokenizer(vocab: int = 512):
     """A byte-level BPE trained in-process, with a ChatML-style template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import greedy_reference, perturbed, tiny_llama
+from conftest import check_caches, greedy_reference, perturbed, tiny_llama
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder, expected_speedup
 from specdec_llm.engine import decoder as decoder_mod
@@ -110,25 +110,15 @@ def test_seed_reproducible_and_auto_k_seeded(target):
     assert a.stats.k_values[:4] == [dec.seeded_k] * 4
 
 
-class CheckedRun(decoder_mod._Run):
-    """Checks the KV-cache invariant after every iteration: both caches hold exactly a
-    prefix of the emitted sequence, and their contents equal a fresh prefill of it."""
-
-    def stream(self, final):
-        assert hf.cache_len(self.tcache) == len(self.seq) - 1
-        for model, cache, n in ((self.dec.target, self.tcache, len(self.seq) - 1), (self.dec.draft, self.dcache, self.dlen)):
-            assert hf.cache_len(cache) == n
-            if n:
-                fresh = hf.new_cache(model)
-                hf.forward(model, self.seq[:n], fresh, 1)
-                for layer, ref in zip(cache.layers, fresh.layers):
-                    assert torch.allclose(layer.keys, ref.keys, atol=1e-5)
-                    assert torch.allclose(layer.values, ref.values, atol=1e-5)
-        super().stream(final)
+class CheckedBatch(decoder_mod.Batch):
+    def step(self):
+        done = super().step()
+        check_caches(self)
+        return done
 
 
 def test_kv_caches_hold_exactly_the_emitted_prefix(target, monkeypatch):
-    monkeypatch.setattr(decoder_mod, "_Run", CheckedRun)
+    monkeypatch.setattr(decoder_mod, "Batch", CheckedBatch)
     dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
     for k in (2, 5, "auto"):
         for temperature in (0.0, 1.0):

@@ -58,17 +58,42 @@ class CostModel:
         return self.draft_scale * self.draft_step_s
 
     def observe_verify(self, k: int, seconds: float) -> None:
+        if not self.calibrated:
+            return
         ratio = seconds / self._calibrated_verify(k)
         self.verify_scale = (1 - EMA) * self.verify_scale + EMA * ratio
 
     def observe_draft(self, seconds: float) -> None:
+        if not self.calibrated:
+            return
         self.draft_scale = (1 - EMA) * self.draft_scale + EMA * seconds / self.draft_step_s
 
-    def best_k(self, acceptance: float) -> int:
+    def best_k(self, acceptance: float | list[float]) -> int:
+        """The k with the most expected tokens per second; ``acceptance`` per row of a batch
+        (all rows verified in one forward, so a step's tokens are summed over rows)."""
+        rates = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance)
+
         def rate(k: int) -> float:
-            return expected_tokens_per_iteration(acceptance, k) / (k * self.draft() + self.verify(k))
+            return sum(expected_tokens_per_iteration(a, k) for a in rates) / (k * self.draft() + self.verify(k))
 
         return max(range(self.max_k + 1), key=rate)
+
+
+class BatchCosts:
+    """One CostModel per batch-size bucket (powers of two), calibrated when first needed:
+    as a batch grows, verifying k+1 tokens per row stops being nearly free, and the best
+    k falls toward 0 (plain batched decoding)."""
+
+    def __init__(self, max_k: int):
+        self.max_k = max_k
+        self.models: dict[int, CostModel] = {}
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << max(0, rows - 1).bit_length()
+
+    def __getitem__(self, rows: int) -> CostModel:
+        return self.models.setdefault(self.bucket(rows), CostModel(max_k=self.max_k))
 
 
 def calibrate(cost: CostModel, time_verify, time_draft, points=(0, 1, 2, 4, 8), repeats: int = 5) -> None:
@@ -107,24 +132,30 @@ class AcceptanceTracker:
         return min(self.accepted / self.examined, 0.999)
 
 
-class KPolicy:
-    """Per-request k schedule on top of a shared CostModel."""
+class KSchedule:
+    """The k of each iteration of a batch, from the rows' acceptance and the costs at its size.
 
-    def __init__(self, cost: CostModel, prior: float, probe_every: int = 32):
-        self.cost = cost
-        self.tracker = AcceptanceTracker(prior)
+    When k = 0 wins, one k = 1 iteration every ``probe_every`` keeps the acceptance estimates
+    fresh; the interval doubles (up to ``max_probe_every``) while probes keep confirming k = 0,
+    since on a big batch a probe costs a draft catch-up of every row.
+    """
+
+    def __init__(self, probe_every: int = 32, max_probe_every: int = 256):
+        self.first_probe, self.max_probe = probe_every, max_probe_every
         self.probe_every = probe_every
         self.zero_run = 0
 
-    def next_k(self) -> int:
-        k = self.cost.best_k(self.tracker.rate)
+    def next_k(self, cost: CostModel, acceptance: list[float]) -> int:
+        k = cost.best_k(acceptance)
         if k == 0:
             self.zero_run += 1
             if self.zero_run >= self.probe_every:
                 self.zero_run = 0
+                self.probe_every = min(2 * self.probe_every, self.max_probe)
                 return 1
         else:
             self.zero_run = 0
+            self.probe_every = self.first_probe
         return k
 
 

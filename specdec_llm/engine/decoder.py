@@ -1,23 +1,32 @@
-"""The speculative decoding loop: draft -> verify -> accept -> roll back.
+"""The speculative decoding loop over a batch of rows: draft -> verify -> accept -> roll back.
 
-Invariant after every iteration: the target's KV cache holds ``seq[:-1]`` (the last
-emitted token is pending, its logits not yet computed) and the draft's cache holds a
-prefix of ``seq``. An iteration feeds the target ``seq[cached:] + drafts`` in ONE
-forward, accepts the longest agreeing prefix (greedy) or applies the rejection rule
-(sampling), and crops both caches back to what was emitted. Nothing already in a cache
-is ever recomputed. k = 0 is plain target-only decoding through the same loop.
+Every request is a row of a ``Batch`` (a single ``generate`` is a batch of one). An
+iteration runs the draft k steps for all rows at once (one forward per step), then ONE
+target forward verifies every row's ``[last token] + drafts``; each row accepts its own
+longest agreeing prefix (greedy) or applies the rejection rule (sampling), so rows
+advance by different amounts (ragged), finish at different times and leave, and new
+rows join between iterations after their own prefill (continuous batching). Nothing
+already in a cache is ever recomputed.
+
+Invariant after every iteration, per row: the target's cache holds ``seq[:-1]`` (the last
+emitted token is pending, its logits not yet computed) and the draft's cache holds
+``seq[:dlen]``. Rolled-back positions become holes (see ragged.py). k = 0 is plain
+target-only decoding through the same loop; k is chosen per iteration from the batch's
+size and its rows' acceptance (autok.py), or fixed per request.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 
 import torch
 
 from . import hf
-from .autok import CostModel, KPolicy, Timer, calibrate
+from .autok import AcceptanceTracker, BatchCosts, KSchedule, Timer, calibrate
+from .ragged import RaggedCache
 from .sampling import accept_greedy, accept_sampled, probs, sample
 from .types import GenerationRequest, GenerationResult, RequestError, Stats
 
@@ -25,7 +34,8 @@ TextCallback = Callable[[str], None]
 
 
 class SpeculativeDecoder:
-    """Holds a target, an optional draft and a tokenizer; ``generate`` serves one request.
+    """Holds a target, an optional draft and a tokenizer; serves requests one at a time
+    (``generate``) or batched (``generate_many``, or a ``Batch`` driven step by step).
 
     ``vocab_size`` is the vocabulary both models share (a padded embedding beyond it is
     ignored). ``default_k`` is what a request's k="auto" means: "auto" (choose per
@@ -59,8 +69,13 @@ class SpeculativeDecoder:
         self.context_length = context_length or getattr(target.config, "max_position_embeddings", None) or 2048
         self.max_k = max_k if draft is not None else 0
         self.default_k, self.seeded_k = default_k, seeded_k
-        self.cost = CostModel(max_k=self.max_k)
+        self.costs = BatchCosts(max_k=self.max_k)
         self.acceptance_prior = 0.5  # running estimate over finished requests
+
+    @property
+    def cost(self):
+        """The cost model of single-request decoding."""
+        return self.costs[1]
 
     # -- public -----------------------------------------------------------------------
     def encode(self, request: GenerationRequest) -> list[int]:
@@ -75,7 +90,8 @@ class SpeculativeDecoder:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(request.prompt)["input_ids"]
 
-    def generate(self, request: GenerationRequest, on_text: TextCallback | None = None) -> GenerationResult:
+    def prepare(self, request: GenerationRequest) -> list[int]:
+        """Validate and encode; RequestError names the field at fault."""
         request.validate()
         prompt = self.encode(request)
         if len(prompt) >= self.context_length:
@@ -86,11 +102,39 @@ class SpeculativeDecoder:
             )
         if any(t >= self.vocab_size for t in prompt):
             raise RequestError("prompt", f"has token ids outside the vocabulary (size {self.vocab_size})")
-        return _Run(self, request, prompt, on_text).loop()
+        return prompt
+
+    def generate(self, request: GenerationRequest, on_text: TextCallback | None = None) -> GenerationResult:
+        batch = Batch(self)
+        row = batch.add(request, on_text)
+        while batch.rows:
+            batch.step()
+        return row.result
+
+    def generate_many(
+        self, requests: Iterable[GenerationRequest], max_batch: int = 8
+    ) -> list[GenerationResult | RequestError]:
+        """Continuous batching over ``requests``: up to ``max_batch`` rows decode together, a
+        finished row's place goes to the next request at once. A bad request's entry is its
+        RequestError; the others are unaffected. Results in request order."""
+        pending = deque(enumerate(requests))
+        results: list = [None] * len(pending)
+        batch = Batch(self)
+        while pending or batch.rows:
+            while pending and len(batch.rows) < max_batch:
+                i, req = pending.popleft()
+                try:
+                    batch.add(req, tag=i)
+                except RequestError as e:
+                    results[i] = e
+            if batch.rows:
+                for row in batch.step():
+                    results[row.tag] = row.result
+        return results
 
     # -- speed model ------------------------------------------------------------------
-    def policy_for(self, request: GenerationRequest) -> KPolicy | int:
-        """A fixed k (int) or a KPolicy choosing k per iteration."""
+    def fixed_k(self, request: GenerationRequest) -> int | None:
+        """The request's fixed k, or None when the batch's schedule chooses it."""
         if request.mode == "baseline" or self.draft is None:
             return 0
         k = request.k if request.k != "auto" else self.default_k
@@ -98,138 +142,101 @@ class SpeculativeDecoder:
             return k
         if request.seed is not None and not request.greedy:
             return self.seeded_k
-        if not self.cost.calibrated:
-            self.calibrate()
-        return KPolicy(self.cost, self.acceptance_prior)
+        return None
 
-    def calibrate(self, context: int = 64) -> None:
-        """Measure draft step and verify(k) times on this device (once per decoder)."""
+    def calibrate(self, rows: int = 1, context: int = 64) -> None:
+        """Measure draft step and verify(k) times at a batch of ``rows`` on this device."""
+        cost = self.costs[rows]
+        rows = BatchCosts.bucket(rows)
         ids = [t % self.vocab_size for t in range(1, context + 1)]
-        tcache, dcache = hf.new_cache(self.target), hf.new_cache(self.draft)
-        hf.forward(self.target, ids, tcache, 1)
-        hf.forward(self.draft, ids, dcache, 1)
+        tcache, dcache = RaggedCache(self.target, rows), RaggedCache(self.draft, rows)
+        tcache.forward([ids] * rows, 1)
+        dcache.forward([ids] * rows, 1)
 
         def time_verify(k: int) -> float:
             with Timer() as t:
-                hf.forward(self.target, ids[: k + 1], tcache, k + 1)
+                tcache.forward([ids[: k + 1]] * rows, k + 1)
                 hf.sync(self.target)
-            hf.crop(tcache, context)
+            tcache.crop(context)
             return t.seconds
 
         def time_draft() -> float:
             with Timer() as t:
-                hf.forward(self.draft, ids[:1], dcache, 1)
+                dcache.forward([ids[:1]] * rows, 1)
                 hf.sync(self.draft)
-            hf.crop(dcache, context)
+            dcache.crop(context)
             return t.seconds
 
         time_verify(0), time_draft()  # warm up
-        calibrate(self.cost, time_verify, time_draft)
+        calibrate(cost, time_verify, time_draft)
 
 
-class _Run:
-    """State of one request while it decodes."""
+class Row:
+    """One request while it decodes (and its result once finished)."""
 
-    def __init__(self, dec: SpeculativeDecoder, req: GenerationRequest, prompt: list[int], on_text):
-        self.dec, self.req, self.on_text = dec, req, on_text
+    def __init__(self, dec: SpeculativeDecoder, req: GenerationRequest, prompt: list[int], on_text, tag):
+        self.dec, self.req, self.on_text, self.tag = dec, req, on_text, tag
         self.prompt = prompt
         self.seq = list(prompt)
         self.out: list[int] = []
-        self.tcache = hf.new_cache(dec.target)
-        self.dcache = hf.new_cache(dec.draft) if dec.draft is not None else None
         self.dlen = 0  # tokens of seq in the draft cache
         seed = req.seed if req.seed is not None else random.getrandbits(63)
         self.gen = torch.Generator().manual_seed(seed)
+        self.k = dec.fixed_k(req)  # None: the batch's schedule chooses
+        self.tracker = AcceptanceTracker(dec.acceptance_prior) if self.k is None else None
         self.stats = Stats(prompt_tokens=len(prompt))
         self.pos_proposed: list[int] = []
         self.pos_accepted: list[int] = []
         self.text = ""
         self.emitted_chars = 0
+        self.finish_reason: str | None = None
+        self.result: GenerationResult | None = None
+        self.t0 = time.perf_counter()
 
-    # -- one iteration ------------------------------------------------------------------
-    def propose(self, k: int) -> tuple[list[int], torch.Tensor | None]:
-        """k draft tokens (and their processed probabilities when sampling)."""
-        dec, req = self.dec, self.req
-        drafts: list[int] = []
-        qs = []
-        inp = self.seq[self.dlen :]
-        catch_up = len(inp)  # > 1 after k = 0 iterations: the draft first catches up in one forward
-        with Timer() as t:
-            for _ in range(k):
-                logits = hf.forward(dec.draft, inp, self.dcache, 1)[0, : dec.vocab_size]
-                self.dlen += len(inp)
-                self.stats.draft_forwards += 1
-                if req.greedy:
-                    tok = int(logits.argmax())
-                else:
-                    q = probs(logits[None], req.temperature, req.top_k, req.top_p)[0]
-                    qs.append(q)
-                    tok = sample(q, self.gen)
-                drafts.append(tok)
-                inp = [tok]
-        self.stats.draft_time_s += t.seconds
-        if k and catch_up == 1 and isinstance(self.policy, KPolicy):  # steady state: k one-token steps
-            dec.cost.observe_draft(t.seconds / k)
-        return drafts, (torch.stack(qs) if qs else None)
+    def room(self) -> int:
+        return min(self.req.max_new_tokens - len(self.out), self.dec.context_length - len(self.seq))
 
-    def verify(self, drafts: list[int], q) -> tuple[int, int]:
-        dec, req = self.dec, self.req
-        k = len(drafts)
-        cached = hf.cache_len(self.tcache)
-        inp = self.seq[cached:] + drafts
-        with Timer() as t:
-            logits = hf.forward(dec.target, inp, self.tcache, k + 1)[:, : dec.vocab_size]
-            if req.greedy:
-                n, nxt = accept_greedy(drafts, logits)
-            else:
-                p = probs(logits, req.temperature, req.top_k, req.top_p)
-                n, nxt = accept_sampled(drafts, q, p, self.gen)
-        self.stats.target_forwards += 1
-        self.stats.target_time_s += t.seconds
-        if cached and isinstance(self.policy, KPolicy):  # skip the prefill: it is not a verify cost
-            dec.cost.observe_verify(k, t.seconds)
-        return n, nxt
+    def pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """A draft token from the draft's logits (and its processed distribution when sampling)."""
+        if self.req.greedy:
+            return int(logits.argmax()), None
+        q = probs(logits[None], self.req.temperature, self.req.top_k, self.req.top_p)[0]
+        return sample(q, self.gen), q
 
-    def loop(self) -> GenerationResult:
-        dec, req, st = self.dec, self.req, self.stats
-        self.policy = dec.policy_for(req)
-        t0 = time.perf_counter()
-        finish = None
-        while finish is None:
-            room = min(req.max_new_tokens - len(self.out), dec.context_length - len(self.seq))
-            k = self.policy if isinstance(self.policy, int) else self.policy.next_k()
-            k = max(0, min(k, room - 1))
-            drafts, q = self.propose(k)
-            n, nxt = self.verify(drafts, q)
-            new = drafts[:n] + [nxt]
-            self.account(k, n)
-            # roll back: target keeps seq[:-1]; draft keeps what still agrees with seq
-            before = len(self.seq)
-            cut = next((i + 1 for i, tok in enumerate(new) if tok in dec.eos_token_ids), None)
-            new = new[:cut] if cut else new
-            self.seq += new
-            self.out += new
-            hf.crop(self.tcache, len(self.seq) - 1)
-            if self.dcache is not None:
-                self.dlen = min(self.dlen, before + n)
-                hf.crop(self.dcache, self.dlen)
-            if not st.time_to_first_token_s:
-                st.time_to_first_token_s = time.perf_counter() - t0
-            self.text = self.decode(self.out)
-            if cut:
-                finish = "eos"
-            elif self.find_stop():
-                finish = "stop"
-            elif len(self.out) >= req.max_new_tokens:
-                finish = "length"
-            elif len(self.seq) >= dec.context_length:
-                finish = "context"
-            self.stream(final=finish is not None)
-        return self.finish(finish, time.perf_counter() - t0)
+    def accept(self, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[int, int]:
+        req = self.req
+        if req.greedy:
+            return accept_greedy(drafts, logits)
+        p = probs(logits, req.temperature, req.top_k, req.top_p)
+        return accept_sampled(drafts, torch.stack(qs) if qs else None, p, self.gen)
+
+    def advance(self, k: int, n: int, new: list[int]) -> None:
+        """Append the iteration's tokens; decide whether the row is finished; stream."""
+        self.account(k, n)
+        cut = next((i + 1 for i, tok in enumerate(new) if tok in self.dec.eos_token_ids), None)
+        new = new[:cut] if cut else new
+        self.seq += new
+        self.out += new
+        st = self.stats
+        if not st.time_to_first_token_s:
+            st.time_to_first_token_s = time.perf_counter() - self.t0
+        self.text = self.decode(self.out)
+        if cut:
+            self.finish_reason = "eos"
+        elif self.find_stop():
+            self.finish_reason = "stop"
+        elif len(self.out) >= self.req.max_new_tokens:
+            self.finish_reason = "length"
+        elif len(self.seq) >= self.dec.context_length:
+            self.finish_reason = "context"
+        self.stream(final=self.finish_reason is not None)
+        if self.finish_reason:
+            self.finish()
 
     # -- bookkeeping --------------------------------------------------------------------
     def account(self, k: int, n: int) -> None:
         st = self.stats
+        st.target_forwards += 1
         st.k_values.append(k)
         st.draft_tokens_proposed += k
         st.draft_tokens_accepted += n
@@ -239,8 +246,8 @@ class _Run:
         for i in range(k):
             self.pos_proposed[i] += 1
             self.pos_accepted[i] += i < n
-        if k and isinstance(self.policy, KPolicy):
-            self.policy.tracker.update(k, n)
+        if k and self.tracker is not None:
+            self.tracker.update(k, n)
 
     def decode(self, ids: list[int]) -> str:
         if self.dec.tokenizer is None:
@@ -273,15 +280,119 @@ class _Run:
             self.on_text(self.text[self.emitted_chars : safe])
             self.emitted_chars = safe
 
-    def finish(self, reason: str, wall: float) -> GenerationResult:
+    def finish(self) -> None:
         st, dec = self.stats, self.dec
-        st.finish_reason = reason
+        wall = time.perf_counter() - self.t0
+        st.finish_reason = self.finish_reason
         st.output_tokens = len(self.out)
         st.wall_time_s = wall
         st.tokens_per_s = st.output_tokens / wall if wall > 0 else 0.0
         st.acceptance_rate = st.draft_tokens_accepted / st.draft_tokens_proposed if st.draft_tokens_proposed else 0.0
         st.mean_accepted_length = st.output_tokens / st.target_forwards if st.target_forwards else 0.0
         st.per_position_acceptance = [a / p for a, p in zip(self.pos_accepted, self.pos_proposed)]
-        if isinstance(self.policy, KPolicy):
-            dec.acceptance_prior = 0.7 * dec.acceptance_prior + 0.3 * self.policy.tracker.rate
-        return GenerationResult(text=self.text, token_ids=list(self.out), finish_reason=reason, stats=st)
+        if self.tracker is not None:
+            dec.acceptance_prior = 0.7 * dec.acceptance_prior + 0.3 * self.tracker.rate
+        self.result = GenerationResult(text=self.text, token_ids=list(self.out), finish_reason=self.finish_reason, stats=st)
+
+
+class Batch:
+    """Rows decoding together. ``add`` a request (prefilled alone, then merged), ``step``
+    until ``rows`` is empty; ``step`` returns the rows that finished in it."""
+
+    def __init__(self, dec: SpeculativeDecoder):
+        self.dec = dec
+        self.rows: list[Row] = []
+        self.tcache = RaggedCache(dec.target)
+        self.dcache = RaggedCache(dec.draft) if dec.draft is not None else None
+        self.schedule = KSchedule()
+
+    def add(self, request: GenerationRequest, on_text: TextCallback | None = None, tag=None) -> Row:
+        """Join the batch (validates first: a RequestError leaves the batch untouched)."""
+        dec = self.dec
+        prompt = dec.prepare(request)
+        row = Row(dec, request, prompt, on_text, tag)
+        caches = [(self.tcache, row.stats, "target_time_s")]
+        if self.dcache is not None and row.k != 0:  # a row that never drafts needs no draft prefill
+            caches.append((self.dcache, row.stats, "draft_time_s"))
+            row.dlen = len(prompt) - 1
+        for cache, st, clock in caches:
+            own = RaggedCache(cache.model, 1)
+            if len(prompt) > 1:
+                with Timer() as t:
+                    own.forward([prompt[:-1]], 1)
+                setattr(st, clock, getattr(st, clock) + t.seconds)
+            cache.extend(own)
+        if self.dcache is not None and row.k == 0:
+            self.dcache.extend(RaggedCache(self.dcache.model, 1))
+        self.rows.append(row)
+        return row
+
+    def choose_k(self) -> list[int]:
+        dec, rows = self.dec, self.rows
+        auto = [r for r in rows if r.k is None]
+        k_auto = 0
+        if auto:
+            cost = dec.costs[len(rows)]
+            if not cost.calibrated:
+                dec.calibrate(len(rows))
+            k_auto = self.schedule.next_k(cost, [r.tracker.rate for r in auto])
+        return [max(0, min(k_auto if r.k is None else r.k, r.room() - 1)) for r in rows]
+
+    def step(self) -> list[Row]:
+        dec, rows = self.dec, self.rows
+        ks = self.choose_k()
+        big_k = max(ks)
+        observe = any(r.k is None for r in rows)
+        drafts: list[list[int]] = [[] for _ in rows]
+        qs: list[list] = [[] for _ in rows]
+        columns = []  # draft cache column fed at each draft step
+        for j in range(big_k):
+            inputs = [(r.seq[r.dlen :] if j == 0 else drafts[b][-1:]) if ks[b] > j else [] for b, r in enumerate(rows)]
+            with Timer() as t:
+                logits = self.dcache.forward(inputs, 1)[:, -1, : dec.vocab_size]
+                hf.sync(dec.draft)
+            columns.append(self.dcache.width - 1)
+            fed = sum(len(x) for x in inputs)
+            for b, r in enumerate(rows):
+                if inputs[b]:
+                    r.dlen += len(inputs[b])
+                    r.stats.draft_forwards += 1
+                    r.stats.draft_time_s += t.seconds * len(inputs[b]) / fed
+                    tok, q = r.pick(logits[b])
+                    drafts[b].append(tok)
+                    if q is not None:
+                        qs[b].append(q)
+            if j and observe:  # one-token steps: the steady-state draft cost
+                dec.costs[sum(1 for x in inputs if x)].observe_draft(t.seconds)
+
+        inputs = [[r.seq[-1]] + drafts[b] for b, r in enumerate(rows)]
+        with Timer() as t:
+            logits = self.tcache.forward(inputs, big_k + 1)[..., : dec.vocab_size]
+            hf.sync(dec.target)
+        if observe:
+            dec.costs[len(rows)].observe_verify(big_k, t.seconds)
+        start = self.tcache.width - (big_k + 1)
+        fed = sum(len(x) for x in inputs)
+        for b, r in enumerate(rows):
+            k = ks[b]
+            r.stats.target_time_s += t.seconds * (k + 1) / fed
+            n, nxt = r.accept(drafts[b], qs[b], logits[b, big_k - k :])
+            # roll back: the target keeps [last] + accepted drafts; the draft keeps the drafts it
+            # was fed (d_0..d_{k-2}, at steps 1..k-1) that were accepted
+            self.tcache.drop(b, range(start + big_k - k + 1 + n, start + big_k + 1))
+            if k > 1 and n < k - 1:
+                self.dcache.drop(b, [columns[j] for j in range(n + 1, k)])
+                r.dlen -= k - 1 - n
+            r.advance(k, n, drafts[b][:n] + [nxt])
+
+        done = [r for r in rows if r.finish_reason]
+        if done:
+            keep = [b for b, r in enumerate(rows) if not r.finish_reason]
+            for cache in (self.tcache, self.dcache):
+                if cache is not None:
+                    cache.keep_rows(keep)
+            self.rows = [rows[b] for b in keep]
+        for cache in (self.tcache, self.dcache):
+            if cache is not None:
+                cache.tidy()
+        return done

@@ -56,3 +56,34 @@ def crop(cache: DynamicCache, length: int) -> None:
         cache.crop(length - current)  # negative: tokens to remove
     else:
         cache.crop(length)  # 4.x: absolute length
+
+
+# -- batches of rows (engine/ragged.py) -------------------------------------------------------
+def layers(cache: DynamicCache) -> list:
+    """The cache's per-layer objects; each holds ``keys`` / ``values`` [B, heads, L, head_dim]."""
+    for layer in cache.layers:
+        if type(layer).__name__ != "DynamicLayer":
+            raise NotImplementedError(f"batched decoding needs plain DynamicLayer caches, not {type(layer).__name__}")
+    return cache.layers
+
+
+def set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+
+
+@torch.inference_mode()
+def forward_rows(model, ids: torch.Tensor, cache: DynamicCache, keep: int, mask=None, positions=None) -> torch.Tensor:
+    """Run ``ids`` [B, W] on top of ``cache``; float32 logits of the last ``keep`` columns [B, keep, V].
+
+    ``mask`` is a boolean [B, 1, W, L + W] (True = may attend), ``positions`` [B, W]; both
+    None when every cached column is valid and no row is padded (plain causal attention).
+    """
+    kwargs = {_cache_kwarg(type(model)): cache}
+    if mask is not None:
+        if model.config._attn_implementation == "eager":  # eager adds a float mask; sdpa takes booleans
+            mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, torch.finfo(model.dtype).min)
+        kwargs.update(attention_mask=mask, position_ids=positions)
+    out = model(input_ids=ids.to(model.device), use_cache=True, logits_to_keep=keep, **kwargs)
+    return out.logits.float()

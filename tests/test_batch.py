@@ -1,0 +1,138 @@
+"""Batched speculative decoding: every row keeps the single-request guarantees."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import check_caches, greedy_reference, perturbed, tiny_llama
+
+from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder
+from specdec_llm.engine.autok import BatchCosts, calibrate
+from specdec_llm.engine.decoder import Batch
+
+PROMPTS = [[5], [5, 6, 7], [17, 3, 99, 4, 8, 120, 33, 1, 2, 250, 7, 7], list(range(40, 71)), [200, 201]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "partial", "unrelated"])
+def test_batched_greedy_equals_one_at_a_time(target, draft_kind):
+    """Mixed prompt lengths, mixed k, rows finishing early (length and EOS): each row equals
+    the target's own greedy output, exactly as when it decodes alone."""
+    draft = {"same": target, "partial": perturbed(target, 0.2, seed=3), "unrelated": tiny_llama(7, layers=1)}[draft_kind]
+    eos_model = tiny_llama(0, eos=greedy_reference(target, PROMPTS[1], 30)[9])  # same weights, an EOS the output hits
+    for model in (target, eos_model):
+        dec = SpeculativeDecoder(model, draft if model is target else model)
+        reqs = [
+            GenerationRequest(prompt=p, max_new_tokens=n, k=k)
+            for p, n, k in zip(itertools.cycle(PROMPTS), (40, 7, 33, 1, 25, 40, 12, 30), (0, 1, 3, 6, "auto", 4, 2, "auto"))
+        ]
+        single = [dec.generate(r) for r in reqs]
+        for max_batch in (3, 8):
+            batched = dec.generate_many(reqs, max_batch=max_batch)
+            for req, one, many in zip(reqs, single, batched):
+                assert many.token_ids == one.token_ids, (draft_kind, req.prompt, req.k, max_batch)
+                assert many.finish_reason == one.finish_reason
+                if model is target:
+                    assert many.token_ids == greedy_reference(target, req.prompt, req.max_new_tokens)
+        assert {r.finish_reason for r in single} == ({"length"} if model is target else {"length", "eos"})
+
+
+def test_rows_join_between_iterations(target):
+    """Continuous batching: rows added while others run, caches checked after every step."""
+    dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
+    batch = Batch(dec)
+    rows = [batch.add(GenerationRequest(prompt=PROMPTS[i], max_new_tokens=20, k=k)) for i, k in ((1, 3), (3, "auto"))]
+    for step in range(30):
+        if step in (2, 5):
+            rows.append(batch.add(GenerationRequest(prompt=PROMPTS[step % 5], max_new_tokens=15, k=2)))
+        if step == 5:
+            rows.append(batch.add(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=10, temperature=0.8, seed=4, k=3)))
+        if not batch.rows:
+            break
+        batch.step()
+        check_caches(batch)
+    assert not batch.rows and batch.tcache.width == 0 and batch.tcache.rows == 0
+    for row in rows[:4]:
+        assert row.result.token_ids == greedy_reference(target, row.prompt, row.req.max_new_tokens)
+    assert len(rows[4].result.token_ids) == 10
+
+
+def test_sampled_rows_keep_the_target_distribution():
+    """Seeded sampled rows decoded in batches (beside greedy rows): the first two tokens'
+    empirical distribution matches the exact target one (same bound as test_engine)."""
+    from test_engine import exact_two_token_distribution
+
+    V, N, prompt = 8, 20_000, [1, 2, 3]
+    target = tiny_llama(11, vocab=V, hidden=32)
+    draft = tiny_llama(12, vocab=V, hidden=32, layers=1)
+    with torch.no_grad():
+        for m in (target, draft):
+            m.lm_head.weight.mul_(40)
+    exact = exact_two_token_distribution(target, prompt, 1.0, 0, 1.0)
+    dec = SpeculativeDecoder(target, draft)
+    greedy = GenerationRequest(prompt=[4, 5], max_new_tokens=2, k=2)
+    reqs = []
+    for i in range(N):
+        reqs.append(GenerationRequest(prompt=prompt, max_new_tokens=2, k=1 + i % 2, seed=i, temperature=1.0))
+        if i % 16 == 0:
+            reqs.append(greedy)
+    out = dec.generate_many(reqs, max_batch=16)
+    counts = torch.zeros(V, V)
+    ref = greedy_reference(target, [4, 5], 2)
+    for req, res in zip(reqs, out):
+        if req is greedy:
+            assert res.token_ids == ref
+        else:
+            counts[res.token_ids[0], res.token_ids[1]] += 1
+    tv = 0.5 * (counts / N - exact).abs().sum()
+    assert tv < 0.035, f"TV {tv:.4f}"
+    assert sum(r.stats.draft_tokens_accepted for r in out) > N * 0.1
+
+
+def test_per_request_stats_and_bad_rows(target):
+    dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
+    reqs = [GenerationRequest(prompt=[1, 2, 3, 4], max_new_tokens=30, k=k) for k in (0, 3, "auto", 5)]
+    reqs.insert(2, GenerationRequest(prompt=[1, 999], max_new_tokens=5))  # outside the vocabulary
+    reqs.insert(3, GenerationRequest(prompt=[1, 2], max_new_tokens=0))
+    out = dec.generate_many(reqs, max_batch=8)
+    assert isinstance(out[2], RequestError) and out[2].field == "prompt"
+    assert isinstance(out[3], RequestError) and out[3].field == "max_new_tokens"
+    for res in (out[0], out[1], out[4], out[5]):
+        s = res.stats
+        assert s.output_tokens == 30 == s.draft_tokens_accepted + s.target_forwards
+        assert s.target_forwards == len(s.k_values)
+        assert s.draft_tokens_proposed == sum(s.k_values)
+        assert 0 < s.draft_time_s + s.target_time_s <= s.wall_time_s
+    assert out[0].stats.draft_tokens_proposed == 0 and out[0].stats.draft_time_s == 0
+    assert out[5].stats.k_values[:3] == [5, 5, 5] and max(out[5].stats.k_values) == 5  # clipped only by the room left
+
+
+def test_speculation_length_falls_to_zero_as_the_batch_grows():
+    """CPU-like costs: at one row verifying 5 tokens costs ~1.1x one token, so a 0.6-acceptance
+    draft pays; at 16 rows the forward is mostly compute (cost ~ tokens) and k = 0 wins
+    unless the draft is very good."""
+    costs = BatchCosts(max_k=8)
+    per_token = 0.0006
+    for rows in (1, 16):
+        fixed = 0.03 if rows == 1 else 0.008
+        calibrate(costs[rows], lambda k, r=rows, f=fixed: f + per_token * r * (k + 1) + 0.002, lambda r=rows: 0.002 + 0.0001 * r, repeats=1)
+    assert costs[1].best_k(0.6) >= 2
+    assert costs[16].best_k([0.6] * 16) == 0
+    assert costs[16].best_k([0.98] * 16) >= 4  # a near-perfect draft still pays
+    assert costs[9] is costs[16] and costs[3] is costs[4]
+
+
+def test_auto_k_batched_with_a_useless_draft_stays_target_only(target):
+    dec = SpeculativeDecoder(target, tiny_llama(7, layers=1))
+    reqs = [GenerationRequest(prompt=p, max_new_tokens=60) for p in PROMPTS * 2]
+    dec.generate_many(reqs[:4], max_batch=4)  # learns a ~ 0
+    out = dec.generate_many(reqs, max_batch=8)
+    for req, res in zip(reqs, out):
+        assert res.token_ids == greedy_reference(target, req.prompt, 60)
+        assert sum(k > 0 for k in res.stats.k_values) <= 2, res.stats.k_values  # probes only
