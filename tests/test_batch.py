@@ -136,3 +136,37 @@ def test_auto_k_batched_with_a_useless_draft_stays_target_only(target):
     for req, res in zip(reqs, out):
         assert res.token_ids == greedy_reference(target, req.prompt, 60)
         assert sum(k > 0 for k in res.stats.k_values) <= 2, res.stats.k_values  # probes only
+
+
+def test_batch_server_joins_callers_from_threads(target):
+    """Requests from many threads share batches; each gets its own result or error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specdec_llm.engine.serve import BatchServer
+
+    dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
+    server = BatchServer(dec, max_batch=4, max_wait_ms=50)
+    reqs = [GenerationRequest(prompt=PROMPTS[i % 5], max_new_tokens=10 + 3 * i, k=(0, 2, "auto")[i % 3]) for i in range(10)]
+    reqs[6] = GenerationRequest(prompt=[1, 9999], max_new_tokens=5)
+    seen = []
+    try:
+        with ThreadPoolExecutor(10) as pool:
+            futures = list(pool.map(lambda r: server.submit(r, on_text=None), reqs))
+            results = []
+            for f in futures:
+                try:
+                    results.append(f.result(timeout=60))
+                except RequestError as e:
+                    results.append(e)
+        late = server.submit(GenerationRequest(prompt=[3, 4], max_new_tokens=500, k=0), deadline=0.0)
+        with pytest.raises(TimeoutError):
+            late.result(timeout=60)
+        seen = [r.stats.batch_rows for r in results if not isinstance(r, RequestError)]
+    finally:
+        server.close(timeout=10)
+    assert isinstance(results[6], RequestError) and results[6].field == "prompt"
+    for i, (req, res) in enumerate(zip(reqs, results)):
+        if i != 6:
+            assert res.token_ids == greedy_reference(target, req.prompt, req.max_new_tokens)
+    assert len(seen) == 9 and max(seen) > 2  # callers really shared batches
+    assert not server.thread.is_alive()

@@ -192,6 +192,7 @@ class Row:
         self.finish_reason: str | None = None
         self.result: GenerationResult | None = None
         self.t0 = time.perf_counter()
+        self.rows_seen = 0  # sum over iterations of the batch's size
 
     def room(self) -> int:
         return min(self.req.max_new_tokens - len(self.out), self.dec.context_length - len(self.seq))
@@ -290,6 +291,7 @@ class Row:
         st.acceptance_rate = st.draft_tokens_accepted / st.draft_tokens_proposed if st.draft_tokens_proposed else 0.0
         st.mean_accepted_length = st.output_tokens / st.target_forwards if st.target_forwards else 0.0
         st.per_position_acceptance = [a / p for a, p in zip(self.pos_accepted, self.pos_proposed)]
+        st.batch_rows = self.rows_seen / st.target_forwards if st.target_forwards else 1.0
         if self.tracker is not None:
             dec.acceptance_prior = 0.7 * dec.acceptance_prior + 0.3 * self.tracker.rate
         self.result = GenerationResult(text=self.text, token_ids=list(self.out), finish_reason=self.finish_reason, stats=st)
@@ -376,6 +378,7 @@ class Batch:
         for b, r in enumerate(rows):
             k = ks[b]
             r.stats.target_time_s += t.seconds * (k + 1) / fed
+            r.rows_seen += len(rows)
             n, nxt = r.accept(drafts[b], qs[b], logits[b, big_k - k :])
             # roll back: the target keeps [last] + accepted drafts; the draft keeps the drafts it
             # was fed (d_0..d_{k-2}, at steps 1..k-1) that were accepted
@@ -386,13 +389,14 @@ class Batch:
             r.advance(k, n, drafts[b][:n] + [nxt])
 
         done = [r for r in rows if r.finish_reason]
-        if done:
-            keep = [b for b, r in enumerate(rows) if not r.finish_reason]
-            for cache in (self.tcache, self.dcache):
-                if cache is not None:
-                    cache.keep_rows(keep)
-            self.rows = [rows[b] for b in keep]
+        self.keep([b for b, r in enumerate(rows) if not r.finish_reason])
+        return done
+
+    def keep(self, index: list[int]) -> None:
+        """Keep only the rows at ``index`` (the others leave the batch and its caches)."""
         for cache in (self.tcache, self.dcache):
             if cache is not None:
+                if len(index) < cache.rows:
+                    cache.keep_rows(index)
                 cache.tidy()
-        return done
+        self.rows = [self.rows[b] for b in index]

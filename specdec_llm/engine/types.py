@@ -104,6 +104,7 @@ class Stats:
     time_to_first_token_s: float = 0.0
     tokens_per_s: float = 0.0
     k_values: list[int] = field(default_factory=list)  # k used at each iteration
+    batch_rows: float = 1.0  # mean number of requests decoding beside it (itself included) per iteration
     finish_reason: FinishReason = "length"
 
     def to_dict(self) -> dict:

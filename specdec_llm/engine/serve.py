@@ -1,0 +1,110 @@
+"""Serving many callers from one batch: requests submitted from any thread join the running
+``Batch`` at its next iteration (continuous batching); each caller gets its own Future.
+
+    server = BatchServer(decoder, max_batch=8, max_wait_ms=20)
+    result = server.submit(request, on_text=print).result()
+
+One thread owns the models and runs the loop. When the batch is empty and a request
+arrives, it waits up to ``max_wait_ms`` for more (so a burst starts as one batch), then
+steps; between steps it takes waiting requests up to ``max_batch`` rows. A bad request
+fails its own Future with the RequestError at join time; an error inside a step (out of
+memory...) fails the rows of that batch and the loop goes on with a fresh one. A
+request whose ``deadline`` (time.monotonic()) passes leaves the batch with TimeoutError.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+from .decoder import Batch, SpeculativeDecoder, TextCallback
+from .types import GenerationRequest, RequestError
+
+log = logging.getLogger("specdec.engine")
+
+
+class BatchServer:
+    def __init__(self, decoder: SpeculativeDecoder, max_batch: int = 8, max_wait_ms: float = 20.0):
+        if max_batch < 1:
+            raise ValueError("max_batch: use at least 1")
+        self.decoder, self.max_batch, self.max_wait = decoder, max_batch, max_wait_ms / 1000
+        self.inbox: queue.Queue = queue.Queue()
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="specdec-batch", daemon=True)
+        self.thread.start()
+
+    def submit(self, request: GenerationRequest, on_text: TextCallback | None = None, deadline: float | None = None) -> Future:
+        if self.closed.is_set():
+            raise RuntimeError("this BatchServer is closed")
+        fut: Future = Future()
+        self.inbox.put((request, on_text, deadline, fut))
+        return fut
+
+    def close(self, timeout: float | None = None) -> None:
+        self.closed.set()
+        self.inbox.put(None)
+        self.thread.join(timeout)
+
+    # -- the loop (server thread) ---------------------------------------------------------
+    def _loop(self) -> None:
+        batch = Batch(self.decoder)
+        while not self.closed.is_set():
+            if not batch.rows:  # idle: block for one request, then gather a burst
+                item = self.inbox.get()
+                if item is None:
+                    break
+                self._join(batch, item)
+                until = time.monotonic() + self.max_wait
+                while len(batch.rows) < self.max_batch and (left := until - time.monotonic()) > 0:
+                    try:
+                        item = self.inbox.get(timeout=left)
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        break
+                    self._join(batch, item)
+            while len(batch.rows) < self.max_batch:  # continuous batching: join between steps
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    self._join(batch, item)
+            self._expire(batch)
+            if not batch.rows:
+                continue
+            try:
+                done = batch.step()
+            except Exception as e:  # noqa: BLE001 - fail this batch's rows, keep serving
+                log.exception("batch step failed; failing its %d rows", len(batch.rows))
+                for row in batch.rows:
+                    row.tag[0].set_exception(e)
+                batch = Batch(self.decoder)
+                continue
+            for row in done:
+                row.tag[0].set_result(row.result)
+        for row in batch.rows:
+            row.tag[0].set_exception(RuntimeError("BatchServer closed"))
+
+    def _join(self, batch: Batch, item) -> None:
+        request, on_text, deadline, fut = item
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            batch.add(request, on_text, tag=(fut, deadline))
+        except RequestError as e:
+            fut.set_exception(e)
+        except Exception as e:  # noqa: BLE001 - a failed prefill fails this request only
+            log.exception("could not start a request")
+            fut.set_exception(e)
+
+    def _expire(self, batch: Batch) -> None:
+        now = time.monotonic()
+        late = [b for b, row in enumerate(batch.rows) if row.tag[1] is not None and now > row.tag[1]]
+        if late:
+            for b in late:
+                batch.rows[b].tag[0].set_exception(TimeoutError("generation passed its deadline"))
+            batch.keep([b for b in range(len(batch.rows)) if b not in late])
