@@ -162,6 +162,7 @@ def distill(
     steps: int = 2000,
     batch_size: int = 16,
     lr: float = 1e-3,
+    vocab_subset: Annotated[int, typer.Option(help="Draft head over this many most frequent tokens (0: full vocabulary)")] = 16384,
     resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint in --work")] = False,
     hours: Annotated[Optional[float], typer.Option(help="Stop each phase after this many hours (resumable)")] = None,
 ) -> None:
@@ -199,7 +200,7 @@ def distill(
                 manifest = D.build_data(model, tok, seeds, work_dir, cfg, progress, deadline, pool)
                 err.print(f"data: {manifest.get('tokens', 0):,} answer tokens in {manifest.get('shards', 0)} shards")
             if phase in ("train", "all"):
-                cfg = D.TrainConfig(layers=layer_list, steps=steps, batch_size=batch_size, lr=lr)
+                cfg = D.TrainConfig(layers=layer_list, steps=steps, batch_size=batch_size, lr=lr, vocab_subset=vocab_subset)
                 summary = D.train(model, work_dir, Path(out), cfg, resume, progress, deadline)
                 err.print(f"train: {json.dumps(summary)}")
 

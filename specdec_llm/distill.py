@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from .pairs import DRAFT_META, SHARED_TENSORS, fingerprint, shared_draft
+from .pairs import DRAFT_META, SHARED_TENSORS, VOCAB_SUBSET, SubsetHead, fingerprint, shared_draft
 
 EXPAND_TEMPLATE = (
     "Here is an example of a task someone might ask an AI assistant:\n\n{seed}\n\n"
@@ -61,6 +61,7 @@ class TrainConfig:
     max_len: int = 448
     checkpoint_every: int = 100
     ce_weight: float = 0.1  # hard-label term on the answer token actually generated
+    vocab_subset: int = 16384  # draft head over this many most frequent tokens (0: the full vocabulary)
     seed: int = 0
 
 
@@ -210,8 +211,25 @@ def _batches(examples, batch_size: int, max_len: int, rng: random.Random):
             yield [examples[j] for j in order[i : i + batch_size]]
 
 
-def _loss(draft, batch, max_len: int, ce_weight: float):
-    """Sparse forward KL(target top-k || draft) (+ a small hard-label term) on answer positions."""
+def choose_subset(store: DataStore, size: int, vocab: int, always: list[int]) -> torch.Tensor:
+    """The ``size`` token ids the draft head keeps: the most frequent in the target's answers
+    and top-k teacher tokens, then the lowest ids (BPE ids roughly follow corpus frequency),
+    plus ``always`` (end-of-sequence tokens). Sorted."""
+    counts = torch.zeros(vocab)
+    for seq, plen, top, _ in store.examples():
+        counts += torch.bincount(seq[plen:], minlength=vocab)[:vocab].float()
+        counts += 0.5 * torch.bincount(top.flatten(), minlength=vocab)[:vocab].float()
+    counts[torch.tensor(always, dtype=torch.long)] = float("inf")
+    # frequency first; ties (mostly unseen tokens) by id: a small bonus for low ids
+    score = counts + 1e-6 * (vocab - torch.arange(vocab)) / vocab
+    return torch.topk(score, min(size, vocab)).indices.sort().values
+
+
+def _loss(draft, batch, max_len: int, ce_weight: float, subset_pos: torch.Tensor | None = None):
+    """Sparse forward KL(target top-k || draft) (+ a small hard-label term) on answer positions.
+
+    With a SubsetHead draft (``subset_pos`` maps token id -> head row, -1 outside), the
+    softmax is over the subset and teacher tokens outside it are dropped (renormalised)."""
     seqs = [ex[0][:max_len] for ex in batch]
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -232,11 +250,19 @@ def _loss(draft, batch, max_len: int, ce_weight: float):
     dev = draft.device
     hidden = draft.model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state
     h = hidden[torch.cat(rows).to(dev), torch.cat(cols).to(dev)]
-    logq = torch.log_softmax(draft.lm_head(h).float(), -1)
     t_ids, t_logp, labels = (torch.cat(x).to(dev) for x in (t_ids, t_logp, labels))
+    if subset_pos is None:
+        logq = torch.log_softmax(draft.lm_head(h).float(), -1)
+    else:  # ids -> head rows; tokens outside the subset: masked teacher entries, ignored labels
+        logq = torch.log_softmax(draft.lm_head.subset_logits(h).float(), -1)
+        pos = subset_pos.to(dev)
+        t_ids, labels = pos[t_ids], pos[labels].masked_fill(pos[labels] < 0, -100)
+        t_logp = t_logp.masked_fill(t_ids < 0, float("-inf"))
+        keep = t_ids[:, 0] >= 0  # positions whose teacher top-1 the draft can propose
+        t_ids, t_logp, logq, labels = t_ids[keep].clamp_min(0), t_logp[keep], logq[keep], labels[keep]
     p = torch.softmax(t_logp, -1)  # teacher top-k, renormalised
     kl = (p * (torch.log(p + 1e-9) - logq.gather(-1, t_ids))).sum(-1).mean()
-    ce = F.nll_loss(logq, labels)
+    ce = F.nll_loss(logq, labels, ignore_index=-100)
     agree = (logq.argmax(-1) == t_ids[:, 0]).float().mean()
     return kl + ce_weight * ce, kl.item(), agree.item(), len(labels)
 
@@ -244,6 +270,9 @@ def _loss(draft, batch, max_len: int, ce_weight: float):
 def save_draft(draft, out: Path, target, layers: list[int], extra: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     own = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if not any(k.startswith(s) for s in SHARED_TENSORS)}
+    if isinstance(draft.lm_head, SubsetHead):  # its rows are the target's: only the ids are the draft's
+        own[VOCAB_SUBSET] = draft.lm_head.ids.to(torch.int32)
+        extra = {**extra, "vocab_subset": len(draft.lm_head.ids)}
     save_file({k: v.cpu() for k, v in own.items()}, str(out / "draft.safetensors"))
     draft.config.to_json_file(str(out / "config.json"))
     meta = {
@@ -264,12 +293,21 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
     examples = list(store.examples())
     if not examples:
         raise ValueError(f"no distillation data under {work / 'data'}; run the data phase first")
-    draft = shared_draft(target, cfg.layers).train()
+    ckpt = work / "ckpt"
+    subset = subset_pos = None
+    if cfg.vocab_subset and cfg.vocab_subset < target.config.vocab_size:
+        if resume and (ckpt / "subset.safetensors").exists():
+            subset = load_file(str(ckpt / "subset.safetensors"))[VOCAB_SUBSET].long()
+        else:
+            eos = target.generation_config.eos_token_id
+            subset = choose_subset(store, cfg.vocab_subset, target.config.vocab_size, [eos] if isinstance(eos, int) else list(eos or []))
+        subset_pos = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+        subset_pos[subset] = torch.arange(len(subset))
+    draft = shared_draft(target, cfg.layers, subset).train()
     params = [p for n, p in draft.named_parameters() if n.startswith("model.layers")]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    ckpt = work / "ckpt"
     step, history, tokens_seen = 0, [], 0
     if resume and (ckpt / "state.json").exists():
         state = json.loads((ckpt / "state.json").read_text())
@@ -300,6 +338,8 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
                 opt_state[f"{i}.exp_avg"] = opt.state[p]["exp_avg"]
                 opt_state[f"{i}.exp_avg_sq"] = opt.state[p]["exp_avg_sq"]
         save_file({k: v.cpu() for k, v in opt_state.items()}, str(ckpt / "optim.safetensors"))
+        if subset is not None:
+            save_file({VOCAB_SUBSET: subset.to(torch.int32)}, str(ckpt / "subset.safetensors"))
         (ckpt / "state.json").write_text(json.dumps({"step": step, "tokens_seen": tokens_seen, "history": history, "config": asdict(cfg)}))
         save_draft(draft.eval(), out, target, cfg.layers, {"train": {"steps": step, "tokens_seen": tokens_seen, "data_tokens": store.manifest.get("tokens"), "config": asdict(cfg)}})
         draft.train()
@@ -309,7 +349,7 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        loss, kl, agree, n = _loss(draft, next(batches), cfg.max_len, cfg.ce_weight)
+        loss, kl, agree, n = _loss(draft, next(batches), cfg.max_len, cfg.ce_weight, subset_pos)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

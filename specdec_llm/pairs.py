@@ -32,6 +32,7 @@ from .settings import get_settings
 
 DRAFT_META = "specdec_draft.json"
 SHARED_TENSORS = ["model.embed_tokens", "model.norm", "lm_head", "model.rotary_emb"]
+VOCAB_SUBSET = "vocab_subset"  # in draft.safetensors: token ids of a SubsetHead draft
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -187,9 +188,31 @@ def fingerprint(model) -> str:
 
 
 # -- shared-tensor drafts ---------------------------------------------------------------
-def shared_draft(target, layers: list[int]):
+class SubsetHead(torch.nn.Module):
+    """A draft LM head over a frequency-ranked subset of the vocabulary (as FR-Spec and
+    EAGLE-3 do): the target head's rows for ``ids`` only, so a draft step costs a fraction of
+    a full-vocabulary head. Other tokens get logit -inf: the draft never proposes them, and
+    verification stays exact over the whole vocabulary. The rows are a copy made at load."""
+
+    def __init__(self, full: torch.nn.Linear, ids: torch.Tensor):
+        super().__init__()
+        self.vocab = full.weight.shape[0]
+        self.register_buffer("ids", ids.long().to(full.weight.device), persistent=False)
+        self.weight = torch.nn.Parameter(full.weight.detach()[self.ids].clone(), requires_grad=False)
+
+    def subset_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(h, self.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        sub = self.subset_logits(h)
+        out = sub.new_full((*sub.shape[:-1], self.vocab), float("-inf"))
+        return out.index_copy_(-1, self.ids, sub)
+
+
+def shared_draft(target, layers: list[int], vocab_subset: torch.Tensor | None = None):
     """A draft made of copies of ``layers`` of the target, sharing the target's embedding,
-    final norm, rotary embedding and LM head (the same tensors, held once in memory)."""
+    final norm, rotary embedding and LM head (the same tensors, held once in memory); with
+    ``vocab_subset`` (token ids) its head covers those tokens only (SubsetHead)."""
     base = getattr(target, "model", None)
     if base is None or not hasattr(base, "layers"):
         raise PairError(f"shared-tensor drafts need a Llama-style model (model.layers); got {type(target).__name__}")
@@ -205,7 +228,7 @@ def shared_draft(target, layers: list[int]):
     draft.model.embed_tokens = base.embed_tokens
     draft.model.norm = base.norm
     draft.model.rotary_emb = base.rotary_emb
-    draft.lm_head = target.lm_head
+    draft.lm_head = target.lm_head if vocab_subset is None else SubsetHead(target.lm_head, vocab_subset)
     draft.model.layers = torch.nn.ModuleList(copy.deepcopy(base.layers[i]) for i in layers)
     for new_idx, layer in enumerate(draft.model.layers):
         layer.self_attn.layer_idx = new_idx
@@ -226,8 +249,8 @@ def load_draft_dir(path: Path, target, target_fp: str):
             f"({meta.get('target', '?')}); this target is {target_fp}. Use the draft with its own target "
             "or distil a new one (specdec-llm distill)."
         )
-    draft = shared_draft(target, meta["init_layers"])
     own = load_file(str(path / "draft.safetensors"))
+    draft = shared_draft(target, meta["init_layers"], own.pop(VOCAB_SUBSET, None))
     dtype = next(target.parameters()).dtype
     missing = draft.load_state_dict({k: v.to(dtype) for k, v in own.items()}, strict=False)
     bad = [k for k in missing.missing_keys if not any(k.startswith(s) for s in SHARED_TENSORS)]

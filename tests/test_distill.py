@@ -69,3 +69,35 @@ def test_saved_draft_holds_only_its_own_tensors(distilled):
     _, out, _, _ = distilled
     names = load_file(str(out / "draft.safetensors")).keys()
     assert names and all(n.startswith("model.layers.") for n in names)
+
+
+def test_subset_head_draft_trains_reloads_and_stays_lossless(distilled, tmp_path):
+    """A draft whose head covers half the vocabulary (the most frequent tokens): training
+    still raises agreement, the saved draft keeps only its layers and the token ids, it
+    never proposes a token outside its subset, and greedy output equals the target's."""
+    from conftest import greedy_reference
+    from safetensors.torch import load_file
+
+    from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
+    from specdec_llm.pairs import SubsetHead
+
+    target, first, examples, before = distilled
+    work, out = first.parent, tmp_path / "subset-draft"
+    cfg = D.TrainConfig(layers=[0], steps=80, batch_size=4, lr=3e-3, warmup=5, vocab_subset=256)
+    D.train(target, work, out, cfg, resume=False)
+    names = set(load_file(str(out / "draft.safetensors")))
+    assert "vocab_subset" in names and all(n.startswith("model.layers.") for n in names - {"vocab_subset"})
+    draft, meta = load_draft_dir(out, target, fingerprint(target))
+    assert isinstance(draft.lm_head, SubsetHead) and meta["vocab_subset"] == 256
+    assert target.generation_config.eos_token_id in draft.lm_head.ids.tolist()
+    assert agreement(draft, examples) > before + 0.15
+    inside = set(draft.lm_head.ids.tolist())
+    dec = SpeculativeDecoder(target, draft)
+    for seq, plen, _, _ in examples[:4]:
+        prompt = seq[:plen].tolist()
+        res = dec.generate(GenerationRequest(prompt=prompt, max_new_tokens=20, k=3))
+        ref = greedy_reference(target, prompt, 20)
+        eos = target.generation_config.eos_token_id
+        assert res.token_ids == (ref[: ref.index(eos) + 1] if eos in ref else ref)
+        logits = draft(input_ids=seq[None]).logits[0]
+        assert set(logits.argmax(-1).tolist()) <= inside
