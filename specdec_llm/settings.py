@@ -29,6 +29,10 @@ class Settings(BaseSettings):
     result_backend: str | None = None
     # USD per device-hour for cost figures: "2.5" for every device, or "cuda=2.5,cpu=0.05"
     price_per_hour: str | None = None
+    # Worker dynamic batching: up to max_batch requests decode as one batch (1 = one at a
+    # time, prefork pool); an idle worker waits max_wait_ms for a burst to start together.
+    max_batch: int = 1
+    max_wait_ms: float = 20.0
 
     @property
     def effective_database_url(self) -> str:

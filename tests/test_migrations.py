@@ -114,13 +114,14 @@ def test_concurrent_first_upgrades(empty_url):
 
 @pytest.fixture
 def newer_code(tmp_path, monkeypatch):
-    """Pretend this code is one revision ahead: the real migrations plus 0002."""
+    """Pretend this code is one revision ahead: the real migrations plus "scratch" (an id
+    no real revision will take)."""
     scripts = tmp_path / "migrations"
     shutil.copytree(db.MIGRATIONS_DIR, scripts, ignore=shutil.ignore_patterns("__pycache__"))
-    (scripts / "versions" / "0002_scratch.py").write_text(textwrap.dedent(f'''
+    (scripts / "versions" / "9999_scratch.py").write_text(textwrap.dedent(f'''
         import sqlalchemy as sa
         from alembic import op
-        revision = "0002"
+        revision = "scratch"
         down_revision = "{db.head_revision()}"
         branch_labels = depends_on = None
         def upgrade():
@@ -140,7 +141,7 @@ def test_report_refuses_an_older_schema_and_writes_nothing(tmp_path, newer_code)
     with pytest.raises(db.SchemaError) as e:
         reports.summary(url=url)
     assert str(e.value) == (
-        f"the database at {url} is at schema revision {newer_code}, this version needs 0002; "
+        f"the database at {url} is at schema revision {newer_code}, this version needs scratch; "
         "run `specdec-llm db upgrade`"
     )
     assert db.current_revision(url) == newer_code
@@ -152,14 +153,14 @@ def test_writers_upgrade_an_older_schema(tmp_path, newer_code):
     url = sqlite_url(tmp_path)
     db.upgrade(url, newer_code)
     record.upsert_pair("p", url=url)
-    assert db.current_revision(url) == "0002"
+    assert db.current_revision(url) == "scratch"
     assert "scratch" in _tables(url)
     db.dispose_engine(url)
 
 
 def test_a_newer_schema_is_refused_by_readers_and_writers(tmp_path, newer_code, monkeypatch):
     url = sqlite_url(tmp_path)
-    db.upgrade(url)  # at 0002, then the code goes back to the real head
+    db.upgrade(url)  # at scratch, then the code goes back to the real head
     db.dispose_engine(url)
     monkeypatch.setattr(db, "MIGRATIONS_DIR", REPO / "migrations")
     for call in (lambda: reports.summary(url=url), lambda: record.upsert_pair("p", url=url)):

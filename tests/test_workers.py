@@ -75,12 +75,12 @@ class Fleet:
     def __init__(self, folder: Path, env: dict):
         self.folder, self.env, self.procs = folder, env, []
 
-    def start_worker(self, name: str = "worker", **env) -> subprocess.Popen:
+    def start_worker(self, name: str = "worker", args: tuple[str, ...] = (), **env) -> subprocess.Popen:
         full = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
         full.update(self.env, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env)
         log = self.folder / f"{name}.log"
         with open(log, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "workers", "worker", "--pair", "tiny"], env=full,
+            proc = subprocess.Popen([sys.executable, "-m", "workers", "worker", "--pair", "tiny", *args], env=full,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         proc.log_path = log
         self.procs.append(proc)
@@ -386,7 +386,7 @@ class TcpProxy:
 
 
 # -- the task in-process (Celery's eager apply): what a retry redoes ------------------------------
-def test_a_failed_result_write_retries_the_write_not_the_generation(pairs_file, tmp_path, monkeypatch):
+def test_a_failed_result_write_retries_the_write_not_the_generation(pairs_file, tmp_path, monkeypatch, request):
     from workers import runtime, tasks
 
     monkeypatch.setenv("SPECDEC_DATABASE_URL", sqlite_url(tmp_path))
@@ -394,9 +394,10 @@ def test_a_failed_result_write_retries_the_write_not_the_generation(pairs_file, 
     monkeypatch.setattr(runtime, "_runtime", None)  # this process loads the tiny pair; forgotten afterwards
     store.create_job([{"id": "r1", "prompt": "The quick brown fox", "params": {"max_new_tokens": 4}}],
                      pair="tiny", job_id="j1")  # fmt: skip
-    decoder = runtime.get("tiny").decoder
-    generated, real_generate = [], decoder.generate
-    monkeypatch.setattr(decoder, "generate", lambda req: generated.append(req) or real_generate(req))
+    server = runtime.get("tiny").server  # every generation goes through the process's BatchServer
+    generated, real_submit = [], server.submit
+    monkeypatch.setattr(server, "submit", lambda req, **kw: generated.append(req) or real_submit(req, **kw))
+    request.addfinalizer(server.close)  # its thread, once runtime._runtime is restored
     outage, real_record = [store.StoreError("the database is down")], store.record_result
 
     def flaky_record(*args, **kwargs):

@@ -32,6 +32,9 @@ ModeOpt = Annotated[Optional[str], typer.Option(help="speculative | baseline (ta
 PriceOpt = Annotated[List[str], typer.Option("--price-per-hour", help="USD per device-hour: 2.5, or cuda=2.5 (repeat)")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: the pair's device)")]
 FormatOpt = Annotated[str, typer.Option("--format", "-f", help="jsonl or csv")]
+MaxBatchOpt = Annotated[Optional[int], typer.Option(
+    "--max-batch", help="Requests decoded together as one batch (default: SPECDEC_MAX_BATCH or 1); "
+                        "> 1 runs one process with that many task threads (threads pool)")]  # fmt: skip
 
 
 def _fail(message: str) -> None:
@@ -76,6 +79,16 @@ def _device(device: str | None) -> str | None:
     return device
 
 
+def _batching(max_batch: int, concurrency: int) -> None:
+    """--max-batch B > 1 is one process (threads pool) holding the pair: refuse --concurrency N > 1."""
+    if max_batch < 1:
+        _fail("max-batch: use at least 1")
+    if max_batch > 1 and concurrency > 1:
+        _fail(f"--concurrency {concurrency} with --max-batch {max_batch}: a batching worker is one process per "
+              "device (its task threads share one batch); drop --concurrency, and start one worker per device "
+              "for more devices")  # fmt: skip
+
+
 def _fmt(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
@@ -89,9 +102,16 @@ def register(app: typer.Typer) -> None:
         queues: Annotated[Optional[str], typer.Option(help="Comma-separated queues (default: specdec.<pair>)")] = None,
         price_per_hour: Annotated[Optional[float], typer.Option(help="USD per device-hour, for cost estimates")] = None,
         calibrate: Annotated[bool, typer.Option(help="Measure target-only and speculative tok/s at start")] = True,
+        max_batch: MaxBatchOpt = None,
+        max_wait_ms: Annotated[Optional[float], typer.Option(
+            "--max-wait-ms", help="An idle worker waits this long for more requests to start a batch with "
+                                  "(default: SPECDEC_MAX_WAIT_MS or 20)")] = None,  # fmt: skip
         loglevel: str = "INFO",
     ) -> None:
-        """Start a worker: one pair on one device, consuming the pair's queue."""
+        """Start a worker: one pair on one device, consuming the pair's queue.
+
+        --max-batch B > 1 decodes up to B requests as one batch: one process (Celery's threads
+        pool, B task threads, at most B messages reserved) holding the pair once."""
         from specdec_llm.pairs import get_spec, quiet_loading
         from specdec_llm.settings import get_settings
 
@@ -102,18 +122,28 @@ def register(app: typer.Typer) -> None:
             spec = get_spec(pair or get_settings().default_pair)  # reads the registry only: no model, no CUDA
         if concurrency < 1:
             _fail("concurrency: use at least 1")
+        max_batch = get_settings().max_batch if max_batch is None else max_batch
+        max_wait_ms = get_settings().max_wait_ms if max_wait_ms is None else max_wait_ms
+        _batching(max_batch, concurrency)
+        if max_wait_ms < 0:
+            _fail("max-wait-ms: use 0 or more")
         device = _device(device) or spec.device
         threads = None
         if device == "cpu" and concurrency > 1 and not get_settings().threads:
             threads = max(1, (os.cpu_count() or 1) // concurrency)  # share the cores, don't oversubscribe
         quiet_loading()
-        runtime.configure(runtime.WorkerOptions(spec.name, device=device, price_per_hour=price_per_hour,
-                                                threads=threads, calibrate=calibrate))  # fmt: skip
+        options = runtime.WorkerOptions(spec.name, device=device, price_per_hour=price_per_hour, threads=threads,
+                                        calibrate=calibrate, max_batch=max_batch, max_wait_ms=max_wait_ms)  # fmt: skip
+        runtime.configure(options)
         queue_list = queues or queue_name(spec.name)
-        print(f"specdec worker: pair {spec.name} on {device}, queues {queue_list}, concurrency {concurrency}, "
+        if options.pool == "threads":  # one process, B task threads feeding one batch
+            shape, pool_size = f"batches of up to {max_batch} (threads pool, max wait {max_wait_ms:g} ms)", max_batch
+        else:
+            shape, pool_size = f"concurrency {concurrency}", concurrency
+        print(f"specdec worker: pair {spec.name} on {device}, queues {queue_list}, {shape}, "
               f"broker {broker_display()}", file=sys.stderr)  # fmt: skip
-        argv = ["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}", f"--queues={queue_list}",
-                f"--hostname=specdec-{spec.name}-{os.getpid()}@%h", "--pool=prefork",
+        argv = ["worker", f"--loglevel={loglevel}", f"--concurrency={pool_size}", f"--queues={queue_list}",
+                f"--hostname=specdec-{spec.name}-{os.getpid()}@%h", f"--pool={options.pool}",
                 "--without-mingle", "--without-gossip"]  # fmt: skip
         if is_embedded():
             argv.append("--without-heartbeat")
@@ -205,6 +235,7 @@ def register(app: typer.Typer) -> None:
         temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None,
         k: KOpt = None, stop: StopOpt = None, mode: ModeOpt = None, device: DeviceOpt = None,
         concurrency: Annotated[int, typer.Option(help="Processes of a local worker, if one is started")] = 1,
+        max_batch: MaxBatchOpt = None,
         price_per_hour: PriceOpt = [],  # noqa: B006
     ) -> None:  # fmt: skip
         """Submit FILE, run it to the end, export the results and print a summary.
@@ -223,6 +254,7 @@ def register(app: typer.Typer) -> None:
         params = _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode)
         pair = pair or get_settings().default_pair
         device = _device(device)
+        _batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
         out = out or Path(f"{file.stem}.results.{fmt}")
         t0 = time.time()
         procs = []
@@ -238,7 +270,8 @@ def register(app: typer.Typer) -> None:
                     if found:
                         err.print(f"workers for {pair}: {', '.join(found)}")
                     else:
-                        procs.append(client.start_local_worker(pair, device=device, concurrency=concurrency))
+                        procs.append(client.start_local_worker(pair, device=device, concurrency=concurrency,
+                                                              max_batch=max_batch))  # fmt: skip
                         err.print(f"started a local worker for {pair} (log: {procs[0].log_path})")
                 columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                            TextColumn("{task.fields[detail]}"))  # fmt: skip

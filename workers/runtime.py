@@ -1,11 +1,22 @@
-"""The worker runtime: each worker process holds ONE loaded pair, loaded after the fork.
+"""The worker runtime: each worker process holds ONE loaded pair and ONE ``BatchServer``.
 
-``specdec-llm worker`` calls ``configure(WorkerOptions(...))`` in the parent, which never
-loads a model (so CUDA is never initialised before the fork). Each pool child loads the
-pair in ``worker_process_init`` and keeps it for every task; child 0 also runs a short
-calibration (target-only and speculative tokens/s), logs it and stores the target-only
-figure as the pair's baseline. A process started another way (``celery -A workers.app
-worker``) loads the pair of its first task instead.
+Every task hands its request to the process's server (``rt.server.submit(...)``) and waits
+for its Future, whatever the pool:
+
+- prefork (``--max-batch 1``, the default): ``specdec-llm worker`` calls
+  ``configure(WorkerOptions(...))`` in the parent, which never loads a model (so CUDA is
+  never initialised before the fork). Each pool child loads the pair in
+  ``worker_process_init`` and keeps it for every task; its server never has more than one
+  row (a child runs one task at a time). Child 0 also runs a short calibration
+  (target-only and speculative tokens/s), logs it and stores the target-only figure as the
+  pair's baseline.
+- threads (``--max-batch B`` > 1): one process, no fork, B task threads. The pair is
+  loaded and calibrated once in ``celeryd_after_setup`` (logging is set up, the pool and
+  the consumer not started yet), so no message is taken before the pair is ready; the B
+  task threads share the one server, which decodes their requests as one batch.
+
+A process started another way (``celery -A workers.app worker``) loads the pair of its
+first task instead (under a lock: task threads wait for the one load).
 """
 
 from __future__ import annotations
@@ -14,9 +25,10 @@ import copy
 import logging
 import os
 import signal
+import threading
 from dataclasses import dataclass
 
-from celery.signals import worker_process_init
+from celery.signals import celeryd_after_setup, worker_process_init
 
 from specdec_llm import store
 from specdec_llm.engine import GenerationRequest, RequestError
@@ -35,6 +47,13 @@ class WorkerOptions:
     threads: int | None = None  # torch threads on CPU (None: SPECDEC_THREADS or torch's default)
     calibrate: bool = True
     calibration_tokens: int = 32
+    max_batch: int = 1  # rows decoded together; > 1: the threads pool, one process per device
+    max_wait_ms: float = 20.0  # an idle server waits this long for a burst to start as one batch
+
+    @property
+    def pool(self) -> str:
+        """The Celery pool this worker runs: ``threads`` when it batches, else ``prefork``."""
+        return "threads" if self.max_batch > 1 else "prefork"
 
 
 @dataclass
@@ -44,12 +63,14 @@ class Runtime:
     dtype: str
     loaded: object  # specdec_llm.pairs.Pair
     decoder: object  # SpeculativeDecoder
+    server: object  # BatchServer over ``decoder``: every task's request goes through it
     worker: dict  # store.worker_info(...)
     price_per_hour: float | None
 
 
 _options: WorkerOptions | None = None  # set in the parent; forked children inherit it
 _runtime: Runtime | None = None  # this process's pair, once loaded
+_loading = threading.Lock()  # task threads (threads pool) wait for one load
 
 
 def configure(options: WorkerOptions) -> None:
@@ -68,14 +89,17 @@ def get(pair: str) -> Runtime:
     """This process's runtime, loading ``pair`` on first use."""
     global _runtime
     if _runtime is None:
-        options = _options if _options is not None and _options.pair == pair else WorkerOptions(pair)
-        _runtime = load(options)
+        with _loading:
+            if _runtime is None:
+                options = _options if _options is not None and _options.pair == pair else WorkerOptions(pair)
+                _runtime = load(options)
     return _runtime
 
 
 def load(options: WorkerOptions) -> Runtime:
     import torch
 
+    from specdec_llm.engine.serve import BatchServer
     from specdec_llm.pairs import get_spec, load_pair
 
     threads = options.threads or get_settings().threads
@@ -86,13 +110,16 @@ def load(options: WorkerOptions) -> Runtime:
     if spec.device.startswith("cuda:"):
         torch.cuda.set_device(torch.device(spec.device))  # this process's default GPU (kernels, caches)
     loaded = load_pair(spec)
+    decoder = loaded.decoder()
     rt = Runtime(
-        pair=spec.name, device=spec.device, dtype=spec.dtype, loaded=loaded, decoder=loaded.decoder(),
+        pair=spec.name, device=spec.device, dtype=spec.dtype, loaded=loaded, decoder=decoder,
+        server=BatchServer(decoder, max_batch=options.max_batch, max_wait_ms=options.max_wait_ms),
         worker=store.worker_info(spec.device), price_per_hour=_price(options.price_per_hour, spec.device),
     )  # fmt: skip
     log.info(
-        "worker %s: pair %s on %s (%s), %s; store %s",
-        os.getpid(), spec.name, spec.device, spec.dtype, memory_text(rt), store.mask_url(get_settings().effective_database_url),
+        "worker %s: pair %s on %s (%s), %s; batches of up to %d (max wait %g ms); store %s",
+        os.getpid(), spec.name, spec.device, spec.dtype, memory_text(rt), options.max_batch, options.max_wait_ms,
+        store.mask_url(get_settings().effective_database_url),
     )  # fmt: skip
     try:
         store.upsert_pair(
@@ -142,12 +169,13 @@ def memory_text(rt: Runtime) -> str:
 
 
 def calibrate(rt: Runtime, tokens: int = 32) -> dict:
-    """Target-only and speculative tokens/s on a short greedy prompt; the target-only
-    figure becomes the pair's baseline on this device kind and dtype."""
+    """Target-only and speculative tokens/s on a short greedy prompt, one request at a time
+    (through the server, which owns the decoder); the target-only figure becomes the
+    pair's baseline on this device kind and dtype. Run it before tasks arrive."""
     speeds = {}
     for mode in ("baseline", "speculative"):
-        rt.decoder.generate(GenerationRequest(CALIBRATION_PROMPT, max_new_tokens=4, mode=mode))  # warm up
-        stats = rt.decoder.generate(GenerationRequest(CALIBRATION_PROMPT, max_new_tokens=tokens, mode=mode)).stats
+        rt.server.submit(GenerationRequest(CALIBRATION_PROMPT, max_new_tokens=4, mode=mode)).result()  # warm up
+        stats = rt.server.submit(GenerationRequest(CALIBRATION_PROMPT, max_new_tokens=tokens, mode=mode)).result().stats
         speeds[mode] = stats
     base, spec = speeds["baseline"], speeds["speculative"]
     log.info(
@@ -179,11 +207,13 @@ def stop_worker(reason: str) -> None:
     log.critical("%s; stopping the worker", reason)
     if current_process().name != "MainProcess":  # a pool child: its parent is the worker
         os.kill(os.getppid(), signal.SIGTERM)
+    elif _options is not None and _options.pool == "threads":  # a task thread: this process is the worker
+        os.kill(os.getpid(), signal.SIGTERM)  # warm shutdown
 
 
 @worker_process_init.connect
 def _load_after_fork(**_) -> None:
-    if _options is None:
+    if _options is None or _options.pool != "prefork":
         return
     try:
         rt = get(_options.pair)
@@ -191,6 +221,21 @@ def _load_after_fork(**_) -> None:
         stop_worker(f"could not load pair {_options.pair}: {type(e).__name__}: {e}")
         return
     if _options.calibrate and _process_index() == 0:
+        calibrate(rt, _options.calibration_tokens)
+
+
+@celeryd_after_setup.connect
+def _load_before_threads(**_) -> None:
+    """The threads pool has no fork: load (and calibrate) once in the worker process itself,
+    before its pool and consumer start. A failure stops the worker before it takes a message."""
+    if _options is None or _options.pool != "threads":
+        return
+    try:
+        rt = get(_options.pair)
+    except Exception as e:  # noqa: BLE001 - whatever it is, this worker cannot serve
+        log.critical("could not load pair %s: %s: %s; stopping the worker", _options.pair, type(e).__name__, e)
+        raise SystemExit(1) from None  # not an Exception: Celery's signal dispatch lets it through to the worker
+    if _options.calibrate:
         calibrate(rt, _options.calibration_tokens)
 
 

@@ -5,8 +5,14 @@ messages, parameters) is read from the store, so a message is a few ids, not dat
 
 - Idempotent: a row already finished (ok, failed, cancelled) is a no-op, so a redelivered
   message costs one read; the result write itself is idempotent on the request id.
+- The generation itself goes through the process's ``BatchServer`` (``runtime``): the task
+  submits its request and waits for its Future. With ``--max-batch B`` > 1 (threads pool)
+  up to B task threads' requests decode as one batch; with B = 1 (prefork) the server has
+  one row at a time. Same code either way.
 - Bad input (``RequestError``: bad parameters, prompt too long...) fails the row with its
-  error, no retry. A time-out fails the row too.
+  error, no retry. A time-out fails the row too: the request's deadline is the task's
+  soft time limit (Celery's own soft limit does not work in the threads pool; the server
+  drops a row past its deadline with TimeoutError).
 - Transient faults (database or broker unreachable) retry with exponential backoff and
   jitter; a failure writing the result retries the write alone, carrying the result in
   the message, so a GPU never generates the same row twice for a database hiccup.
@@ -72,7 +78,7 @@ class GenerateTask(Task):
     resultrepr_maxsize=160,  # the worker log shows the start of each result, not all its token ids
 )  # fmt: skip
 def generate(self, request_id: str, pair: str, enqueued_at: float | None = None, result: dict | None = None) -> dict:
-    started = time.time()
+    started, clock = time.time(), time.monotonic()
     if not runtime.serves(pair):  # routed to a worker of another pair: pass it on
         self.app.send_task(TASK, args=[request_id, pair], kwargs={"enqueued_at": enqueued_at}, queue=queue_name(pair))
         return {"request_id": request_id, "status": "forwarded"}
@@ -96,14 +102,17 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
         if not store.mark_request(request_id, "running", worker=rt.worker):  # cancelled (or done) meanwhile
             return _finished(store.get_request(request_id))
         stream = StreamWriter(request_id) if (row.get("params") or {}).get("_stream") else None  # see client.py
+        limit = soft_time_limit(self)
         try:
             req = build_request(row, rt.loaded.tokenizer)
-            result = (rt.decoder.generate(req, on_text=stream) if stream else rt.decoder.generate(req)).to_dict()
+            # on_text (the stream) is called from the server's thread
+            future = rt.server.submit(req, on_text=stream, deadline=clock + limit if limit else None)
+            result = future.result().to_dict()
         except RequestError as e:
             store.mark_request(request_id, "failed", error=str(e))
             return {"request_id": request_id, "status": "failed", "error": str(e)}
-        except SoftTimeLimitExceeded:
-            error = f"timed out: generation took longer than the {self.soft_time_limit or self.app.conf.task_soft_time_limit} s limit"
+        except (SoftTimeLimitExceeded, TimeoutError):  # prefork's signal, or the server's deadline
+            error = f"timed out: generation took longer than the {limit} s limit"
             store.mark_request(request_id, "failed", error=error)
             return {"request_id": request_id, "status": "failed", "error": error}
         finally:
@@ -122,6 +131,13 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
         log.warning("request %s: cannot write its result yet (%s); retrying in %s s", request_id, e, countdown)
         raise self.retry(exc=e, countdown=countdown, kwargs={"enqueued_at": enqueued_at, "result": result})
     return {"request_id": request_id, "status": "ok", **{k: result[k] for k in ("text", "token_ids", "finish_reason", "stats")}}
+
+
+def soft_time_limit(task: Task) -> float | None:
+    """Seconds this delivery may generate: the message's own soft limit, else the task's,
+    else the app's (``task_soft_time_limit``)."""
+    _, soft = task.request.timelimit or (None, None)
+    return soft or task.soft_time_limit or task.app.conf.task_soft_time_limit
 
 
 def build_request(row: dict, tokenizer) -> GenerationRequest:
