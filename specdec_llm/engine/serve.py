@@ -50,6 +50,11 @@ class BatchServer:
 
     # -- the loop (server thread) ---------------------------------------------------------
     def _loop(self) -> None:
+        device = self.decoder.target.device
+        if device.type == "cuda":  # the current CUDA device is per thread
+            import torch
+
+            torch.cuda.set_device(device)
         batch = Batch(self.decoder)
         while not self.closed.is_set():
             if not batch.rows:  # idle: block for one request, then gather a burst
