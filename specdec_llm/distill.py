@@ -62,6 +62,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     ce_weight: float = 0.1  # hard-label term on the answer token actually generated
     vocab_subset: int = 16384  # draft head over this many most frequent tokens (0: the full vocabulary)
+    save_dtype: str = "bfloat16"  # of the exported draft (it is cast to the pair's dtype at load)
     seed: int = 0
 
 
@@ -267,9 +268,13 @@ def _loss(draft, batch, max_len: int, ce_weight: float, subset_pos: torch.Tensor
     return kl + ce_weight * ce, kl.item(), agree.item(), len(labels)
 
 
-def save_draft(draft, out: Path, target, layers: list[int], extra: dict) -> None:
+def save_draft(draft, out: Path, target, layers: list[int], extra: dict, dtype: str = "float32") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    own = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if not any(k.startswith(s) for s in SHARED_TENSORS)}
+    own = {
+        k: v.detach().to(getattr(torch, dtype)).contiguous()
+        for k, v in draft.state_dict().items()
+        if not any(k.startswith(s) for s in SHARED_TENSORS)
+    }
     if isinstance(draft.lm_head, SubsetHead):  # its rows are the target's: only the ids are the draft's
         own[VOCAB_SUBSET] = draft.lm_head.ids.to(torch.int32)
         extra = {**extra, "vocab_subset": len(draft.lm_head.ids)}
@@ -341,7 +346,7 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
         if subset is not None:
             save_file({VOCAB_SUBSET: subset.to(torch.int32)}, str(ckpt / "subset.safetensors"))
         (ckpt / "state.json").write_text(json.dumps({"step": step, "tokens_seen": tokens_seen, "history": history, "config": asdict(cfg)}))
-        save_draft(draft.eval(), out, target, cfg.layers, {"train": {"steps": step, "tokens_seen": tokens_seen, "data_tokens": store.manifest.get("tokens"), "config": asdict(cfg)}})
+        save_draft(draft.eval(), out, target, cfg.layers, {"train": {"steps": step, "tokens_seen": tokens_seen, "data_tokens": store.manifest.get("tokens"), "config": asdict(cfg)}}, cfg.save_dtype)
         draft.train()
 
     while step < cfg.steps:
