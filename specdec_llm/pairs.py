@@ -158,7 +158,7 @@ def resolve(ref: str, trust_remote_code: bool = False) -> str:
     return str(path) if path.exists() else ref
 
 
-def load_model(ref: str, dtype: str, device: str, trust_remote_code: bool = False):
+def load_model(ref: str, dtype: str, device: str, trust_remote_code: bool = False, pair: str = "NAME"):
     from transformers import AutoModelForCausalLM
 
     src = resolve(ref, trust_remote_code)
@@ -168,7 +168,19 @@ def load_model(ref: str, dtype: str, device: str, trust_remote_code: bool = Fals
         )
     except OSError as e:
         raise PairError(f"cannot load model {ref!r}: {e}") from e
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise PairError(remote_code_refused(ref, pair)) from None
     return model.to(device).eval()
+
+
+def remote_code_refused(ref: str, pair: str = "NAME") -> str:
+    """Why a model that needs its repository's own Python code was not loaded, and how to allow it."""
+    return (f"model {ref!r} needs custom code from its repository (its config's auto_map), and repository "
+            "code is never run unless the pair allows it; after reading that code, set "
+            f"`trust_remote_code = true` under the pair's [pairs.{pair}] entry in your pairs file "
+            "(SPECDEC_CONFIG_FILE)")  # fmt: skip
 
 
 def load_tokenizer(ref: str, trust_remote_code: bool = False):
@@ -292,7 +304,7 @@ def load_pair(name_or_spec: str | PairSpec) -> Pair:
     spec = get_spec(name_or_spec) if isinstance(name_or_spec, str) else name_or_spec
     if spec.dtype not in DTYPES:
         raise PairError(f"pair {spec.name}: dtype {spec.dtype!r} unknown; use one of {', '.join(DTYPES)}")
-    target = load_model(spec.target, spec.dtype, spec.device, spec.trust_remote_code)
+    target = load_model(spec.target, spec.dtype, spec.device, spec.trust_remote_code, pair=spec.name)
     tokenizer = load_tokenizer(spec.target, spec.trust_remote_code)
     t_fp = fingerprint(target)
     vocab = min(target.config.vocab_size, len(tokenizer))
@@ -310,7 +322,7 @@ def load_pair(name_or_spec: str | PairSpec) -> Pair:
             draft, meta = load_draft_dir(path, target, t_fp)
             info = {"kind": "distilled", **{k: meta[k] for k in meta if k != "target_fingerprint"}}
         else:
-            draft = load_model(ref, spec.dtype, spec.device, spec.trust_remote_code)
+            draft = load_model(ref, spec.dtype, spec.device, spec.trust_remote_code, pair=spec.name)
             tok_d = load_tokenizer(ref, spec.trust_remote_code)
             vocab = check_vocab(spec.target, tokenizer, ref, tok_d, target.config.vocab_size, draft.config.vocab_size)
             info = {"kind": "model", "fingerprint": fingerprint(draft)}

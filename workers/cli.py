@@ -147,7 +147,11 @@ def register(app: typer.Typer) -> None:
                 "--without-mingle", "--without-gossip"]  # fmt: skip
         if is_embedded():
             argv.append("--without-heartbeat")
-        code = get_app().worker_main(argv)
+        code = get_app().start(argv)  # (worker_main drops the exit status)
+        if runtime.load_failed():  # a pool child (or this process) could not load the pair: not a clean stop
+            print(f"error: worker stopped: could not load pair {spec.name} (see the CRITICAL line above)",
+                  file=sys.stderr)  # fmt: skip
+            raise typer.Exit(runtime.LOAD_FAILED_EXIT)
         raise typer.Exit(code or 0)
 
     @app.command()

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import json
+import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -49,23 +50,37 @@ class Row:
     error: str | None = None
 
 
+MAX_LINE_BYTES = 8 * 2**20  # a longer line fails its row unread (memory stays bounded whatever the file)
+PREVIEW_CHARS = 200  # what a bad row keeps of its line, to show in results
+
+
 def read_rows(path: Path) -> list[Row]:
+    """Rows of ``path``, read line by line in bounded memory. Only a file that cannot be
+    opened, or has no rows at all, fails as a whole (InputError); a line that is not valid
+    UTF-8, not valid JSON or longer than ``MAX_LINE_BYTES`` fails alone."""
+    path = Path(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        f = open(path, "rb")
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: cannot read it as UTF-8 text ({e})") from None
-    suffix = Path(path).suffix.lower()
-    if suffix in (".jsonl", ".ndjson", ".json"):
-        rows = _jsonl(text)
-    elif suffix == ".csv":
-        rows = _csv(text, path)
-    else:
-        rows = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                rows.append(Row(len(rows), n, "", prompt=line))
+    except OSError as e:
+        raise InputError(f"{path}: cannot open it ({e.strerror})") from None
+    suffix = path.suffix.lower()
+    with f:
+        try:
+            if suffix in (".jsonl", ".ndjson", ".json"):
+                rows = _jsonl(_lines(f))
+            elif suffix == ".csv":
+                rows = _csv(_lines(f), path)
+            else:
+                rows = []
+                for n, line in _lines(f):
+                    if isinstance(line, _Bad):
+                        rows.append(Row(len(rows), n, "", prompt=line.preview, error=line.error))
+                    elif line.strip():
+                        rows.append(Row(len(rows), n, "", prompt=line))
+        except OSError as e:
+            raise InputError(f"{path}: cannot read it ({e.strerror})") from None
     if not rows:
         raise InputError(f"{path}: no prompts in it")
     seen: dict[str, int] = {}
@@ -77,9 +92,48 @@ def read_rows(path: Path) -> list[Row]:
     return rows
 
 
-def _jsonl(text: str) -> list[Row]:
+@dataclass
+class _Bad:
+    """A line that cannot be a row: its error and a short preview."""
+
+    error: str
+    preview: str
+
+
+def _lines(f):
+    """``(line number, text)`` for each line of binary file ``f`` (line ending dropped), never
+    holding more than ``MAX_LINE_BYTES`` of one line: an over-long line, or one that is
+    not UTF-8, comes as a ``_Bad`` instead of its text."""
+    n = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        n += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            size, head = len(raw), raw[:PREVIEW_CHARS]
+            while raw and not raw.endswith(b"\n"):  # skip the rest of it, a bounded piece at a time
+                raw = f.readline(MAX_LINE_BYTES)
+                size += len(raw)
+            yield n, _Bad(f"line is {size:,} bytes, over the {MAX_LINE_BYTES:,}-byte limit for one row",
+                          head.decode("utf-8", "replace"))  # fmt: skip
+            continue
+        raw = raw.rstrip(b"\r\n")
+        if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+            raw = raw[3:]
+        try:
+            yield n, raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield n, _Bad(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)",
+                          raw[:PREVIEW_CHARS].decode("utf-8", "replace"))  # fmt: skip
+
+
+def _jsonl(lines) -> list[Row]:
     rows = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in lines:
+        if isinstance(line, _Bad):
+            rows.append(Row(len(rows), n, "", prompt=line.preview, error=line.error))
+            continue
         if not line.strip():
             continue
         row = Row(len(rows), n, "")
@@ -87,15 +141,66 @@ def _jsonl(text: str) -> list[Row]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            row.prompt, row.error = line, f"invalid JSON ({e.msg} at column {e.colno})"
+            row.prompt, row.error = line[:PREVIEW_CHARS], f"invalid JSON ({e.msg} at column {e.colno})"
+            continue
+        except (ValueError, RecursionError) as e:  # an integer of over 4,300 digits; nesting too deep
+            row.prompt, row.error = line[:PREVIEW_CHARS], f"invalid JSON ({type(e).__name__}: {str(e)[:120]})"
             continue
         if not isinstance(obj, dict):
-            row.prompt, row.error = line, f"expected a JSON object, got {type(obj).__name__}"
+            row.prompt, row.error = line[:PREVIEW_CHARS], f"expected a JSON object, got {type(obj).__name__}"
             continue
         if obj.get("id") is not None:
-            row.id = obj["id"] if isinstance(obj["id"], str) else json.dumps(obj["id"])
-        row.error = _fill(row, obj)
+            row.id = obj["id"] if isinstance(obj["id"], str) else _dumps_safe(obj["id"])
+        row.error = _fill(row, obj) or _unstorable(obj)
     return rows
+
+
+def _unstorable(value, where: str = "") -> str | None:
+    """What in a parsed row cannot be stored as JSON text (NaN or infinity: not JSON; a lone
+    surrogate such as "\\ud800": not UTF-8), else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where or 'value'}: {json.dumps(value)} is not a JSON number (NaN and Infinity cannot be stored)"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{where or 'value'}: text with an unpaired surrogate (\\u{ord(value[_bad_at(value)]):04x}) is not valid Unicode"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            problem = _unstorable(k, where or "key") or _unstorable(v, f"{where}.{k}" if where else str(k))
+            if problem:
+                return problem
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            problem = _unstorable(v, f"{where}[{i}]")
+            if problem:
+                return problem
+    return None
+
+
+def _bad_at(text: str) -> int:
+    return next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+
+
+def _sanitize(value):
+    """A JSON-safe, UTF-8-safe copy of ``value`` (for storing a bad row as it came)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_sanitize(str(k)): _sanitize(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_sanitize(v) for v in value]
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _dumps_safe(value) -> str:
+    return json.dumps(_sanitize(value))[:PREVIEW_CHARS]
 
 
 def _fill(row: Row, obj: dict) -> str | None:
@@ -128,17 +233,48 @@ def _valid_messages(messages) -> bool:
     )  # fmt: skip
 
 
-def _csv(text: str, path: Path) -> list[Row]:
-    reader = csv.DictReader(io.StringIO(text))
-    if not reader.fieldnames or "prompt" not in reader.fieldnames:
-        raise InputError(f"{path}: a CSV file needs a header with a 'prompt' column (found: {reader.fieldnames})")
-    rows = []
-    for record in reader:
-        line = reader.line_num
+CSV_BAD_LINE = "\x00specdec: bad line\x00"  # stands for an unreadable line (over-long, not UTF-8) in the CSV reader's input
+
+
+def _csv(lines, path: Path) -> list[Row]:
+    bad_lines: dict[int, _Bad] = {}
+
+    def text():
+        for n, line in lines:
+            if isinstance(line, _Bad):  # keep the line count; the record that holds it fails
+                bad_lines[n] = line
+                yield CSV_BAD_LINE + "\n"
+            else:
+                yield line + "\n"
+
+    csv.field_size_limit(MAX_LINE_BYTES)  # (the default, 131,072 characters, would refuse long prompts)
+    reader = csv.DictReader(text())
+    try:
+        fieldnames = reader.fieldnames
+    except csv.Error as e:
+        raise InputError(f"{path}: cannot read the CSV header ({e})") from None
+    if not fieldnames or "prompt" not in fieldnames:
+        raise InputError(f"{path}: a CSV file needs a header with a 'prompt' column (found: {fieldnames})")
+    rows, start = [], reader.line_num + 1
+    while True:
+        try:
+            record = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:  # a broken record fails alone
+            rows.append(Row(len(rows), start, "", prompt="", error=f"bad CSV ({e})"))
+            start = reader.line_num + 1
+            continue
+        line, start = start, reader.line_num + 1
         extra = {k: v for k, v in record.items() if k not in ("id", "prompt", "category") and k is not None}
         row = Row(len(rows), line, record.get("id") or "", prompt=record.get("prompt"),
                   metadata=extra or None, category=record.get("category") or None)  # fmt: skip
-        if not (row.prompt or "").strip():
+        values = [v for v in record.values() if isinstance(v, str)]
+        bad = [bad_lines[n] for n in range(line, start) if n in bad_lines]
+        if bad or any(CSV_BAD_LINE in v for v in values):
+            problem = bad[0] if bad else _Bad("a line of this record cannot be read", "")
+            row.id, row.prompt, row.metadata, row.category, row.error = "", problem.preview, None, None, problem.error
+        elif not (row.prompt or "").strip():
             row.error = "empty prompt"
         rows.append(row)
     return rows
@@ -167,7 +303,10 @@ def check_rows(rows: list[Row], job_params: dict) -> None:
 
 def job_id_for(path: Path, pair: str, params: dict) -> str:
     """Same file content, pair and parameters -> same job: running it again resumes it."""
-    h = hashlib.sha256(Path(path).read_bytes())
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(2**20), b""):
+            h.update(chunk)
     h.update(json.dumps({"pair": pair, "params": params}, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
@@ -177,20 +316,28 @@ def request_id(job_id: str, row: Row) -> str:
 
 
 def to_request(job_id: str, row: Row, job_params: dict) -> dict:
-    """The ``store.create_job`` item for ``row``."""
+    """The ``store.create_job`` item for ``row``. A bad row is stored as it came, made safe to
+    store (NaN as text, unpaired surrogates replaced), with its error."""
     params = {**job_params, **row.params, "_row": row.index, "_id": row.id}
     if row.metadata is not None:
         params["_metadata"] = row.metadata
     if row.error is not None:
         params["_input_error"] = f"line {row.line}: {row.error}"
-    prompt = row.prompt if isinstance(row.prompt, str) or row.prompt is None else json.dumps(row.prompt)
+    prompt = row.prompt if isinstance(row.prompt, str) or row.prompt is None else json.dumps(_sanitize(row.prompt))
     if prompt is None and row.messages is None:  # a bad row still needs something to show
         prompt = ""
-    return {
+    item = {
         "id": request_id(job_id, row), "messages": row.messages, "params": params,
         "prompt": prompt,
         "category": row.category if isinstance(row.category, str) else None,
     }  # fmt: skip
+    if row.error is not None:
+        item = {**item, "messages": _sanitize(row.messages) if _valid_messages(row.messages) else None,
+                "params": _sanitize(params), "prompt": _sanitize(prompt) if prompt is not None else None,
+                "category": _sanitize(item["category"])}  # fmt: skip
+        if item["prompt"] is None and item["messages"] is None:
+            item["prompt"] = ""
+    return item
 
 
 def generation_params(params: dict | None) -> dict:

@@ -71,11 +71,30 @@ class Runtime:
 _options: WorkerOptions | None = None  # set in the parent; forked children inherit it
 _runtime: Runtime | None = None  # this process's pair, once loaded
 _loading = threading.Lock()  # task threads (threads pool) wait for one load
+_load_failed = None  # multiprocessing.Value in shared memory: a pool child that cannot load sets it
+LOAD_FAILED_EXIT = 3  # `specdec-llm worker`'s exit status when its pair could not be loaded
 
 
 def configure(options: WorkerOptions) -> None:
-    global _options
+    global _options, _load_failed
+    import multiprocessing
+
     _options = options
+    _load_failed = multiprocessing.get_context("fork").Value("b", 0, lock=False)  # forked children share it
+
+
+def load_failed() -> bool:
+    """Whether this worker (its own process or one of its pool children) could not load its pair."""
+    return bool(_load_failed is not None and _load_failed.value)
+
+
+def load_error_text(pair: str, e: BaseException) -> str:
+    """One line that says why ``pair`` did not load, with a hint for running out of memory."""
+    text = f"could not load pair {pair}: {type(e).__name__}: {e}"
+    if isinstance(e, MemoryError) or "OutOfMemoryError" in type(e).__name__ or "out of memory" in str(e).lower():
+        text += (" (out of memory while loading: free memory on the device, use a smaller dtype or model, "
+                 "or a device with more memory)")  # fmt: skip
+    return text
 
 
 def serves(pair: str) -> bool:
@@ -191,12 +210,11 @@ def calibrate(rt: Runtime, tokens: int = 32) -> dict:
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat turns -> prompt token ids through the pair's chat template."""
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 - no template, bad roles...: the row's fault
-        raise RequestError("messages", f"cannot apply the chat template: {e}") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    """Chat turns -> prompt token ids through the pair's chat template; a role or content
+    holding a special token's text (an injected turn) is refused (``specdec_llm.chat``)."""
+    from specdec_llm.chat import render_chat
+
+    return render_chat(tokenizer, messages)
 
 
 def stop_worker(reason: str) -> None:
@@ -205,6 +223,8 @@ def stop_worker(reason: str) -> None:
     from billiard.process import current_process
 
     log.critical("%s; stopping the worker", reason)
+    if _load_failed is not None and reason.startswith("could not load"):
+        _load_failed.value = 1  # the worker's exit status says so (shared memory: seen by the parent)
     if current_process().name != "MainProcess":  # a pool child: its parent is the worker
         os.kill(os.getppid(), signal.SIGTERM)
     elif _options is not None and _options.pool == "threads":  # a task thread: this process is the worker
@@ -218,7 +238,7 @@ def _load_after_fork(**_) -> None:
     try:
         rt = get(_options.pair)
     except Exception as e:  # noqa: BLE001 - whatever it is, this worker cannot serve
-        stop_worker(f"could not load pair {_options.pair}: {type(e).__name__}: {e}")
+        stop_worker(load_error_text(_options.pair, e))
         return
     if _options.calibrate and _process_index() == 0:
         calibrate(rt, _options.calibration_tokens)
@@ -233,8 +253,10 @@ def _load_before_threads(**_) -> None:
     try:
         rt = get(_options.pair)
     except Exception as e:  # noqa: BLE001 - whatever it is, this worker cannot serve
-        log.critical("could not load pair %s: %s: %s; stopping the worker", _options.pair, type(e).__name__, e)
-        raise SystemExit(1) from None  # not an Exception: Celery's signal dispatch lets it through to the worker
+        log.critical("%s; stopping the worker", load_error_text(_options.pair, e))
+        if _load_failed is not None:
+            _load_failed.value = 1
+        raise SystemExit(LOAD_FAILED_EXIT) from None  # not an Exception: Celery's signal dispatch lets it through to the worker
     if _options.calibrate:
         calibrate(rt, _options.calibration_tokens)
 

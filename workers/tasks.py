@@ -97,7 +97,7 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
         try:
             rt = runtime.get(pair)
         except Exception as e:  # noqa: BLE001 - not the row's fault: put it back, stop this worker
-            runtime.stop_worker(f"could not load pair {pair}: {type(e).__name__}: {e}")
+            runtime.stop_worker(runtime.load_error_text(pair, e))
             raise Reject(f"pair {pair} unavailable here", requeue=True) from None
         if not store.mark_request(request_id, "running", worker=rt.worker):  # cancelled (or done) meanwhile
             return _finished(store.get_request(request_id))
@@ -150,6 +150,11 @@ def build_request(row: dict, tokenizer) -> GenerationRequest:
     prompt = row["prompt"]
     if row.get("messages") is not None:
         prompt, gen["chat"] = runtime.chat_prompt(tokenizer, row["messages"]), False
+    elif gen.get("chat") is True and isinstance(prompt, str) and prompt.strip():
+        # a text prompt as one user turn, rendered here (special-token text refused), not by the engine
+        from specdec_llm.chat import render_user_prompt
+
+        prompt, gen["chat"] = render_user_prompt(tokenizer, prompt), False
     try:
         return GenerationRequest(prompt=prompt, **gen)
     except TypeError as e:  # an unknown parameter name

@@ -46,6 +46,7 @@ class GenerationRequest:
         if isinstance(p, str):
             if not p.strip():
                 raise RequestError("prompt", "is empty; pass some text to continue")
+            _unicode(p, "prompt")
         elif isinstance(p, (list, tuple)):
             if not p:
                 raise RequestError("prompt", "has no tokens; pass at least one token id")
@@ -65,10 +66,21 @@ class GenerationRequest:
                 raise RequestError("k", f"{self.k} is too large; use at most 64 or \"auto\"")
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError("stop", "must be a list of non-empty strings")
+        for s in self.stop:
+            _unicode(s, "stop")
         if self.mode not in ("speculative", "baseline"):
             raise RequestError("mode", f"unknown mode {self.mode!r}; use 'speculative' or 'baseline'")
         if self.chat and not isinstance(p, str):
             raise RequestError("chat", "needs a text prompt, not token ids")
+
+
+def _unicode(text: str, name: str) -> None:
+    """Text a tokenizer can take: valid Unicode (no unpaired surrogate such as "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(name, f"is not valid Unicode: an unpaired surrogate (\\u{ord(text[e.start]):04x}) at "
+                                 f"character {e.start}") from None
 
 
 def _int(value, name: str, lo: int, hint: str) -> None:
