@@ -63,6 +63,7 @@ class TrainConfig:
     ce_weight: float = 0.1  # hard-label term on the answer token actually generated
     vocab_subset: int = 16384  # draft head over this many most frequent tokens (0: the full vocabulary)
     save_dtype: str = "bfloat16"  # of the exported draft (it is cast to the pair's dtype at load)
+    holdout: int = 64  # answers kept out of training to measure agreement at each checkpoint
     seed: int = 0
 
 
@@ -268,6 +269,25 @@ def _loss(draft, batch, max_len: int, ce_weight: float, subset_pos: torch.Tensor
     return kl + ce_weight * ce, kl.item(), agree.item(), len(labels)
 
 
+@torch.no_grad()
+def heldout_agreement(draft, examples, max_len: int) -> float:
+    """Teacher-forced greedy agreement (draft argmax == target argmax at each answer position):
+    the per-token greedy acceptance rate on data the draft was not trained on."""
+    was_training = draft.training
+    draft.eval()
+    hits = total = 0
+    for seq, plen, top, _ in examples:
+        seq = seq[:max_len]
+        n = len(seq) - plen
+        if n <= 0:
+            continue
+        logits = draft(input_ids=seq[None].to(draft.device)).logits[0, plen - 1 : plen - 1 + n]
+        hits += int((logits.argmax(-1).cpu() == top[:n, 0]).sum())
+        total += n
+    draft.train(was_training)
+    return hits / total if total else 0.0
+
+
 def save_draft(draft, out: Path, target, layers: list[int], extra: dict, dtype: str = "float32") -> None:
     out.mkdir(parents=True, exist_ok=True)
     own = {
@@ -298,6 +318,11 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
     examples = list(store.examples())
     if not examples:
         raise ValueError(f"no distillation data under {work / 'data'}; run the data phase first")
+    # a fixed held-out slice (never trained on) for the agreement curve at each checkpoint
+    held = random.Random(cfg.seed).sample(range(len(examples)), min(cfg.holdout, len(examples) // 10))
+    heldout = [examples[i] for i in held]
+    held_set = set(held)
+    examples = [ex for i, ex in enumerate(examples) if i not in held_set]
     ckpt = work / "ckpt"
     subset = subset_pos = None
     if cfg.vocab_subset and cfg.vocab_subset < target.config.vocab_size:
@@ -335,6 +360,10 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
     window: list[tuple[float, float]] = []
 
     def checkpoint() -> None:
+        if heldout and history and "heldout_agreement" not in history[-1]:
+            history[-1]["heldout_agreement"] = round(heldout_agreement(draft, heldout, cfg.max_len), 4)
+            if progress:
+                progress.console.print(f"train: step {step} tokens {tokens_seen:,} held-out agreement {history[-1]['heldout_agreement']:.3f}")
         ckpt.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items() if k.startswith("model.layers")}, str(ckpt / "draft.safetensors"))
         opt_state = {}
@@ -346,7 +375,8 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
         if subset is not None:
             save_file({VOCAB_SUBSET: subset.to(torch.int32)}, str(ckpt / "subset.safetensors"))
         (ckpt / "state.json").write_text(json.dumps({"step": step, "tokens_seen": tokens_seen, "history": history, "config": asdict(cfg)}))
-        save_draft(draft.eval(), out, target, cfg.layers, {"train": {"steps": step, "tokens_seen": tokens_seen, "data_tokens": store.manifest.get("tokens"), "config": asdict(cfg)}}, cfg.save_dtype)
+        save_draft(draft.eval(), out, target, cfg.layers, {"train": {"steps": step, "tokens_seen": tokens_seen, "data_tokens": store.manifest.get("tokens"), "config": asdict(cfg),
+                   "heldout_curve": [{k: h[k] for k in ("step", "tokens_seen", "heldout_agreement")} for h in history if "heldout_agreement" in h]}}, cfg.save_dtype)
         draft.train()
 
     while step < cfg.steps:

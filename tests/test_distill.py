@@ -46,6 +46,8 @@ def test_training_raises_agreement(distilled):
     draft, meta = load_draft_dir(out, target, fingerprint(target))
     after = agreement(draft, examples)
     assert after > before + 0.15, (before, after)
+    curve = meta["train"]["heldout_curve"]  # agreement on answers kept out of training, per checkpoint
+    assert [c["step"] for c in curve] == [40, 80] and all(0 <= c["heldout_agreement"] <= 1 for c in curve)
     assert meta["train"]["steps"] == 80
 
 
