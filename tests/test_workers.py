@@ -202,9 +202,10 @@ def test_database_outage_tasks_retry_and_finish(pg_fleet, use, tmp_path):
     sub = client.submit(write_prompts(tmp_path / "p.jsonl", 20, "outage"), "tiny", {"max_new_tokens": 48})
     wait_for(lambda: client.job_counts(sub["job_id"])["ok"] >= 2, 60)
     pg_fleet.proxy.stop()  # the database is gone: connections reset, new ones refused
-    time.sleep(3)
+    time.sleep(10)
+    assert client.job_counts(sub["job_id"])["ok"] < 20  # (this client reads the database directly)
     pg_fleet.proxy.start()
-    client.wait(sub["job_id"], workers=pg_fleet.procs, timeout_s=150)
+    client.wait(sub["job_id"], workers=pg_fleet.procs, timeout_s=180)
     assert_exactly_once(sub["job_id"], 20)
     log = pg_fleet.log()
     assert "Retry in" in log or "retrying in" in log  # tasks did hit the outage

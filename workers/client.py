@@ -278,14 +278,30 @@ def log_tail(proc: subprocess.Popen, lines: int = 12) -> str:
     return critical[-1] if critical else "\n".join(text[-lines:])
 
 
+STORE_GRACE_S = 300  # s: how long `wait` keeps looking while the database cannot be read
+
+
 def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None, poll_s: float = 0.3,
          timeout_s: float | None = None) -> dict:  # fmt: skip
     """Until no row of the job is queued or running; returns the counts by state.
     ``on_progress(counts)`` after each look. Raises RuntimeError when every local worker in
-    ``workers`` has stopped first, TimeoutError after ``timeout_s``."""
+    ``workers`` has stopped first, TimeoutError after ``timeout_s``. A database that cannot
+    be read (an outage, a lock) is looked at again for up to ``STORE_GRACE_S`` seconds."""
+    from sqlalchemy.exc import DBAPIError
+
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    last_read = time.monotonic()
     while True:
-        counts = job_counts(job_id)
+        try:
+            counts = job_counts(job_id)
+            last_read = time.monotonic()
+        except (store.StoreError, DBAPIError) as e:  # the database is away (or locked) for a moment: look again
+            if isinstance(e, store.SchemaError) or time.monotonic() - last_read > STORE_GRACE_S:
+                raise
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} not finished after {timeout_s} s (the database: {e})") from e
+            time.sleep(min(2.0, 5 * poll_s))
+            continue
         if on_progress:
             on_progress(counts)
         if not any(counts[s] for s in PENDING):

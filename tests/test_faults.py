@@ -1,0 +1,241 @@
+"""Faults on the whole path, for real: nothing lost, nothing duplicated.
+
+- five SIGKILLs of a worker at random points of a 200-row job (restarted after each);
+- the broker (a private redis-server, persistent) killed and restarted mid-job;
+- a worker that cannot load its pair (missing model; out of memory at load) exits
+  non-zero and leaves the rows queued for a good worker;
+- `specdec-llm run` interrupted (SIGINT) and run again: it resumes.
+
+(A 10 s database outage is tests/test_workers.py::test_database_outage_tasks_retry_and_finish.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_workers import (  # noqa: F401 - fixtures reused
+    _unavailable, assert_exactly_once, free_port, make_fleet, pairs_toml, redis_url, use, wait_for, write_prompts,
+)  # fmt: skip
+
+from specdec_llm.settings import reload_settings
+from specdec_llm.store.testing import sqlite_url
+from workers import client
+
+pytestmark = pytest.mark.slow
+FAST_RESTORE = ("broker_transport_options = {'visibility_timeout': 3, 'unacked_restore_interval': 1,"
+                " 'unacked_restore_throttle': 1}\n")  # fmt: skip
+
+
+def fast_restore(folder: Path) -> dict:
+    """Env for a worker whose broker hands a dead worker's message to another after 3 s."""
+    (folder / "fast_restore.py").write_text(FAST_RESTORE)
+    return {"SPECDEC_CELERY_CONFIG": "fast_restore", "PYTHONPATH": os.pathsep.join([str(folder), *sys.path])}
+
+
+def loaded(proc) -> bool:
+    """The worker's pool child (or its batching process) holds the pair."""
+    import re
+
+    return bool(re.search(r"worker \d+: pair tiny on", Path(proc.log_path).read_text(errors="replace")))
+
+
+# -- five SIGKILLs ----------------------------------------------------------------------------
+def test_five_sigkills_during_a_200_row_job(tmp_path, redis_url, pairs_toml, use):  # noqa: F811
+    seed = int(os.environ.get("SPECDEC_TEST_SEED", time.time()))
+    rng = random.Random(seed)
+    fleet = make_fleet(tmp_path, redis_url, 3, sqlite_url(tmp_path), pairs_toml)
+    env = fast_restore(tmp_path)
+    args = ("--no-calibrate",)
+    use(fleet)
+    try:
+        workers = [fleet.start_worker(f"w{i}", args, **env) for i in range(2)]
+        wait_for(lambda: all(loaded(w) for w in workers), 120)
+        sub = client.submit(write_prompts(tmp_path / "p.jsonl", 200, "kill5"), "tiny", {"max_new_tokens": 8})
+        job = sub["job_id"]
+        # kill points: after a random number of finished rows (increasing), plus a random delay
+        points = sorted(rng.sample(range(5, 170), 5))
+        for n, point in enumerate(points):
+            wait_for(lambda: _ok(job) >= point, 120)
+            time.sleep(rng.uniform(0, 0.3))
+            i = rng.randrange(len(workers))
+            os.killpg(workers[i].pid, signal.SIGKILL)  # the worker and its pool child, mid-row or between rows
+            workers[i].wait()
+            workers[i] = fleet.start_worker(f"w{i}-{n}", args, **env)
+        client.wait(job, workers=workers, timeout_s=180)
+        assert_exactly_once(job, 200)  # one output and one telemetry row each, every row ok
+        retried = sum(r["attempts"] > 1 for r in client.job_requests(job, outputs=False))
+        print(f"seed {seed}: {retried} rows were being generated when their worker was killed, and redone")
+        assert retried >= 1  # the kills did land mid-row (both workers are busy all along)
+    except BaseException:
+        print(f"seed {seed} (SPECDEC_TEST_SEED={seed} repeats it)\n{fleet.log()[-4000:]}")
+        raise
+    finally:
+        fleet.stop()
+
+
+# -- the broker restarted ---------------------------------------------------------------------
+class Redis:
+    """A private, persistent redis-server (append-only file, fsync always) that the test can
+    kill and start again on the same port, with the same data."""
+
+    def __init__(self, folder: Path):
+        self.exe = shutil.which("redis-server")
+        if self.exe is None:
+            _unavailable("redis-server is not installed")
+        self.folder, self.port, self.proc = folder, free_port(), None
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.folder)],
+                                     stdout=subprocess.DEVNULL)  # fmt: skip
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        self.proc.kill()  # no shutdown save: what is on disk is what fsync put there
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def test_broker_restarted_mid_job(tmp_path, pairs_toml, use):  # noqa: F811
+    redis = Redis(tmp_path)
+    fleet = make_fleet(tmp_path, redis.url, 0, sqlite_url(tmp_path), pairs_toml)
+    env = fast_restore(tmp_path)
+    use(fleet)
+    try:
+        worker = fleet.start_worker("w", ("--no-calibrate",), **env)
+        wait_for(lambda: loaded(worker), 120)
+        sub = client.submit(write_prompts(tmp_path / "p.jsonl", 60, "redis"), "tiny", {"max_new_tokens": 24})
+        wait_for(lambda: client.job_counts(sub["job_id"])["ok"] >= 5, 60)
+        redis.kill()
+        assert client.job_counts(sub["job_id"])["ok"] < 60  # mid-job
+        time.sleep(2)  # the worker and this client see connection errors meanwhile
+        redis.start()
+        client.wait(sub["job_id"], workers=[worker], timeout_s=180)
+        assert_exactly_once(sub["job_id"], 60)
+        assert worker.poll() is None  # the same worker reconnected
+        # the client reconnects too: a new job through the same app and producer pool
+        again = client.submit(write_prompts(tmp_path / "q.jsonl", 5, "after"), "tiny", {"max_new_tokens": 4})
+        client.wait(again["job_id"], workers=[worker], timeout_s=60)
+        assert_exactly_once(again["job_id"], 5)
+        assert "Connection to broker lost" in fleet.log() or "Cannot connect to redis" in fleet.log()
+    except BaseException:
+        print(fleet.log()[-4000:])
+        raise
+    finally:
+        fleet.stop()
+        redis.stop()
+
+
+# -- a pair that cannot be loaded ---------------------------------------------------------------
+OOM_AT_LOAD = FAST_RESTORE + """
+import torch as _torch
+import specdec_llm.pairs as _pairs
+
+def _out_of_memory(*args, **kwargs):
+    raise _torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated by the test)")
+
+_pairs.load_pair = _out_of_memory
+"""
+
+
+def test_a_worker_that_cannot_load_exits_nonzero_and_rows_wait(tmp_path, redis_url, pairs_toml, use):  # noqa: F811
+    fleet = make_fleet(tmp_path, redis_url, 4, sqlite_url(tmp_path), pairs_toml)
+    use(fleet)
+    broken = tmp_path / "broken.toml"  # the same pair name, a model that is not there
+    broken.write_text(f'[pairs.tiny]\ntarget = "{tmp_path / "no-such-model"}"\n')
+    (tmp_path / "oom_at_load.py").write_text(OOM_AT_LOAD)  # imported with the Celery config: patches the loader
+    oom = {"SPECDEC_CELERY_CONFIG": "oom_at_load", "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    fast = fast_restore(tmp_path)  # a message a failed worker had reserved comes back in seconds
+    try:
+        sub = client.submit(write_prompts(tmp_path / "p.jsonl", 6, "load"), "tiny", {"max_new_tokens": 4})
+        for name, args, env, fragment in (
+            ("missing-prefork", (), {"SPECDEC_CONFIG_FILE": str(broken), **fast}, "could not load pair tiny"),
+            ("oom-prefork", (), oom, "out of memory while loading"),
+            ("oom-batching", ("--max-batch", "2"), oom, "out of memory while loading"),
+        ):  # fmt: skip
+            proc = fleet.start_worker(name, args, **env)
+            assert proc.wait(120) == 3, (name, proc.log_path.read_text()[-3000:])
+            log = proc.log_path.read_text()
+            assert fragment in log and "CRITICAL" in log and "error: worker stopped: could not load pair tiny" in log
+            assert client.job_counts(sub["job_id"])["queued"] == 6, name  # nothing taken, nothing failed
+        good = fleet.start_worker("good", ("--no-calibrate",), **fast)
+        client.wait(sub["job_id"], workers=[good], timeout_s=120)
+        assert_exactly_once(sub["job_id"], 6)
+    finally:
+        fleet.stop()
+
+
+# -- the client interrupted ---------------------------------------------------------------------
+def test_run_interrupted_then_run_again_resumes(tmp_path, pairs_toml, monkeypatch):  # noqa: F811
+    """`specdec-llm run` (embedded broker, its own local worker) gets SIGINT mid-job: it says
+    how to resume, stops its worker and exits 130; the same command again finishes the job
+    with every row exactly once."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+    env.update(SPECDEC_DATA_DIR=str(tmp_path / "data"), SPECDEC_CONFIG_FILE=str(pairs_toml), SPECDEC_THREADS="1",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    path = write_prompts(tmp_path / "p.jsonl", 150, "sigint")
+    cmd = [sys.executable, "-m", "workers", "run", str(path), "--pair", "tiny", "--max-new-tokens", "16",
+           "--out", str(tmp_path / "out.jsonl")]  # fmt: skip
+    from workers.rows import job_id_for
+
+    job = job_id_for(path, "tiny", {"max_new_tokens": 16})
+    for var in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND", "SPECDEC_DATABASE_URL", "SPECDEC_CELERY_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        if k.startswith("SPECDEC_"):
+            monkeypatch.setenv(k, v)
+    reload_settings()
+    try:
+        first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: _ok(job) >= 20, 120)
+        first.send_signal(signal.SIGINT)  # Ctrl-C in a terminal (the worker is in its own session)
+        out, err = first.communicate(timeout=60)
+        assert first.returncode == 130, err[-3000:]
+        assert f"interrupted; run the same command again to resume job {job}" in err
+        done_before = _ok(job)
+        assert 20 <= done_before < 150
+        logs = list((tmp_path / "data" / "logs").glob("worker-tiny-*.log"))
+        assert len(logs) == 1 and "Warm shutdown" in logs[0].read_text()  # its worker was stopped
+        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert f"{150 - done_before} to generate" in second.stderr or "to generate" in second.stderr
+        assert "150 ok, 0 failed" in second.stdout
+        assert_exactly_once(job, 150)
+        items = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+        assert [i["id"] for i in items] == [f"sigint-{i}" for i in range(150)]
+    finally:
+        monkeypatch.undo()
+        reload_settings()
+
+
+def _ok(job: str) -> int:
+    try:
+        return client.job_counts(job)["ok"]
+    except Exception:  # noqa: BLE001 - the job (or the database) is not there yet
+        return 0
