@@ -295,6 +295,22 @@ def test_pickled_message_is_refused_not_executed(sqlite_fleet, use, tmp_path):
     assert "Refusing to deserialize untrusted content of type pickle" in sqlite_fleet.log()
 
 
+def test_the_pickle_test_would_catch_a_worker_that_accepts_pickle(tmp_path, redis_url, pairs_toml, use):
+    """The control for the test above: the same message to a worker configured to accept
+    pickle IS unpickled (the marker appears), so the test above can tell the difference."""
+    (tmp_path / "accept_pickle.py").write_text("accept_content = ['json', 'pickle']\n")
+    fleet = make_fleet(tmp_path, redis_url, 5, sqlite_url(tmp_path), pairs_toml)
+    use(fleet)
+    marker = tmp_path / "unpickled"
+    try:
+        fleet.start_worker("accepts-pickle", ("--no-calibrate",), SPECDEC_CELERY_CONFIG="accept_pickle",
+                           PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), C_FORCE_ROOT="1")  # fmt: skip
+        get_app().send_task(TASK, args=[_Payload(str(marker)), "tiny"], queue=queue_name("tiny"), serializer="pickle")
+        wait_for(marker.exists, 90)
+    finally:
+        fleet.stop()
+
+
 # -- run against a live fleet ------------------------------------------------------------------
 def test_run_uses_reachable_workers(sqlite_fleet, use, tmp_path):
     import typer

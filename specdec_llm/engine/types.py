@@ -70,6 +70,8 @@ class GenerationRequest:
             _unicode(s, "stop")
         if self.mode not in ("speculative", "baseline"):
             raise RequestError("mode", f"unknown mode {self.mode!r}; use 'speculative' or 'baseline'")
+        if not isinstance(self.chat, bool):
+            raise RequestError("chat", f"must be true or false, got {self.chat!r}")
         if self.chat and not isinstance(p, str):
             raise RequestError("chat", "needs a text prompt, not token ids")
 
