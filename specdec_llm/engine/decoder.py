@@ -83,7 +83,10 @@ class SpeculativeDecoder:
             return list(request.prompt)
         if self.tokenizer is None:
             raise RequestError("prompt", "this decoder has no tokenizer; pass token ids")
-        if request.chat:
+        if request.chat:  # special-token text in a chat prompt could end the turn and inject another: refused
+            from ..chat import check_turn_text
+
+            check_turn_text(self.tokenizer, request.prompt, "prompt")
             text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": request.prompt}], tokenize=False, add_generation_prompt=True
             )
