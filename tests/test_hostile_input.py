@@ -330,9 +330,8 @@ def test_repository_code_is_never_run_by_default(tmp_path):
     assert not math.isnan(float(pair.target.lm_head.weight.detach().sum()))
 
 
-@pytest.mark.xfail(reason="the engine's own chat rendering (decoder.encode) does not call specdec_llm.chat yet; "
-                          "remove this mark once it does", strict=False)
 def test_engine_chat_prompt_refuses_special_tokens(tiny_decoder):
+    """The engine's own chat rendering (``decoder.encode``, ``specdec-llm generate --chat``)."""
     with pytest.raises(RequestError) as e:
         tiny_decoder.prepare(GenerationRequest(INJECTION, chat=True))
     assert e.value.field == "prompt"
