@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from specdec_llm.engine import GenerationRequest, RequestError
@@ -83,7 +83,9 @@ def test_prepare_and_generate_never_crash(tiny_decoder, prompt, fields):
         ids = tiny_decoder.prepare(req)
     except RequestError as e:
         assert e.field in FIELDS
+        event(f"refused: {e.field}")
         return
+    event("generated")
     assert all(isinstance(t, int) and 0 <= t < tiny_decoder.vocab_size for t in ids)
     req.max_new_tokens = min(req.max_new_tokens, 2)
     result = tiny_decoder.generate(req)
