@@ -71,7 +71,7 @@ def test_five_sigkills_during_a_200_row_job(tmp_path, redis_url, pairs_toml, use
             os.killpg(workers[i].pid, signal.SIGKILL)  # the worker and its pool child, mid-row or between rows
             workers[i].wait()
             workers[i] = fleet.start_worker(f"w{i}-{n}", args, **env)
-        client.wait(job, workers=workers, timeout_s=180)
+        client.wait(job, workers=workers, timeout_s=180, requeue_lost_after_s=10)  # see client.requeue_lost
         assert_exactly_once(job, 200)  # one output and one telemetry row each, every row ok
         retried = sum(r["attempts"] > 1 for r in client.job_requests(job, outputs=False))
         print(f"seed {seed}: {retried} rows were being generated when their worker was killed, and redone")

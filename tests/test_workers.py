@@ -235,6 +235,18 @@ def test_sigkilled_worker_loses_and_duplicates_nothing(tmp_path, redis_url, pair
         fleet.stop()
 
 
+def test_rows_whose_messages_were_lost_are_sent_again(sqlite_fleet, use):
+    """Rows queued in the store with no message anywhere (a broker that lost its data, or a
+    worker SIGKILLed between taking a message and recording it): ``wait`` with
+    ``requeue_lost_after_s`` (what `run` uses) sends them again once the job stalls."""
+    use(sqlite_fleet)
+    rows = [{"id": f"lost-{i}", "prompt": f"{PROMPTS[i]} lost", "params": {"max_new_tokens": 4, "_row": i}}
+            for i in range(3)]  # fmt: skip
+    store.create_job(rows, pair="tiny", job_id="lostjob", params={"max_new_tokens": 4})  # stored, never enqueued
+    client.wait("lostjob", workers=sqlite_fleet.procs, timeout_s=60, requeue_lost_after_s=1)
+    assert_exactly_once("lostjob", 3)
+
+
 # -- bad input ------------------------------------------------------------------------------------
 def test_bad_rows_fail_alone_with_clear_errors(sqlite_fleet, use, tmp_path):
     use(sqlite_fleet)

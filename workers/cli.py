@@ -286,7 +286,7 @@ def register(app: typer.Typer) -> None:
                         done = c["ok"] + c["failed"] + c["cancelled"]
                         progress.update(bar, completed=done, detail=f"ok {c['ok']} failed {c['failed']}")
 
-                    client.wait(job, workers=procs, on_progress=show)
+                    client.wait(job, workers=procs, on_progress=show, requeue_lost_after_s=60)
             except RuntimeError as e:
                 _fail(str(e))
             except KeyboardInterrupt:

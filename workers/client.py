@@ -281,16 +281,50 @@ def log_tail(proc: subprocess.Popen, lines: int = 12) -> str:
 STORE_GRACE_S = 300  # s: how long `wait` keeps looking while the database cannot be read
 
 
+def queue_size(pair: str) -> int | None:
+    """Messages waiting in ``pair``'s queue (not those a worker has reserved); None when the
+    broker cannot say."""
+    try:
+        with get_app().connection_for_read() as conn:
+            # (not passive: Redis has no key for an empty queue, so a passive look says "not found")
+            return conn.default_channel.queue_declare(queue=queue_name(pair)).message_count
+    except Exception:  # noqa: BLE001 - unknown: the caller does nothing
+        return None
+
+
+def requeue_lost(job_id: str) -> int:
+    """Enqueue again the job's rows that are still queued while their pair's queue is empty
+    and none of the job's rows is running: their messages were lost (a broker that lost its
+    data, or a worker killed between taking a message and recording it). A duplicate
+    message is harmless: a row already finished is a no-op. Returns how many were sent."""
+    rows = job_requests(job_id, outputs=False)
+    if any(r["status"] == "running" for r in rows):
+        return 0
+    by_pair: dict[str, list[str]] = {}
+    for r in rows:
+        if r["status"] == "queued":
+            by_pair.setdefault(r["pair"], []).append(r["id"])
+    sent = 0
+    for pair, ids in by_pair.items():
+        if queue_size(pair) == 0:
+            _enqueue_job(job_id, ids, pair)
+            sent += len(ids)
+    return sent
+
+
 def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None, poll_s: float = 0.3,
-         timeout_s: float | None = None) -> dict:  # fmt: skip
+         timeout_s: float | None = None, requeue_lost_after_s: float | None = None) -> dict:  # fmt: skip
     """Until no row of the job is queued or running; returns the counts by state.
     ``on_progress(counts)`` after each look. Raises RuntimeError when every local worker in
     ``workers`` has stopped first, TimeoutError after ``timeout_s``. A database that cannot
-    be read (an outage, a lock) is looked at again for up to ``STORE_GRACE_S`` seconds."""
+    be read (an outage, a lock) is looked at again for up to ``STORE_GRACE_S`` seconds.
+    ``requeue_lost_after_s``: when no row has finished for that long, none is running and
+    some are queued, ``requeue_lost`` (rows whose message is gone are sent again)."""
     from sqlalchemy.exc import DBAPIError
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    last_read = time.monotonic()
+    last_read = progress_at = time.monotonic()
+    last_done = -1
     while True:
         try:
             counts = job_counts(job_id)
@@ -306,6 +340,21 @@ def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None,
             on_progress(counts)
         if not any(counts[s] for s in PENDING):
             return counts
+        done = sum(counts[s] for s in FINISHED)
+        if done != last_done:
+            last_done, progress_at = done, time.monotonic()
+        elif (requeue_lost_after_s is not None and counts["queued"] and not counts["running"]
+              and time.monotonic() - progress_at > requeue_lost_after_s):  # fmt: skip
+            progress_at = time.monotonic()
+            try:
+                n = requeue_lost(job_id)
+            except (store.StoreError, DBAPIError, QueueError):  # not now; look again later
+                n = 0
+            if n:
+                import logging
+
+                logging.getLogger("specdec.client").warning(
+                    "job %s: %d queued rows had no message (lost with a worker or the broker); enqueued again", job_id, n)
         if workers and all(p.poll() is not None for p in workers):
             p = workers[0]
             raise RuntimeError(f"the local worker stopped (exit code {p.returncode}); its log {p.log_path}:\n{log_tail(p)}")
