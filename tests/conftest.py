@@ -118,7 +118,7 @@ def pairs_file(tmp_path, tiny_pair_dir, monkeypatch):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real SmolLM2-135M-Instruct target (fp32) with the built-in placeholder draft."""
+    """The real SmolLM2-135M-Instruct target (fp32) with the built-in distilled draft."""
     from specdec_llm.pairs import load_pair
 
     return load_pair("smollm2-135m")

@@ -151,10 +151,11 @@ def test_cli_pairs_list_and_show(pairs_file):
     assert r.exit_code == 0 and "smollm2-135m" in r.stdout and "tiny" in r.stdout
     r = runner.invoke(app, ["pairs", "show", "smollm2-135m"])
     info = json.loads(r.stdout)
-    assert "PLACEHOLDER" in info["draft_note"]
+    assert info["draft"] == "pkg:specdec_llm/drafts/smollm2-135m" and "draft_note" not in info  # the distilled draft
     r = runner.invoke(app, ["pairs", "show", "tiny-shared", "--load"])
     info = json.loads(r.stdout)
     assert info["draft_info"]["kind"] == "placeholder" and info["draft_own_params"] > 0
+    assert "PLACEHOLDER" in info["draft_note"]
     r = runner.invoke(app, ["pairs", "show", "nope"])
     assert r.exit_code == 2
 
