@@ -17,6 +17,7 @@ from .types import expected_tokens_per_iteration
 
 EMA = 0.2  # weight of a new timing sample
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the acceptance prior
+MARGIN = 1.1  # k > 0 only when it promises at least 10% more tokens/s than k = 0
 
 
 @dataclass
@@ -76,7 +77,10 @@ class CostModel:
         def rate(k: int) -> float:
             return sum(expected_tokens_per_iteration(a, k) for a in rates) / (k * self.draft() + self.verify(k))
 
-        return max(range(self.max_k + 1), key=rate)
+        best = max(range(self.max_k + 1), key=rate)
+        # drafting must promise a clear gain: the model's small errors (calibrated without the
+        # masks and per-row work of a real batch) must not make a marginal k a loss
+        return best if rate(best) >= MARGIN * rate(0) else 0
 
 
 class BatchCosts:
