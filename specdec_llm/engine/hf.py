@@ -43,10 +43,6 @@ def sync(model) -> None:
         torch.cuda.synchronize(model.device)
 
 
-def cache_len(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
-
-
 def crop(cache: DynamicCache, length: int) -> None:
     """Keep the first ``length`` positions of ``cache`` (rollback after a rejection)."""
     current = cache.get_seq_length()
