@@ -298,7 +298,7 @@ def save_draft(draft, out: Path, target, layers: list[int], extra: dict, dtype: 
     if isinstance(draft.lm_head, SubsetHead):  # its rows are the target's: only the ids are the draft's
         own[VOCAB_SUBSET] = draft.lm_head.ids.to(torch.int32)
         extra = {**extra, "vocab_subset": len(draft.lm_head.ids)}
-    save_file({k: v.cpu() for k, v in own.items()}, str(out / "draft.safetensors"))
+    save_file({k: v.cpu().contiguous() for k, v in own.items()}, str(out / "draft.safetensors"))
     draft.config.to_json_file(str(out / "config.json"))
     meta = {
         "format": 1,

@@ -206,11 +206,13 @@ class SubsetHead(torch.nn.Module):
     a full-vocabulary head. Other tokens get logit -inf: the draft never proposes them, and
     verification stays exact over the whole vocabulary. The rows are a copy made at load."""
 
+    linear_weight = True  # engine/hf.prepare may store it column-major, as for a Linear
+
     def __init__(self, full: torch.nn.Linear, ids: torch.Tensor):
         super().__init__()
         self.vocab = full.weight.shape[0]
         self.register_buffer("ids", ids.long().to(full.weight.device), persistent=False)
-        self.weight = torch.nn.Parameter(full.weight.detach()[self.ids].clone(), requires_grad=False)
+        self.weight = torch.nn.Parameter(full.weight.detach()[self.ids].contiguous(), requires_grad=False)
 
     def subset_logits(self, h: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(h, self.weight)

@@ -58,6 +58,9 @@ class SpeculativeDecoder:
         context_length: int | None = None,
     ):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        for model in (target, draft):
+            if model is not None:
+                hf.prepare(model)
         sizes = [m.config.vocab_size for m in (target, draft) if m is not None]
         self.vocab_size = vocab_size or min(sizes)
         if eos_token_ids is None:  # the generation config's, plus the tokenizer's (chat end-of-turn)
@@ -310,27 +313,40 @@ class Batch:
         self.tcache = RaggedCache(dec.target)
         self.dcache = RaggedCache(dec.draft) if dec.draft is not None else None
         self.schedule = KSchedule()
+        self.joining: list[list[RaggedCache]] = []  # per joined row: its own target (and draft) cache
 
     def add(self, request: GenerationRequest, on_text: TextCallback | None = None, tag=None) -> Row:
-        """Join the batch (validates first: a RequestError leaves the batch untouched)."""
+        """Join the batch (validates first: a RequestError leaves the batch untouched). The
+        row is prefilled alone now and merged into the batch's caches at the next step, with
+        every other row that joined meanwhile (one copy for a burst of joins)."""
         dec = self.dec
         prompt = dec.prepare(request)
         row = Row(dec, request, prompt, on_text, tag)
-        caches = [(self.tcache, row.stats, "target_time_s")]
-        if self.dcache is not None and row.k != 0:  # a row that never drafts needs no draft prefill
-            caches.append((self.dcache, row.stats, "draft_time_s"))
-            row.dlen = len(prompt) - 1
-        for cache, st, clock in caches:
-            own = RaggedCache(cache.model, 1)
-            if len(prompt) > 1:
-                with Timer() as t:
-                    own.forward([prompt[:-1]], 1)
-                setattr(st, clock, getattr(st, clock) + t.seconds)
-            cache.extend(own)
-        if self.dcache is not None and row.k == 0:
-            self.dcache.extend(RaggedCache(self.dcache.model, 1))
+        own = [self._prefill(self.tcache.model, prompt, row.stats, "target_time_s")]
+        if self.dcache is not None:
+            drafts = row.k != 0  # a row that never drafts needs no draft prefill
+            own.append(self._prefill(self.dcache.model, prompt if drafts else [], row.stats, "draft_time_s"))
+            row.dlen = len(prompt) - 1 if drafts else 0
+        self.joining.append(own)
         self.rows.append(row)
         return row
+
+    @staticmethod
+    def _prefill(model, prompt: list[int], st: Stats, clock: str) -> RaggedCache:
+        """A one-row cache holding ``prompt[:-1]`` (the last token is fed by the first step)."""
+        own = RaggedCache(model, 1)
+        if len(prompt) > 1:
+            with Timer() as t:
+                own.forward([prompt[:-1]], 1)
+            setattr(st, clock, getattr(st, clock) + t.seconds)
+        return own
+
+    def merge(self) -> None:
+        """Move the caches of rows that joined since the last step into the batch's caches."""
+        if self.joining:
+            for cache, owns in zip((self.tcache, self.dcache), zip(*self.joining)):
+                cache.extend(list(owns))
+            self.joining = []
 
     def choose_k(self) -> list[int]:
         dec, rows = self.dec, self.rows
@@ -344,6 +360,7 @@ class Batch:
         return [max(0, min(k_auto if r.k is None else r.k, r.room() - 1)) for r in rows]
 
     def step(self) -> list[Row]:
+        self.merge()
         dec, rows = self.dec, self.rows
         ks = self.choose_k()
         big_k = max(ks)
@@ -396,10 +413,16 @@ class Batch:
         return done
 
     def keep(self, index: list[int]) -> None:
-        """Keep only the rows at ``index`` (the others leave the batch and its caches)."""
+        """Keep only the rows at ``index`` (the others leave the batch and its caches).
+        Survivors keep their places; a place that empties is taken by a row from the end, so
+        the caches copy only the rows that move."""
+        self.merge()
+        n, alive = len(index), set(index)
+        tail = iter(b for b in index if b >= n)
+        order = [b if b in alive else next(tail) for b in range(n)]
         for cache in (self.tcache, self.dcache):
             if cache is not None:
-                if len(index) < cache.rows:
-                    cache.keep_rows(index)
+                if order != list(range(cache.rows)):
+                    cache.keep_rows(order)
                 cache.tidy()
-        self.rows = [self.rows[b] for b in index]
+        self.rows = [self.rows[b] for b in order]

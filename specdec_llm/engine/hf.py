@@ -13,7 +13,10 @@ from functools import lru_cache
 
 import torch
 import transformers
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 _MAJOR = int(transformers.__version__.split(".")[0])
 
@@ -24,8 +27,123 @@ def _cache_kwarg(model_cls: type) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose ``keys`` / ``values`` are views ``[:rows, :, :width]`` of
+    zero-filled buffers with spare columns, so appending a token writes the new column only.
+
+    The stock layer copies the whole cache on every token (``torch.cat``); at batch 16 that
+    copy was 39% of a decode step on this CPU. engine/ragged.py moves, adds and drops rows
+    inside the same buffers. Spare cells hold zeros or stale finite values: the masks never
+    let a row see them, and a masked key must not hold NaN (0 * NaN would leak).
+    """
+
+    kbuf: torch.Tensor | None = None
+    vbuf: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[0] if self.kbuf is not None else 0
+
+    @property
+    def width(self) -> int:
+        return self.keys.shape[2] if self.kbuf is not None else 0
+
+    def view(self, rows: int, width: int) -> None:
+        self.keys, self.values = self.kbuf[:rows, :, :width], self.vbuf[:rows, :, :width]
+
+    def reserve(self, rows: int, width: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        """Room for ``rows`` x ``width`` (columns grow by half); the live region is kept."""
+        if not self.is_initialized:
+            self.lazy_initialization(like_k, like_v)
+        old = self.kbuf
+        if old is not None and rows <= old.shape[0] and width <= old.shape[2]:
+            return
+        r = max(rows, old.shape[0] if old is not None else 0)
+        w = max(width + max(64, width // 2), old.shape[2] if old is not None else 0)
+        kbuf = like_k.new_zeros(r, like_k.shape[1], w, like_k.shape[3])
+        vbuf = like_v.new_zeros(r, like_v.shape[1], w, like_v.shape[3])
+        live_r, live_w = self.rows, self.width
+        if live_r and live_w:
+            kbuf[:live_r, :, :live_w] = self.keys
+            vbuf[:live_r, :, :live_w] = self.values
+        self.kbuf, self.vbuf = kbuf, vbuf
+        self.view(live_r, live_w)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        rows, n = key_states.shape[0], self.width
+        m = n + key_states.shape[2]
+        self.reserve(rows, m, key_states, value_states)
+        self.kbuf[:rows, :, n:m] = key_states
+        self.vbuf[:rows, :, n:m] = value_states
+        self.view(rows, m)
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.kbuf is not None and tokens_to_remove < 0:
+            self.view(self.rows, max(0, self.width + tokens_to_remove))
+
+    def reset(self) -> None:
+        self.kbuf = self.vbuf = None
+        super().reset()
+
+
 def new_cache(model) -> DynamicCache:
-    return DynamicCache(config=model.config)
+    """A DynamicCache of ``GrowingLayer``s (models whose layers all use full attention)."""
+    cache = DynamicCache(config=model.config)
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise NotImplementedError(f"this engine needs full-attention cache layers, not {type(layer).__name__}")
+    cache.layers = [GrowingLayer() for _ in cache.layers]
+    return cache
+
+
+# -- making a loaded model fast for this engine ----------------------------------------------
+ATTENTION = "specdec_sdpa"
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' sdpa, except that on CPU a masked multi-token query (a verification or a
+    ragged chunk) keeps grouped KV heads in the kernel (``enable_gqa``) instead of copying them
+    per query head (``repeat_kv``): 6x less time in attention at batch 16 here, same values."""
+    if (
+        query.device.type == "cpu"
+        and attention_mask is not None
+        and query.shape[2] > 1
+        and getattr(module, "num_key_value_groups", 1) > 1
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+    ):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+AttentionInterface.register(ATTENTION, _attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+@torch.no_grad()
+def prepare(model) -> None:
+    """Tune a loaded model for this engine (idempotent; the same math, faster kernels).
+
+    - sdpa attention becomes ``_attention`` (grouped KV heads stay grouped on CPU).
+    - On CPU, every Linear weight (and a module marked ``linear_weight``, the draft's
+      SubsetHead) is stored column-major, i.e. as the transpose of a contiguous [in, out]
+      matrix. MKL's sgemm is then 1.5-3x faster for the few-row products of decoding (LM
+      head at 1 row: 7.1 -> 3.2 ms; at 13 rows: 38 -> 15 ms; measured on this CPU). A tied
+      embedding shares the tensor; its lookups do not care about the layout.
+    """
+    if model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(ATTENTION)
+    if model.device.type != "cpu":
+        return
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        linear = isinstance(m, torch.nn.Linear) or getattr(m, "linear_weight", False)
+        if linear and isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_contiguous() and min(w.shape) > 1:
+            w.data = w.data.t().contiguous().t()
 
 
 @torch.inference_mode()
@@ -55,18 +173,9 @@ def crop(cache: DynamicCache, length: int) -> None:
 
 
 # -- batches of rows (engine/ragged.py) -------------------------------------------------------
-def layers(cache: DynamicCache) -> list:
-    """The cache's per-layer objects; each holds ``keys`` / ``values`` [B, heads, L, head_dim]."""
-    for layer in cache.layers:
-        if type(layer).__name__ != "DynamicLayer":
-            raise NotImplementedError(f"batched decoding needs plain DynamicLayer caches, not {type(layer).__name__}")
+def layers(cache: DynamicCache) -> list[GrowingLayer]:
+    """The cache's per-layer buffers (``new_cache`` made them)."""
     return cache.layers
-
-
-def set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
-    if not layer.is_initialized:
-        layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values
 
 
 @torch.inference_mode()

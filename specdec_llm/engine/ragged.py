@@ -65,13 +65,19 @@ class RaggedCache:
         """Make ``columns`` (absolute indices) holes for ``row``."""
         self.valid[row, list(columns)] = False
 
+    @torch.inference_mode()
     def keep_rows(self, index: list[int]) -> None:
-        idx = torch.tensor(index, dtype=torch.long)
-        if self.width:
-            dev = idx.to(hf.layers(self.cache)[0].keys.device)
-            for layer in hf.layers(self.cache):
-                hf.set_layer(layer, layer.keys[dev], layer.values[dev])
-        self.valid = self.valid[idx]
+        """Keep the rows at ``index`` (new row i = old row index[i]); only moved rows are copied."""
+        moved = [(dst, src) for dst, src in enumerate(index) if dst != src]
+        for layer in self._live_layers():
+            if moved:
+                dst = torch.tensor([d for d, _ in moved], device=layer.kbuf.device)
+                src = torch.tensor([s for _, s in moved], device=layer.kbuf.device)
+                for buf in (layer.kbuf, layer.vbuf):
+                    region = buf[:, :, : self.width]
+                    region.index_copy_(0, dst, region.index_select(0, src))  # the source is read first
+            layer.view(len(index), self.width)
+        self.valid = self.valid[torch.tensor(index, dtype=torch.long)]
 
     def tidy(self) -> None:
         """Crop columns no row uses from the end; squeeze holes out when they dominate."""
@@ -83,39 +89,48 @@ class RaggedCache:
         if self.width > 32 and self.width > 2 * longest:
             self.compact()
 
+    @torch.inference_mode()
     def crop(self, width: int) -> None:
-        hf.crop(self.cache, width)
+        for layer in self._live_layers():
+            layer.view(self.rows, width)
         self.valid = self.valid[:, :width]
-        if width == 0:
-            self.cache = hf.new_cache(self.model)
 
+    @torch.inference_mode()
     def compact(self) -> None:
         """Move every row's valid columns to the front (order kept); width = longest row."""
         longest = int(self.valid.sum(1).max())
         order = torch.sort((~self.valid).long(), dim=1, stable=True).indices[:, :longest]  # valid columns first
-        for layer in hf.layers(self.cache):
+        for layer in self._live_layers():
             k, v = layer.keys, layer.values
             idx = order.to(k.device)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-            hf.set_layer(layer, k.gather(2, idx), v.gather(2, idx))
+            k, v = k.gather(2, idx), v.gather(2, idx)
+            layer.kbuf[: self.rows, :, :longest] = k
+            layer.vbuf[: self.rows, :, :longest] = v
+            layer.view(self.rows, longest)
         self.valid = torch.arange(longest)[None, :] < self.valid.sum(1, keepdim=True)
 
-    def extend(self, other: RaggedCache) -> None:
-        """Append ``other``'s rows (a newly prefilled request) below this cache's rows."""
-        w = max(self.width, other.width)
-        mine, theirs = hf.layers(self.cache), hf.layers(other.cache)
-        for a, b in zip(mine, theirs):
-            ref = a if a.is_initialized else b if b.is_initialized else None
+    @torch.inference_mode()
+    def extend(self, others: list[RaggedCache]) -> None:
+        """Append the rows of ``others`` (newly prefilled requests) below this cache's rows."""
+        if not others:
+            return
+        rows = self.rows + sum(o.rows for o in others)
+        width = max(self.width, *(o.width for o in others))
+        for i, layer in enumerate(hf.layers(self.cache)):
+            theirs = [hf.layers(o.cache)[i] for o in others]
+            ref = next((x for x in [layer, *theirs] if x.kbuf is not None), None)
             if ref is None:
                 continue
-            parts = []
-            for layer, rows, width in ((a, self.rows, self.width), (b, other.rows, other.width)):
-                pair = []
-                for t, r in ((layer.keys, ref.keys), (layer.values, ref.values)):
-                    if not layer.is_initialized or t.numel() == 0:
-                        t = r.new_zeros(rows, r.shape[1], 0, r.shape[3])
-                    pad = r.new_zeros(rows, r.shape[1], w - width, r.shape[3])
-                    pair.append(torch.cat([t, pad], 2))
-                parts.append(pair)
-            hf.set_layer(a, torch.cat([parts[0][0], parts[1][0]]), torch.cat([parts[0][1], parts[1][1]]))
-        pad = lambda v: torch.cat([v, torch.zeros(v.shape[0], w - v.shape[1], dtype=torch.bool)], 1)  # noqa: E731
-        self.valid = torch.cat([pad(self.valid), pad(other.valid)])
+            layer.reserve(rows, width, ref.kbuf, ref.vbuf)
+            r = self.rows
+            for other, x in zip(others, theirs):
+                if x.kbuf is not None and other.width:
+                    layer.kbuf[r : r + other.rows, :, : other.width] = x.keys
+                    layer.vbuf[r : r + other.rows, :, : other.width] = x.values
+                r += other.rows
+            layer.view(rows, width)
+        pad = lambda v: torch.cat([v, torch.zeros(v.shape[0], width - v.shape[1], dtype=torch.bool)], 1)  # noqa: E731
+        self.valid = torch.cat([pad(v.valid) for v in (self, *others)])
+
+    def _live_layers(self) -> list:
+        return [layer for layer in hf.layers(self.cache) if layer.kbuf is not None]
