@@ -9,7 +9,7 @@ import torch
 from conftest import check_caches, greedy_reference, perturbed, tiny_llama
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder
-from specdec_llm.engine.autok import BatchCosts, calibrate
+from specdec_llm.engine.autok import BatchCosts, KSchedule, calibrate
 from specdec_llm.engine.decoder import Batch
 
 PROMPTS = [[5], [5, 6, 7], [17, 3, 99, 4, 8, 120, 33, 1, 2, 250, 7, 7], list(range(40, 71)), [200, 201]]
@@ -111,6 +111,45 @@ def test_per_request_stats_and_bad_rows(target):
         assert 0 < s.draft_time_s + s.target_time_s <= s.wall_time_s
     assert out[0].stats.draft_tokens_proposed == 0 and out[0].stats.draft_time_s == 0
     assert out[5].stats.k_values[:3] == [5, 5, 5] and max(out[5].stats.k_values) == 5  # clipped only by the room left
+
+
+class Scripted(KSchedule):
+    """The batch's k from a script instead of from timings (to reach every catch-up case)."""
+
+    def __init__(self, plan):
+        super().__init__()
+        self.plan = iter(plan)
+
+    def next_k(self, cost, acceptance):
+        return next(self.plan, 1)
+
+
+def test_auto_rows_fill_the_draft_lazily_and_catch_up(target, monkeypatch):
+    """An auto row gets no draft prefill while k = 0; when drafting starts, a row far behind
+    is refilled alone (fill_row) and a row slightly behind is fed its missed tokens in the
+    batch. Caches stay exact after every step and outputs equal the target's greedy ones."""
+    dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
+    batch = Batch(dec)
+    batch.schedule = Scripted([0, 0, 0, 3] + [0] * 14 + [4, 0, 1, 2])
+    fills = []  # (row, valid columns it had): a row never drafted has none
+    real_fill = batch.dcache.fill_row
+    monkeypatch.setattr(
+        batch.dcache, "fill_row", lambda b, own: (fills.append((b, int(batch.dcache.valid[b].sum()))), real_fill(b, own))
+    )
+    rows = [batch.add(GenerationRequest(prompt=PROMPTS[i], max_new_tokens=40)) for i in (4, 1)]
+    assert not batch.dcache.valid.any()  # auto rows: no draft prefill yet
+    for step in range(80):
+        if step == 1:  # fixed-k rows draft every step: the auto rows fall behind them
+            rows += [batch.add(GenerationRequest(prompt=PROMPTS[i], max_new_tokens=60, k=2)) for i in (2, 3, 0)]
+        if not batch.rows:
+            break
+        batch.step()
+        check_caches(batch)
+    assert not batch.rows
+    assert sorted(b for b, had in fills if not had) == [0, 1]  # first drafting: refilled alone
+    assert any(had for _, had in fills)  # far behind later: refilled alone again
+    for row in rows:
+        assert row.result.token_ids == greedy_reference(target, row.prompt, row.req.max_new_tokens)
 
 
 def test_speculation_length_falls_to_zero_as_the_batch_grows():

@@ -140,22 +140,25 @@ class KSchedule:
     """The k of each iteration of a batch, from the rows' acceptance and the costs at its size.
 
     When k = 0 wins, one k = 1 iteration every ``probe_every`` keeps the acceptance estimates
-    fresh; the interval doubles (up to ``max_probe_every``) while probes keep confirming k = 0,
-    since on a big batch a probe costs a draft catch-up of every row.
+    fresh (``probing`` is then True: the batch drafts on one row only, see decoder.py); the
+    interval doubles (up to ``max_probe_every``) while probes keep confirming k = 0.
     """
 
     def __init__(self, probe_every: int = 32, max_probe_every: int = 256):
         self.first_probe, self.max_probe = probe_every, max_probe_every
         self.probe_every = probe_every
         self.zero_run = 0
+        self.probing = False
 
     def next_k(self, cost: CostModel, acceptance: list[float]) -> int:
         k = cost.best_k(acceptance)
+        self.probing = False
         if k == 0:
             self.zero_run += 1
             if self.zero_run >= self.probe_every:
                 self.zero_run = 0
                 self.probe_every = min(2 * self.probe_every, self.max_probe)
+                self.probing = True
                 return 1
         else:
             self.zero_run = 0

@@ -324,9 +324,11 @@ class Batch:
         row = Row(dec, request, prompt, on_text, tag)
         own = [self._prefill(self.tcache.model, prompt, row.stats, "target_time_s")]
         if self.dcache is not None:
-            drafts = row.k != 0  # a row that never drafts needs no draft prefill
-            own.append(self._prefill(self.dcache.model, prompt if drafts else [], row.stats, "draft_time_s"))
-            row.dlen = len(prompt) - 1 if drafts else 0
+            # a fixed k > 0 drafts at once: prefill now; an auto row's draft is filled when the
+            # schedule first drafts with it (never, while k = 0 wins)
+            eager = row.k is not None and row.k > 0
+            own.append(self._prefill(self.dcache.model, prompt if eager else [], row.stats, "draft_time_s"))
+            row.dlen = len(prompt) - 1 if eager else 0
         self.joining.append(own)
         self.rows.append(row)
         return row
@@ -350,20 +352,49 @@ class Batch:
 
     def choose_k(self) -> list[int]:
         dec, rows = self.dec, self.rows
-        auto = [r for r in rows if r.k is None]
-        k_auto = 0
+        auto = [b for b, r in enumerate(rows) if r.k is None]
+        k_auto, probe = 0, None
         if auto:
             cost = dec.costs[len(rows)]
             if not cost.calibrated:
                 dec.calibrate(len(rows))
-            k_auto = self.schedule.next_k(cost, [r.tracker.rate for r in auto])
-        return [max(0, min(k_auto if r.k is None else r.k, r.room() - 1)) for r in rows]
+            k_auto = self.schedule.next_k(cost, [rows[b].tracker.rate for b in auto])
+            if self.schedule.probing:  # refresh the estimate on the row cheapest to bring up to date
+                probe = min(auto, key=lambda b: len(rows[b].seq) - rows[b].dlen)
+        ks = []
+        for b, r in enumerate(rows):
+            k = r.k if r.k is not None else (k_auto if probe in (None, b) else 0)
+            ks.append(max(0, min(k, r.room() - 1)))
+        return ks
+
+    def catch_up(self, ks: list[int]) -> None:
+        """Bring the draft cache of every drafting row up to ``seq[:-1]``'s last token.
+
+        The first draft step feeds each row what it missed, padded to the longest: B x W
+        token passes. A row far behind (or never filled: an auto row's first drafting) is
+        cheaper refilled alone from scratch, then only its last token is fed; choose the
+        width W that minimises the total."""
+        rows, width = self.rows, self.dcache.rows
+        behind = {b: len(rows[b].seq) - rows[b].dlen for b in range(len(rows)) if ks[b]}
+        if not behind:
+            return
+
+        def passes(w: int) -> int:
+            return width * w + sum(len(rows[b].seq) - 1 for b, c in behind.items() if c > w)
+
+        w = min({1, *behind.values()}, key=passes)
+        for b, c in behind.items():
+            if c > w:
+                r = rows[b]
+                self.dcache.fill_row(b, self._prefill(self.dcache.model, r.seq, r.stats, "draft_time_s"))
+                r.dlen = len(r.seq) - 1
 
     def step(self) -> list[Row]:
         self.merge()
         dec, rows = self.dec, self.rows
         ks = self.choose_k()
         big_k = max(ks)
+        self.catch_up(ks)
         observe = any(r.k is None for r in rows)
         drafts: list[list[int]] = [[] for _ in rows]
         qs: list[list] = [[] for _ in rows]

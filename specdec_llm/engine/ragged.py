@@ -132,5 +132,22 @@ class RaggedCache:
         pad = lambda v: torch.cat([v, torch.zeros(v.shape[0], width - v.shape[1], dtype=torch.bool)], 1)  # noqa: E731
         self.valid = torch.cat([pad(v.valid) for v in (self, *others)])
 
+    @torch.inference_mode()
+    def fill_row(self, row: int, own: RaggedCache) -> None:
+        """Replace ``row``'s content by ``own``'s single row (a fresh prefill), at the front."""
+        width = max(self.width, own.width)
+        for mine, theirs in zip(hf.layers(self.cache), hf.layers(own.cache)):
+            if theirs.kbuf is None:
+                continue
+            mine.reserve(self.rows, width, theirs.kbuf, theirs.vbuf)
+            mine.kbuf[row, :, : own.width] = theirs.keys[0]
+            mine.vbuf[row, :, : own.width] = theirs.values[0]
+            mine.view(self.rows, width)
+        valid = torch.zeros(self.rows, width, dtype=torch.bool)
+        valid[:, : self.width] = self.valid
+        valid[row] = False
+        valid[row, : own.width] = own.valid[0]
+        self.valid = valid
+
     def _live_layers(self) -> list:
         return [layer for layer in hf.layers(self.cache) if layer.kbuf is not None]
