@@ -100,7 +100,7 @@ class BatchCosts:
         return self.models.setdefault(self.bucket(rows), CostModel(max_k=self.max_k))
 
 
-def calibrate(cost: CostModel, time_verify, time_draft, points=(0, 1, 2, 4, 8), repeats: int = 5) -> None:
+def calibrate(cost: CostModel, time_verify, time_draft, points=(0, 1, 2, 4, 8), repeats: int = 3) -> None:
     """Fill ``cost`` from timing callbacks: ``time_verify(k)`` and ``time_draft()`` return seconds.
 
     The minimum of a few repeats is the least disturbed by other load; verify times are

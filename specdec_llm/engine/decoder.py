@@ -125,6 +125,7 @@ class SpeculativeDecoder:
         RequestError; the others are unaffected. Results in request order."""
         pending = deque(enumerate(requests))
         results: list = [None] * len(pending)
+        self.calibrate_batches(min(max_batch, len(pending)))
         batch = Batch(self)
         while pending or batch.rows:
             while pending and len(batch.rows) < max_batch:
@@ -149,6 +150,15 @@ class SpeculativeDecoder:
         if request.seed is not None and not request.greedy:
             return self.seeded_k
         return None
+
+    def calibrate_batches(self, max_batch: int) -> None:
+        """Calibrate every batch-size bucket up to ``max_batch`` now (a few seconds each on a
+        CPU), instead of stalling a running batch the first time it reaches a size."""
+        if self.draft is None or self.default_k != "auto":
+            return
+        for rows in sorted({BatchCosts.bucket(r) for r in range(1, max_batch + 1)}):
+            if not self.costs[rows].calibrated:
+                self.calibrate(rows)
 
     def calibrate(self, rows: int = 1, context: int = 64) -> None:
         """Measure draft step and verify(k) times at a batch of ``rows`` on this device."""

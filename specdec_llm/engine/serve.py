@@ -55,6 +55,10 @@ class BatchServer:
             import torch
 
             torch.cuda.set_device(device)
+        try:
+            self.decoder.calibrate_batches(self.max_batch)
+        except Exception:  # noqa: BLE001 - a batch calibrates lazily instead
+            log.exception("could not calibrate the batch sizes up to %d", self.max_batch)
         batch = Batch(self.decoder)
         while not self.closed.is_set():
             if not batch.rows:  # idle: block for one request, then gather a burst
