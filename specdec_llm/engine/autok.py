@@ -144,7 +144,7 @@ class KSchedule:
     interval doubles (up to ``max_probe_every``) while probes keep confirming k = 0.
     """
 
-    def __init__(self, probe_every: int = 32, max_probe_every: int = 256):
+    def __init__(self, probe_every: int = 32, max_probe_every: int = 1024):
         self.first_probe, self.max_probe = probe_every, max_probe_every
         self.probe_every = probe_every
         self.zero_run = 0

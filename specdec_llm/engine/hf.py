@@ -4,6 +4,10 @@ Tested with transformers 5.20-5.39 (see pyproject). transformers 5.24 renamed th
 forward argument ``past_key_values=`` to ``cache=`` (old name deprecated until 5.40) and
 ``DynamicCache.crop`` takes a negative count of tokens to remove (4.x took the final
 absolute length). Everything else in the engine calls these helpers.
+
+It also holds what the engine changes in transformers' machinery, each measured on this
+CPU: KV-cache layers that grow in place (``GrowingLayer``), an attention function that keeps
+grouped KV heads grouped under a mask, and column-major Linear weights (``prepare``).
 """
 
 from __future__ import annotations
