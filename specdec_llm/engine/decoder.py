@@ -384,13 +384,13 @@ class Batch:
         token passes. A row far behind (or never filled: an auto row's first drafting) is
         cheaper refilled alone from scratch, then only its last token is fed; choose the
         width W that minimises the total."""
-        rows, width = self.rows, self.dcache.rows
+        rows, n_rows = self.rows, self.dcache.rows
         behind = {b: len(rows[b].seq) - rows[b].dlen for b in range(len(rows)) if ks[b]}
         if not behind:
             return
 
         def passes(w: int) -> int:
-            return width * w + sum(len(rows[b].seq) - 1 for b, c in behind.items() if c > w)
+            return n_rows * w + sum(len(rows[b].seq) - 1 for b, c in behind.items() if c > w)
 
         w = min({1, *behind.values()}, key=passes)
         for b, c in behind.items():
