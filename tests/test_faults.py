@@ -214,12 +214,13 @@ def test_run_interrupted_then_run_again_resumes(tmp_path, pairs_toml, monkeypatc
     reload_settings()
     try:
         first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        wait_for(lambda: _ok(job) >= 20, 120)
+        db = tmp_path / "data" / "specdec.db"
+        wait_for(lambda: _ok_in(db, job) >= 20, 120)
         first.send_signal(signal.SIGINT)  # Ctrl-C in a terminal (the worker is in its own session)
         out, err = first.communicate(timeout=60)
         assert first.returncode == 130, err[-3000:]
         assert f"interrupted; run the same command again to resume job {job}" in err
-        done_before = _ok(job)
+        done_before = _ok_in(db, job)
         assert 20 <= done_before < ROWS
         logs = list((tmp_path / "data" / "logs").glob("worker-tiny-*.log"))
         assert len(logs) == 1 and "Warm shutdown" in logs[0].read_text()  # its worker was stopped
@@ -233,6 +234,20 @@ def test_run_interrupted_then_run_again_resumes(tmp_path, pairs_toml, monkeypatc
     finally:
         monkeypatch.undo()
         reload_settings()
+
+
+def _ok_in(db: Path, job: str) -> int:
+    """Rows of ``job`` done ok, read straight from the run's SQLite file (read-only, its own
+    connection: nothing of this test process's store state is involved)."""
+    import sqlite3
+    from contextlib import closing
+
+    try:
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)) as con:
+            sql = "SELECT count(*) FROM requests WHERE job_id = ? AND status = 'ok'"
+            return con.execute(sql, (job,)).fetchone()[0]
+    except sqlite3.Error:  # not created yet
+        return 0
 
 
 def _ok(job: str) -> int:
