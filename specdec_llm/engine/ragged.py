@@ -8,8 +8,8 @@ only, so holes change nothing in what a row computes. Columns that no row uses a
 cropped from the end after each iteration, and ``compact`` squeezes holes out when they
 outnumber the tokens, so the cache stays close to the longest row. The tensors live in
 ``hf.GrowingLayer`` buffers with spare columns: a step writes its new columns only, rows
-that join are copied in once per burst, and a row that leaves is replaced by the last one
-(only moved rows are copied).
+that join are copied in once per burst, and a row that leaves is replaced by a row from
+the end (``Batch.keep`` orders them so; only moved rows are copied).
 
 Each forward feeds one chunk of new tokens per row, LEFT-padded to a common width, so
 every row's last token sits in the last column. A padding query attends to itself only
