@@ -174,33 +174,35 @@ def build_data(
         pool = list(dict.fromkeys(prompts + new))
         prompts_path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in pool))
     pool = [json.loads(line)["prompt"] for line in prompts_path.read_text().splitlines()]
-    # work items: (prompt index, variant); variant 0 greedy, others sampled. Shuffled once, fixed.
-    items = [(i, v) for i in range(len(pool)) for v in range(1 + cfg.samples)]
-    rng.shuffle(items)
+    # work items: (prompt index, variant); variant 0 greedy, others sampled. Shuffled once,
+    # fixed, in blocks of one kind: each batch is one full-width `generate` call.
+    blocks = []
+    for kind in ([(i, 0) for i in range(len(pool))], [(i, v) for i in range(len(pool)) for v in range(1, 1 + cfg.samples)]):
+        rng.shuffle(kind)
+        blocks += [kind[j : j + cfg.batch_size] for j in range(0, len(kind), cfg.batch_size)]
+    rng.shuffle(blocks)
+    total = sum(len(b) for b in blocks)
     done = store.manifest.get("items_done", 0)
-    task = progress.add_task("target answers", total=len(items), completed=done) if progress else None
+    task = progress.add_task("target answers", total=total, completed=done) if progress else None
     encoded: dict[int, list[int]] = {}
-    while done < len(items):
+    end = 0  # items up to the end of this block
+    for block in blocks:
+        end += len(block)
+        if end <= done:  # written by an earlier run
+            continue
         if deadline and time.time() > deadline:
             break
-        batch = items[done : done + cfg.batch_size]
-        rows = []
-        for sample in (False, True):
-            part = [(i, v) for i, v in batch if (v > 0) == sample]
-            if not part:
-                continue
-            ids = [encoded.setdefault(i, _chat(tok, pool[i])[: cfg.max_prompt_tokens]) for i, _ in part]
-            torch.manual_seed(cfg.seed + done)
-            for p, (ans, top, logp) in zip(ids, _generate(model, tok, ids, cfg.max_new_tokens, sample, cfg.temperature, cfg.topk)):
-                rows.append((p, ans, top, logp))
-        store.write_shard(rows)
-        done += len(batch)
-        store.manifest.update(items_done=done, items_total=len(items), prompts=len(pool), config=asdict(cfg))
+        ids = [encoded.setdefault(i, _chat(tok, pool[i])[: cfg.max_prompt_tokens]) for i, _ in block]
+        torch.manual_seed(cfg.seed + done)
+        answers = _generate(model, tok, ids, cfg.max_new_tokens, block[0][1] > 0, cfg.temperature, cfg.topk)
+        store.write_shard([(p, ans, top, logp) for p, (ans, top, logp) in zip(ids, answers)])
+        done += len(block)
+        store.manifest.update(items_done=done, items_total=total, prompts=len(pool), config=asdict(cfg))
         store.save_manifest()
         if progress:
             progress.update(task, completed=done, description=f"target answers ({store.manifest['tokens']:,} tokens)")
             if store.manifest["shards"] % 10 == 0:  # a plain line too, for logs of background runs
-                progress.console.print(f"data: {done}/{len(items)} answers, {store.manifest['tokens']:,} tokens")
+                progress.console.print(f"data: {done}/{total} answers, {store.manifest['tokens']:,} tokens")
     return store.manifest
 
 

@@ -41,6 +41,32 @@ def distilled(tmp_path_factory):
     return target, out, examples, before
 
 
+def test_interrupted_data_phase_resumes_at_the_next_batch(distilled, tmp_path):
+    """A data phase stopped after its first batch and run again writes the same answers as
+    one that was never stopped: whole batches, in one fixed order, seeded by position."""
+    import shutil
+
+    target, out, examples, _ = distilled
+    cfg = D.DataConfig(max_new_tokens=24, batch_size=8, dtype="float32", expand_per_seed=2, samples=1, topk=4)
+    data = tmp_path / "w" / "data"
+    shutil.copytree(out.parent / "data", data)
+    store = D.DataStore(data)
+    full = dict(store.manifest)
+    assert full["shards"] > 1
+    for n in range(1, full["shards"]):  # as if stopped after the first batch
+        (data / f"shard-{n:05d}.safetensors").unlink()
+    store.manifest.update(shards=1)
+    kept = list(store.examples())
+    store.manifest.update(items_done=len(kept), tokens=sum(len(s) - p for s, p, _, _ in kept))
+    store.save_manifest()
+    again = D.build_data(target, tiny_tokenizer(), SEEDS, data.parent, cfg)
+    assert (again["shards"], again["tokens"], again["items_done"]) == (full["shards"], full["tokens"], full["items_done"])
+    resumed = list(D.DataStore(data).examples())
+    assert len(resumed) == len(examples)
+    for (s1, p1, t1, _), (s2, p2, t2, _) in zip(resumed, examples):
+        assert p1 == p2 and torch.equal(s1, s2) and torch.equal(t1, t2)
+
+
 def test_training_raises_agreement(distilled):
     target, out, examples, before = distilled
     draft, meta = load_draft_dir(out, target, fingerprint(target))
