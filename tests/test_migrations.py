@@ -25,6 +25,7 @@ from specdec_llm.store.models import Base
 from specdec_llm.store.testing import require_postgres, sqlite_url, temporary_postgres
 
 REPO = Path(__file__).resolve().parents[1]
+SHIPPED_MIGRATIONS = db.MIGRATIONS_DIR
 TABLES = {"pairs", "workers", "jobs", "requests", "outputs", "telemetry", "baselines"}
 
 
@@ -162,7 +163,7 @@ def test_a_newer_schema_is_refused_by_readers_and_writers(tmp_path, newer_code, 
     url = sqlite_url(tmp_path)
     db.upgrade(url)  # at scratch, then the code goes back to the real head
     db.dispose_engine(url)
-    monkeypatch.setattr(db, "MIGRATIONS_DIR", REPO / "migrations")
+    monkeypatch.setattr(db, "MIGRATIONS_DIR", SHIPPED_MIGRATIONS)
     for call in (lambda: reports.summary(url=url), lambda: record.upsert_pair("p", url=url)):
         with pytest.raises(db.SchemaError, match="unknown to this version.*upgrade specdec-llm"):
             call()
@@ -221,3 +222,21 @@ def test_db_upgrade_on_an_unreachable_server_says_so_without_the_password(monkey
     assert len(r.output.strip().splitlines()) == 1
     assert r.output.startswith("error: cannot use the database at postgresql+psycopg://bob:***@127.0.0.1:1/nowhere")
     assert "s3cret" not in r.output
+
+
+def test_the_wheel_ships_the_migrations_and_the_bundled_files(tmp_path):
+    """An installed specdec-llm (not this checkout) can run `db upgrade`: Alembic's scripts,
+    the built-in pairs and the bundled draft are package data in the wheel."""
+    import zipfile
+
+    src = tmp_path / "src"  # a copy: no build/ or egg-info of an earlier build can fill gaps
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "runs", "tests", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(src)],
+                   check=True, capture_output=True)  # fmt: skip
+    (wheel,) = tmp_path.glob("specdec_llm-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    package = REPO / "specdec_llm"
+    shipped = [p for p in SHIPPED_MIGRATIONS.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    shipped += [package / "builtin_pairs.toml", *(package / "drafts").rglob("*.*")]
+    missing = [str(p.relative_to(REPO)) for p in shipped if str(p.relative_to(REPO)) not in names]
+    assert len(shipped) > 6 and not missing, missing
