@@ -164,6 +164,7 @@ def distill(
     lr: float = 1e-3,
     vocab_subset: Annotated[int, typer.Option(help="Draft head over this many most frequent tokens (0: full vocabulary)")] = 16384,
     resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint in --work")] = False,
+    init_from: Annotated[Optional[str], typer.Option(help="Warm start from a distilled draft (dir or pkg:...): its layers and vocabulary subset, not --layers")] = None,
     hours: Annotated[Optional[float], typer.Option(help="Stop each phase after this many hours (resumable)")] = None,
 ) -> None:
     """Distil a draft from a target (resumable: data shards and checkpoints live in --work)."""
@@ -200,7 +201,7 @@ def distill(
                 manifest = D.build_data(model, tok, seeds, work_dir, cfg, progress, deadline, pool)
                 err.print(f"data: {manifest.get('tokens', 0):,} answer tokens in {manifest.get('shards', 0)} shards")
             if phase in ("train", "all"):
-                cfg = D.TrainConfig(layers=layer_list, steps=steps, batch_size=batch_size, lr=lr, vocab_subset=vocab_subset)
+                cfg = D.TrainConfig(layers=layer_list, steps=steps, batch_size=batch_size, lr=lr, vocab_subset=vocab_subset, init_from=init_from)
                 summary = D.train(model, work_dir, Path(out), cfg, resume, progress, deadline)
                 err.print(f"train: {json.dumps(summary)}")
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from .pairs import DRAFT_META, SHARED_TENSORS, VOCAB_SUBSET, SubsetHead, fingerprint, shared_draft
+from .pairs import DRAFT_META, SHARED_TENSORS, VOCAB_SUBSET, SubsetHead, draft_dir, fingerprint, load_draft_dir, shared_draft
 
 EXPAND_TEMPLATE = (
     "Here is an example of a task someone might ask an AI assistant:\n\n{seed}\n\n"
@@ -64,6 +64,7 @@ class TrainConfig:
     vocab_subset: int = 16384  # draft head over this many most frequent tokens (0: the full vocabulary)
     save_dtype: str = "bfloat16"  # of the exported draft (it is cast to the pair's dtype at load)
     holdout: int = 64  # answers kept out of training to measure agreement at each checkpoint
+    init_from: str | None = None  # warm start from this draft directory (its layers and vocabulary subset)
     seed: int = 0
 
 
@@ -326,22 +327,32 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
     held_set = set(held)
     examples = [ex for i, ex in enumerate(examples) if i not in held_set]
     ckpt = work / "ckpt"
-    subset = subset_pos = None
-    if cfg.vocab_subset and cfg.vocab_subset < target.config.vocab_size:
-        if resume and (ckpt / "subset.safetensors").exists():
-            subset = load_file(str(ckpt / "subset.safetensors"))[VOCAB_SUBSET].long()
-        else:
+    resuming = resume and (ckpt / "state.json").exists()
+    if resuming:  # the checkpoint's shape wins over the command line's; weights are loaded below
+        cfg.layers = json.loads((ckpt / "state.json").read_text())["config"]["layers"]
+        subset = load_file(str(ckpt / "subset.safetensors"))[VOCAB_SUBSET].long() if (ckpt / "subset.safetensors").exists() else None
+        draft = shared_draft(target, cfg.layers, subset)
+    elif cfg.init_from:  # warm start: an existing draft's layers, weights and vocabulary subset
+        draft, meta = load_draft_dir(draft_dir(cfg.init_from), target, fingerprint(target))
+        cfg.layers = meta["init_layers"]
+        subset = draft.lm_head.ids if isinstance(draft.lm_head, SubsetHead) else None
+    else:
+        subset = None
+        if cfg.vocab_subset and cfg.vocab_subset < target.config.vocab_size:
             eos = target.generation_config.eos_token_id
             subset = choose_subset(store, cfg.vocab_subset, target.config.vocab_size, [eos] if isinstance(eos, int) else list(eos or []))
+        draft = shared_draft(target, cfg.layers, subset)
+    draft.train()
+    subset_pos = None
+    if subset is not None:
         subset_pos = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
         subset_pos[subset] = torch.arange(len(subset))
-    draft = shared_draft(target, cfg.layers, subset).train()
     params = [p for n, p in draft.named_parameters() if n.startswith("model.layers")]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     step, history, tokens_seen = 0, [], 0
-    if resume and (ckpt / "state.json").exists():
+    if resuming:
         state = json.loads((ckpt / "state.json").read_text())
         draft.load_state_dict(load_file(str(ckpt / "draft.safetensors")), strict=False)
         opt_state = load_file(str(ckpt / "optim.safetensors"), device=str(draft.device))

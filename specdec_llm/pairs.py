@@ -320,7 +320,7 @@ def load_pair(name_or_spec: str | PairSpec) -> Pair:
     else:
         ref = spec.draft
         if ref.startswith("pkg:") or (Path(ref).expanduser() / DRAFT_META).exists():
-            path = _package_dir(ref) if ref.startswith("pkg:") else Path(ref).expanduser()
+            path = draft_dir(ref)
             draft, meta = load_draft_dir(path, target, t_fp)
             info = {"kind": "distilled", **{k: meta[k] for k in meta if k != "target_fingerprint"}}
         else:
@@ -331,8 +331,10 @@ def load_pair(name_or_spec: str | PairSpec) -> Pair:
     return Pair(spec, target, draft, tokenizer, vocab, t_fp, info)
 
 
-def _package_dir(ref: str) -> Path:
-    """``pkg:specdec_llm/drafts/NAME``: a directory inside this package."""
+def draft_dir(ref: str) -> Path:
+    """A distilled draft's directory: a path, or ``pkg:specdec_llm/drafts/NAME`` inside this package."""
+    if not ref.startswith("pkg:"):
+        return Path(ref).expanduser()
     rel = ref.removeprefix("pkg:specdec_llm/")
     path = Path(str(resources.files("specdec_llm").joinpath(rel)))
     if not (path / DRAFT_META).exists():

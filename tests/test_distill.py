@@ -84,6 +84,21 @@ def test_resume_continues_from_checkpoint(distilled, tmp_path):
     assert summary["steps"] == 90  # 80 from the checkpoint + 10 more
 
 
+def test_warm_start_continues_from_a_trained_draft(distilled, tmp_path):
+    """--init-from: training starts from the draft's own weights and shape (not --layers)."""
+    import shutil
+
+    target, out, examples, before = distilled
+    trained = agreement(load_draft_dir(out, target, fingerprint(target))[0], examples)
+    work = tmp_path / "w"
+    shutil.copytree(out.parent / "data", work / "data")
+    cfg = D.TrainConfig(layers=[0, 1, 2], steps=1, lr=1e-9, warmup=1, init_from=str(out))
+    D.train(target, work, tmp_path / "warm", cfg, resume=False)
+    warm, meta = load_draft_dir(tmp_path / "warm", target, fingerprint(target))
+    assert meta["init_layers"] == [0] and meta["train"]["config"]["init_from"] == str(out)
+    assert abs(agreement(warm, examples) - trained) < 0.03 and trained > before + 0.15, (before, trained)
+
+
 def test_draft_refused_against_another_target(distilled):
     _, out, _, _ = distilled
     other = tiny_llama(99, vocab=512, layers=4, hidden=64)
