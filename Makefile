@@ -23,7 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	./scripts/services.sh
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_engine.py
