@@ -201,7 +201,7 @@ def test_run_interrupted_then_run_again_resumes(tmp_path, pairs_toml, monkeypatc
     env.update(SPECDEC_DATA_DIR=str(tmp_path / "data"), SPECDEC_CONFIG_FILE=str(pairs_toml), SPECDEC_THREADS="1",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
     path = write_prompts(tmp_path / "p.jsonl", ROWS, "sigint")
-    cmd = [sys.executable, "-m", "workers", "run", str(path), "--pair", "tiny", "--max-new-tokens", "16",
+    cmd = [sys.executable, "-m", "specdec_llm", "run", str(path), "--pair", "tiny", "--max-new-tokens", "16",
            "--out", str(tmp_path / "out.jsonl")]  # fmt: skip
     from workers.rows import job_id_for
 

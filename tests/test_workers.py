@@ -80,7 +80,7 @@ class Fleet:
         full.update(self.env, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env)
         log = self.folder / f"{name}.log"
         with open(log, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "workers", "worker", "--pair", "tiny", *args], env=full,
+            proc = subprocess.Popen([sys.executable, "-m", "specdec_llm", "worker", "--pair", "tiny", *args], env=full,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         proc.log_path = log
         self.procs.append(proc)

@@ -243,7 +243,7 @@ def start_local_worker(pair: str, *, device: str | None = None, concurrency: int
     if log_path is None:
         log_path = get_settings().data_dir / "logs" / f"worker-{pair}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "workers", "worker", "--pair", pair, "--concurrency", str(concurrency), *(extra or [])]
+    cmd = [sys.executable, "-m", "specdec_llm", "worker", "--pair", pair, "--concurrency", str(concurrency), *(extra or [])]
     if device:
         cmd += ["--device", device]
     if max_batch is not None:

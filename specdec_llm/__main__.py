@@ -1,0 +1,6 @@
+"""``python -m specdec_llm ...``: the ``specdec-llm`` command (how a local worker is started
+with the same interpreter)."""
+
+from .cli import app
+
+app(prog_name="specdec-llm")
