@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import contextmanager
 from typing import Annotated, Optional
@@ -29,10 +30,15 @@ def fail(message: str) -> None:
 
 @app.callback()
 def _quiet() -> None:
-    """Keep stderr for our own messages: no per-tensor progress bars from transformers."""
-    from .pairs import quiet_loading
+    """Keep stderr for our own messages: no per-tensor progress bars from transformers.
+    It reads these when it loads (not imported here: it takes seconds); if it is loaded
+    already, it is told directly."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from .pairs import quiet_loading
 
-    quiet_loading()
+        quiet_loading()
 
 
 @contextmanager

@@ -1,6 +1,5 @@
 """The engine: pure torch + transformers. Knows nothing of Celery, SQL or LangChain."""
 
-from .decoder import SpeculativeDecoder
 from .types import (
     GenerationRequest,
     GenerationResult,
@@ -9,6 +8,18 @@ from .types import (
     expected_speedup,
     expected_tokens_per_iteration,
 )
+
+
+
+def __getattr__(name: str):
+    """The decoder (torch, transformers: seconds to import) loads on first use, so a command
+    that only reads the store (``specdec-llm status``) starts at once."""
+    if name == "SpeculativeDecoder":
+        from .decoder import SpeculativeDecoder
+
+        return SpeculativeDecoder
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "GenerationRequest",
