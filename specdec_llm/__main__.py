@@ -3,4 +3,5 @@ with the same interpreter)."""
 
 from .cli import app
 
-app(prog_name="specdec-llm")
+if __name__ == "__main__":
+    app(prog_name="specdec-llm")

@@ -327,9 +327,10 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
     held_set = set(held)
     examples = [ex for i, ex in enumerate(examples) if i not in held_set]
     ckpt = work / "ckpt"
-    resuming = resume and (ckpt / "state.json").exists()
+    state = json.loads((ckpt / "state.json").read_text()) if resume and (ckpt / "state.json").exists() else None
+    resuming = state is not None
     if resuming:  # the checkpoint's shape wins over the command line's; weights are loaded below
-        cfg.layers = json.loads((ckpt / "state.json").read_text())["config"]["layers"]
+        cfg.layers = state["config"]["layers"]
         subset = load_file(str(ckpt / "subset.safetensors"))[VOCAB_SUBSET].long() if (ckpt / "subset.safetensors").exists() else None
         draft = shared_draft(target, cfg.layers, subset)
     elif cfg.init_from:  # warm start: an existing draft's layers, weights and vocabulary subset
@@ -353,7 +354,6 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     step, history, tokens_seen = 0, [], 0
     if resuming:
-        state = json.loads((ckpt / "state.json").read_text())
         draft.load_state_dict(load_file(str(ckpt / "draft.safetensors")), strict=False)
         opt_state = load_file(str(ckpt / "optim.safetensors"), device=str(draft.device))
         for i, p in enumerate(params):
