@@ -50,9 +50,13 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
 
 def check_caches(batch) -> None:
     """Every row's valid cache columns equal a fresh prefill of exactly its emitted prefix:
-    the target holds seq[:-1], the draft seq[:dlen] (holes and padding are invisible)."""
+    the target holds seq[:-1], each draft model seq[:dlen] (holes and padding are invisible)."""
     dec = batch.dec
-    for cache, model, length in ((batch.tcache, dec.target, lambda r: len(r.seq) - 1), (batch.dcache, dec.draft, lambda r: r.dlen)):
+    checks = [(batch.tcache, dec.target, lambda r: len(r.seq) - 1)]
+    for name, s in batch.sessions.items():
+        if not s.free:
+            checks.append((s.cache, s.d.model, lambda r, name=name: r.state[name].dlen))
+    for cache, model, length in checks:
         assert cache.rows == len(batch.rows)
         for b, r in enumerate(batch.rows):
             n = length(r)

@@ -9,7 +9,8 @@ import torch
 from conftest import check_caches, greedy_reference, perturbed, tiny_llama
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder
-from specdec_llm.engine.autok import BatchCosts, KSchedule, calibrate
+from specdec_llm.engine import decoder as decoder_mod
+from specdec_llm.engine.autok import BatchCosts, calibrate
 from specdec_llm.engine.decoder import Batch
 
 PROMPTS = [[5], [5, 6, 7], [17, 3, 99, 4, 8, 120, 33, 1, 2, 250, 7, 7], list(range(40, 71)), [200, 201]]
@@ -113,15 +114,16 @@ def test_per_request_stats_and_bad_rows(target):
     assert out[5].stats.k_values[:3] == [5, 5, 5] and max(out[5].stats.k_values) == 5  # clipped only by the room left
 
 
-class Scripted(KSchedule):
-    """The batch's k from a script instead of from timings (to reach every catch-up case)."""
+def scripted(ks):
+    """A plan whose auto rows all draft with the model at the next k of ``ks`` (instead of
+    from timings: to reach every catch-up case)."""
+    script = iter(ks)
 
-    def __init__(self, plan):
-        super().__init__()
-        self.plan = iter(plan)
+    def plan(cost, options, *args, **kw):
+        k = next(script, 1)
+        return [("model", min(k, o.limit)) if k else (None, 0) for o in options]
 
-    def next_k(self, cost, acceptance):
-        return next(self.plan, 1)
+    return plan
 
 
 def test_auto_rows_fill_the_draft_lazily_and_catch_up(target, monkeypatch):
@@ -130,14 +132,15 @@ def test_auto_rows_fill_the_draft_lazily_and_catch_up(target, monkeypatch):
     batch. Caches stay exact after every step and outputs equal the target's greedy ones."""
     dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
     batch = Batch(dec)
-    batch.schedule = Scripted([0, 0, 0, 3] + [0] * 14 + [4, 0, 1, 2])
+    monkeypatch.setattr(decoder_mod, "plan", scripted([0, 0, 0, 3] + [0] * 14 + [4, 0, 1, 2]))
+    dcache = batch.sessions["model"].cache
     fills = []  # (row, valid columns it had): a row never drafted has none
-    real_fill = batch.dcache.fill_row
+    real_fill = dcache.fill_row
     monkeypatch.setattr(
-        batch.dcache, "fill_row", lambda b, own: (fills.append((b, int(batch.dcache.valid[b].sum()))), real_fill(b, own))
+        dcache, "fill_row", lambda b, own: (fills.append((b, int(dcache.valid[b].sum()))), real_fill(b, own))
     )
     rows = [batch.add(GenerationRequest(prompt=PROMPTS[i], max_new_tokens=40)) for i in (4, 1)]
-    assert not batch.dcache.valid.any()  # auto rows: no draft prefill yet
+    assert not dcache.valid.any()  # auto rows: no draft prefill yet
     for step in range(80):
         if step == 1:  # fixed-k rows draft every step: the auto rows fall behind them
             rows += [batch.add(GenerationRequest(prompt=PROMPTS[i], max_new_tokens=60, k=2)) for i in (2, 3, 0)]

@@ -243,14 +243,14 @@ def test_cost_model_chooses_k_from_acceptance_and_costs():
     cost = CostModel(max_k=8)
     # CPU-like fp32 shape (ARCHITECTURE.md): verify grows with k; noisy point at k=2 is made monotone
     times = {0: 0.0386, 1: 0.045, 2: 0.040, 4: 0.0657, 8: 0.0771}
-    calibrate(cost, lambda k: times[k], lambda: 0.0061, repeats=1)
+    calibrate(cost, lambda k: times[k], lambda: 0.0061, points=sorted(times), repeats=1)
     assert cost.verify_s[2] == cost.verify_s[1] == 0.045
     assert cost.best_k(0.02) == 0  # useless draft: target only
     assert cost.best_k(0.95) >= 4  # excellent draft: long blocks
     k_mid = cost.best_k(0.7)
     for _ in range(30):  # the machine gets 3x slower for everything: same choice
         cost.observe_verify(0, 3 * times[0])
-        cost.observe_draft(3 * 0.0061)
+        cost.observe_draft("model", 3 * 0.0061)
     assert cost.best_k(0.7) == k_mid
     assert cost.verify(0) == pytest.approx(3 * times[0], rel=0.05)
 

@@ -2,10 +2,10 @@
 
 Expected tokens per iteration with per-token acceptance a and k drafts is
 E(a, k) = (1 - a^(k+1)) / (1 - a); an iteration costs k * draft_step + verify(k).
-``choose`` picks the k in 0..max_k with the most expected tokens per second. k = 0 is
-plain target-only decoding, so a useless draft drives k to 0; every ``probe_every``
-iterations at k = 0 one k = 1 iteration refreshes the acceptance estimate (about 1% of
-the time, at the cost of one draft step).
+``plan`` picks, per row and iteration, the drafter and k in 0..max_k with the most expected
+tokens per second for the whole batch. k = 0 is plain target-only decoding, so useless
+drafters drive k to 0; after a run of k = 0 iterations a probe drafts once to refresh the
+acceptance estimates (``Probes``: about 1% of the time).
 """
 
 from __future__ import annotations
@@ -22,22 +22,24 @@ MARGIN = 1.1  # k > 0 only when it promises at least 10% more tokens/s than k = 
 
 @dataclass
 class CostModel:
-    """Seconds per draft step and per verify forward of k+1 tokens, measured on this device.
+    """Seconds per draft step of each model drafter and per verify forward of k+1 tokens,
+    measured on this device.
 
-    A calibration measures the shape (verify time at a few k, made non-decreasing in k, and
-    the draft step); live iterations only rescale it (EMA of observed / predicted), so load
-    on a shared machine moves every k's cost together and no stale point can mislead.
+    A calibration measures the shape (verify time at every k, made non-decreasing in k, and
+    each model drafter's step); live iterations only rescale it (EMA of observed / predicted),
+    so load on a shared machine moves every k's cost together and no stale point can mislead.
+    Free drafters (prompt lookup, suffix index) cost no forward: only their verification.
     """
 
     max_k: int
-    draft_step_s: float = 0.0
+    draft_s: dict[str, float] = field(default_factory=dict)  # model drafter -> seconds per step
     verify_s: dict[int, float] = field(default_factory=dict)  # k -> seconds at calibration
     verify_scale: float = 1.0
-    draft_scale: float = 1.0
+    draft_scale: dict[str, float] = field(default_factory=dict)
 
     @property
     def calibrated(self) -> bool:
-        return self.draft_step_s > 0 and 0 in self.verify_s
+        return 0 in self.verify_s
 
     def _calibrated_verify(self, k: int) -> float:
         pts = sorted(self.verify_s)
@@ -55,8 +57,8 @@ class CostModel:
     def verify(self, k: int) -> float:
         return self.verify_scale * self._calibrated_verify(k)
 
-    def draft(self) -> float:
-        return self.draft_scale * self.draft_step_s
+    def draft(self, name: str = "model") -> float:
+        return self.draft_scale.get(name, 1.0) * self.draft_s.get(name, float("inf"))
 
     def observe_verify(self, k: int, seconds: float) -> None:
         if not self.calibrated:
@@ -64,23 +66,76 @@ class CostModel:
         ratio = seconds / self._calibrated_verify(k)
         self.verify_scale = (1 - EMA) * self.verify_scale + EMA * ratio
 
-    def observe_draft(self, seconds: float) -> None:
-        if not self.calibrated:
+    def observe_draft(self, name: str, seconds: float) -> None:
+        if name not in self.draft_s:
             return
-        self.draft_scale = (1 - EMA) * self.draft_scale + EMA * seconds / self.draft_step_s
+        ratio = seconds / self.draft_s[name]
+        self.draft_scale[name] = (1 - EMA) * self.draft_scale.get(name, 1.0) + EMA * ratio
 
-    def best_k(self, acceptance: float | list[float]) -> int:
-        """The k with the most expected tokens per second; ``acceptance`` per row of a batch
-        (all rows verified in one forward, so a step's tokens are summed over rows)."""
+    def best_k(self, acceptance: float | list[float], drafter: str = "model") -> int:
+        """The k with the most expected tokens per second when every row drafts with the model
+        ``drafter`` at per-token ``acceptance`` (one value, or one per row of a batch)."""
         rates = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance)
+        picks = plan(self, [RowOptions(models={drafter: a}) for a in rates])
+        return max(k for _, k in picks)
 
-        def rate(k: int) -> float:
-            return sum(expected_tokens_per_iteration(a, k) for a in rates) / (k * self.draft() + self.verify(k))
 
-        best = max(range(self.max_k + 1), key=rate)
-        # drafting must promise a clear gain: the model's small errors (calibrated without the
-        # masks and per-row work of a real batch) must not make a marginal k a loss
-        return best if rate(best) >= MARGIN * rate(0) else 0
+@dataclass
+class RowOptions:
+    """What one auto row can verify this iteration: the free drafters' proposals (made
+    already, at most max_k tokens) and, per model drafter, its per-token acceptance estimate."""
+
+    free: list = field(default_factory=list)  # drafters.Proposal
+    models: dict[str, float] = field(default_factory=dict)
+    limit: int = 1 << 30  # the most tokens the row may draft (its room left)
+
+
+def plan(cost: CostModel, rows: list[RowOptions], fixed_rows: int = 0, fixed_width: int = 0,
+         fixed_steps: dict[str, int] | None = None, probe_row: int | None = None) -> list[tuple[str | None, int]]:
+    """Each auto row's (drafter, k): the choice with the most expected tokens per second.
+
+    One target forward verifies every row at the width of the longest proposal, so a row
+    may propose up to that width at no extra cost; a model drafter costs its k steps once
+    for all the rows that use it. Rows with a fixed k (``fixed_rows``) widen the verification
+    to ``fixed_width`` and run ``fixed_steps`` model steps whatever is chosen here. The best
+    plan that drafts must promise ``MARGIN`` times the tokens per second of not drafting;
+    a probe (``probe_row`` given: only that row may draft with a model) drafts regardless.
+    """
+    fixed_steps = fixed_steps or {}
+    models = sorted({m for r in rows for m in r.models})
+
+    def evaluate(k_max: int, model: str | None):
+        tokens, width, steps, picks = float(fixed_rows), fixed_width, dict(fixed_steps), []
+        for b, r in enumerate(rows):
+            best = (1.0, None, 0)
+            for p in r.free:
+                k = min(k_max, len(p.tokens))
+                if k and (e := p.expected(k)) > best[0]:
+                    best = (e, p.drafter, k)
+            if model in r.models and k_max and probe_row in (None, b):
+                k = min(k_max, r.limit)
+                if (e := expected_tokens_per_iteration(r.models[model], k)) > best[0]:
+                    best = (e, model, k)
+            tokens += best[0]
+            picks.append(best[1:])
+            width = max(width, best[2])
+            if best[1] == model and model is not None:
+                steps[model] = max(steps.get(model, 0), best[2])
+        seconds = cost.verify(width) + sum(s * cost.draft(m) for m, s in steps.items() if s)
+        return tokens / seconds, picks
+
+    base_rate, base = evaluate(0, None)
+    best_rate, best = 0.0, base
+    for k_max in range(1, cost.max_k + 1):
+        for model in (None, *models):
+            rate, picks = evaluate(k_max, model)
+            if rate > best_rate:
+                best_rate, best = rate, picks
+    # drafting must promise a clear gain: the model's small errors (calibrated without the
+    # masks and per-row work of a real batch) must not make a marginal k a loss
+    if probe_row is None and best_rate < MARGIN * base_rate:
+        return base
+    return best
 
 
 class BatchCosts:
@@ -100,19 +155,25 @@ class BatchCosts:
         return self.models.setdefault(self.bucket(rows), CostModel(max_k=self.max_k))
 
 
-def calibrate(cost: CostModel, time_verify, time_draft, points=(0, 1, 2, 4, 8), repeats: int = 3) -> None:
-    """Fill ``cost`` from timing callbacks: ``time_verify(k)`` and ``time_draft()`` return seconds.
+def calibrate(cost: CostModel, time_verify, time_draft=None, points=None, repeats: int = 3) -> None:
+    """Fill ``cost`` from timing callbacks: ``time_verify(k)`` and each model drafter's
+    ``time_draft()`` (a dict name -> callback, or one callback for "model") return seconds.
 
     The minimum of a few repeats is the least disturbed by other load; verify times are
-    made non-decreasing in k (a longer verify never costs less).
+    made non-decreasing in k (a longer verify never costs less). ``points``: the k measured
+    (default every k up to max_k).
     """
     best = 0.0
-    for k in points:
+    for k in points if points is not None else range(cost.max_k + 1):
         if k <= cost.max_k:
             best = max(best, min(time_verify(k) for _ in range(repeats)))
             cost.verify_s[k] = best
-    cost.draft_step_s = min(time_draft() for _ in range(repeats))
-    cost.verify_scale = cost.draft_scale = 1.0
+    if callable(time_draft):
+        time_draft = {"model": time_draft}
+    for name, fn in (time_draft or {}).items():
+        cost.draft_s[name] = min(fn() for _ in range(repeats))
+    cost.verify_scale = 1.0
+    cost.draft_scale = {}
 
 
 class AcceptanceTracker:
@@ -136,34 +197,29 @@ class AcceptanceTracker:
         return min(self.accepted / self.examined, 0.999)
 
 
-class KSchedule:
-    """The k of each iteration of a batch, from the rows' acceptance and the costs at its size.
+class Probes:
+    """When auto rows have not drafted for ``every`` iterations, the next iteration is a probe
+    (it drafts regardless of the margin: see ``plan``), so acceptance estimates stay fresh;
+    the interval doubles (up to ``max_every``) while probes keep confirming k = 0."""
 
-    When k = 0 wins, one k = 1 iteration every ``probe_every`` keeps the acceptance estimates
-    fresh (``probing`` is then True: the batch drafts on one row only, see decoder.py); the
-    interval doubles (up to ``max_probe_every``) while probes keep confirming k = 0.
-    """
-
-    def __init__(self, probe_every: int = 32, max_probe_every: int = 1024):
-        self.first_probe, self.max_probe = probe_every, max_probe_every
-        self.probe_every = probe_every
+    def __init__(self, every: int = 32, max_every: int = 1024):
+        self.first, self.max_every = every, max_every
+        self.every = every
         self.zero_run = 0
-        self.probing = False
 
-    def next_k(self, cost: CostModel, acceptance: list[float]) -> int:
-        k = cost.best_k(acceptance)
-        self.probing = False
-        if k == 0:
-            self.zero_run += 1
-            if self.zero_run >= self.probe_every:
-                self.zero_run = 0
-                self.probe_every = min(2 * self.probe_every, self.max_probe)
-                self.probing = True
-                return 1
-        else:
+    @property
+    def due(self) -> bool:
+        return self.zero_run >= self.every
+
+    def record(self, drafted: bool, probed: bool) -> None:
+        if probed:
             self.zero_run = 0
-            self.probe_every = self.first_probe
-        return k
+            self.every = min(2 * self.every, self.max_every)
+        elif drafted:
+            self.zero_run = 0
+            self.every = self.first
+        else:
+            self.zero_run += 1
 
 
 class Timer:

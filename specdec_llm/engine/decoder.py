@@ -1,18 +1,19 @@
-"""The speculative decoding loop over a batch of rows: draft -> verify -> accept -> roll back.
+"""The speculative decoding loop over a batch of rows: propose -> verify -> accept -> commit.
 
 Every request is a row of a ``Batch`` (a single ``generate`` is a batch of one). An
-iteration runs the draft k steps for all rows at once (one forward per step), then ONE
-target forward verifies every row's ``[last token] + drafts``; each row accepts its own
-longest agreeing prefix (greedy) or applies the rejection rule (sampling), so rows
-advance by different amounts (ragged), finish at different times and leave, and new
-rows join between iterations after their own prefill (continuous batching). Nothing
-already in a cache is ever recomputed.
+iteration asks the drafters (drafters.py: prompt lookup, a suffix index, a draft model)
+for each row's proposal, then ONE target forward verifies every row's ``[last token] +
+proposal``; each row accepts its own longest agreeing prefix (greedy) or applies the
+rejection rule (sampling), and each drafter rolls back its own state. Rows advance by
+different amounts (ragged), finish at different times and leave, and new rows join between
+iterations after their own prefill (continuous batching). Nothing already in a cache is
+ever recomputed.
 
 Invariant after every iteration, per row: the target's cache holds ``seq[:-1]`` (the last
-emitted token is pending, its logits not yet computed) and the draft's cache holds
-``seq[:dlen]``. Rolled-back positions become holes (see ragged.py). k = 0 is plain
-target-only decoding through the same loop; k is chosen per iteration from the batch's
-size and its rows' acceptance (autok.py), or fixed per request.
+emitted token is pending, its logits not yet computed). Rolled-back positions become holes
+(see ragged.py). k = 0 is plain target-only decoding through the same loop; which drafter
+and k each row uses is chosen per iteration from measured costs and live acceptance
+(autok.plan), or fixed per request.
 """
 
 from __future__ import annotations
@@ -24,24 +25,27 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from . import drafters as drafting
 from . import hf
-from .autok import AcceptanceTracker, BatchCosts, KSchedule, Timer, calibrate
+from .autok import BatchCosts, Probes, RowOptions, Timer, calibrate, plan
 from .ragged import RaggedCache
-from .sampling import accept_greedy, accept_sampled, probs, sample
+from .sampling import accept_greedy, accept_sampled, probs
 from .types import GenerationRequest, GenerationResult, RequestError, Stats
 
 TextCallback = Callable[[str], None]
 
 
 class SpeculativeDecoder:
-    """Holds a target, an optional draft and a tokenizer; serves requests one at a time
+    """Holds a target, its drafters and a tokenizer; serves requests one at a time
     (``generate``) or batched (``generate_many``, or a ``Batch`` driven step by step).
 
-    ``vocab_size`` is the vocabulary both models share (a padded embedding beyond it is
-    ignored). ``default_k`` is what a request's k="auto" means: "auto" (choose per
-    iteration from measured costs) or a fixed integer. A seeded sampling request never
-    uses the timing-driven schedule (the same seed must give the same text whatever the
-    machine's timings): it uses ``default_k`` when that is an integer, else ``seeded_k``.
+    ``drafters``: names (``"lookup"``, ``"suffix"``, ``"model"``: the ``draft`` model) or
+    drafter objects, in the order a fixed k tries them; default ``["model"]`` when a draft
+    is given, else none. ``vocab_size`` is the vocabulary both models share (a padded
+    embedding beyond it is ignored). ``default_k`` is what a request's k="auto" means: "auto"
+    (choose per iteration from measured costs) or a fixed integer. A seeded sampling request
+    never uses the timing-driven schedule (the same seed must give the same text whatever
+    the machine's timings): it uses ``default_k`` when that is an integer, else ``seeded_k``.
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class SpeculativeDecoder:
         draft=None,
         tokenizer=None,
         *,
+        drafters: list | None = None,
         vocab_size: int | None = None,
         eos_token_ids: list[int] | None = None,
         max_k: int = 8,
@@ -63,6 +68,11 @@ class SpeculativeDecoder:
                 hf.prepare(model)
         sizes = [m.config.vocab_size for m in (target, draft) if m is not None]
         self.vocab_size = vocab_size or min(sizes)
+        if drafters is None:
+            drafters = ["model"] if draft is not None else []
+        names = [d for d in drafters if isinstance(d, str)]
+        built = iter(drafting.build(names, draft, self.vocab_size))
+        self.drafters = [next(built) if isinstance(d, str) else d for d in drafters]
         if eos_token_ids is None:  # the generation config's, plus the tokenizer's (chat end-of-turn)
             eos = target.generation_config.eos_token_id if target.generation_config else None
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -70,15 +80,21 @@ class SpeculativeDecoder:
                 eos_token_ids.append(tokenizer.eos_token_id)
         self.eos_token_ids = set(eos_token_ids)
         self.context_length = context_length or getattr(target.config, "max_position_embeddings", None) or 2048
-        self.max_k = max_k if draft is not None else 0
+        self.max_k = max_k if self.drafters else 0
         self.default_k, self.seeded_k = default_k, seeded_k
         self.costs = BatchCosts(max_k=self.max_k)
-        self.acceptance_prior = 0.5  # running estimate over finished requests
 
     @property
     def cost(self):
         """The cost model of single-request decoding."""
         return self.costs[1]
+
+    @property
+    def drafter_names(self) -> list[str]:
+        return [d.name for d in self.drafters]
+
+    def drafter(self, name: str):
+        return next(d for d in self.drafters if d.name == name)
 
     # -- public -----------------------------------------------------------------------
     def encode(self, request: GenerationRequest) -> list[int]:
@@ -99,6 +115,9 @@ class SpeculativeDecoder:
     def prepare(self, request: GenerationRequest) -> list[int]:
         """Validate and encode; RequestError names the field at fault."""
         request.validate()
+        if request.drafter != "auto" and request.drafter not in self.drafter_names:
+            known = ", ".join(["auto", *self.drafter_names])
+            raise RequestError("drafter", f"unknown drafter {request.drafter!r} for this pair; use one of: {known}")
         prompt = self.encode(request)
         if len(prompt) >= self.context_length:
             raise RequestError(
@@ -140,9 +159,19 @@ class SpeculativeDecoder:
         return results
 
     # -- speed model ------------------------------------------------------------------
+    def row_drafters(self, request: GenerationRequest) -> list:
+        """The drafters a request may use, in order. A seeded sampled row skips drafters that
+        learn from other requests: its text must depend on its seed alone."""
+        if request.mode == "baseline":
+            return []
+        ds = self.drafters if request.drafter == "auto" else [d for d in self.drafters if d.name == request.drafter]
+        if request.seed is not None and not request.greedy:
+            ds = [d for d in ds if not d.shared]
+        return ds
+
     def fixed_k(self, request: GenerationRequest) -> int | None:
-        """The request's fixed k, or None when the batch's schedule chooses it."""
-        if request.mode == "baseline" or self.draft is None:
+        """The request's fixed k, or None when the batch's plan chooses it."""
+        if not self.row_drafters(request):
             return 0
         k = request.k if request.k != "auto" else self.default_k
         if k != "auto":
@@ -154,20 +183,19 @@ class SpeculativeDecoder:
     def calibrate_batches(self, max_batch: int) -> None:
         """Calibrate every batch-size bucket up to ``max_batch`` now (a few seconds each on a
         CPU), instead of stalling a running batch the first time it reaches a size."""
-        if self.draft is None or self.default_k != "auto":
+        if not self.drafters or self.default_k != "auto":
             return
         for rows in sorted({BatchCosts.bucket(r) for r in range(1, max_batch + 1)}):
             if not self.costs[rows].calibrated:
                 self.calibrate(rows)
 
     def calibrate(self, rows: int = 1, context: int = 64) -> None:
-        """Measure draft step and verify(k) times at a batch of ``rows`` on this device."""
+        """Measure verify(k) at every k and each model drafter's step at a batch of ``rows``."""
         cost = self.costs[rows]
         rows = BatchCosts.bucket(rows)
         ids = [t % self.vocab_size for t in range(1, context + 1)]
-        tcache, dcache = RaggedCache(self.target, rows), RaggedCache(self.draft, rows)
+        tcache = RaggedCache(self.target, rows)
         tcache.forward([ids] * rows, 1)
-        dcache.forward([ids] * rows, 1)
 
         def time_verify(k: int) -> float:
             with Timer() as t:
@@ -176,15 +204,9 @@ class SpeculativeDecoder:
             tcache.crop(context)
             return t.seconds
 
-        def time_draft() -> float:
-            with Timer() as t:
-                dcache.forward([ids[:1]] * rows, 1)
-                hf.sync(self.draft)
-            dcache.crop(context)
-            return t.seconds
-
-        time_verify(0), time_draft()  # warm up
-        calibrate(cost, time_verify, time_draft)
+        steps = {d.name: d.time_step(rows, ids) for d in self.drafters if not d.free}
+        time_verify(0), [fn() for fn in steps.values()]  # warm up
+        calibrate(cost, time_verify, steps)
 
 
 class Row:
@@ -195,11 +217,11 @@ class Row:
         self.prompt = prompt
         self.seq = list(prompt)
         self.out: list[int] = []
-        self.dlen = 0  # tokens of seq in the draft cache
         seed = req.seed if req.seed is not None else random.getrandbits(63)
         self.gen = torch.Generator().manual_seed(seed)
-        self.k = dec.fixed_k(req)  # None: the batch's schedule chooses
-        self.tracker = AcceptanceTracker(dec.acceptance_prior) if self.k is None else None
+        self.drafters = [d.name for d in dec.row_drafters(req)]
+        self.k = dec.fixed_k(req)  # None: the batch's plan chooses
+        self.state: dict = {}  # per drafter: that drafter's state for this row
         self.stats = Stats(prompt_tokens=len(prompt))
         self.pos_proposed: list[int] = []
         self.pos_accepted: list[int] = []
@@ -213,23 +235,18 @@ class Row:
     def room(self) -> int:
         return min(self.req.max_new_tokens - len(self.out), self.dec.context_length - len(self.seq))
 
-    def pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """A draft token from the draft's logits (and its processed distribution when sampling)."""
-        if self.req.greedy:
-            return int(logits.argmax()), None
-        q = probs(logits[None], self.req.temperature, self.req.top_k, self.req.top_p)[0]
-        return sample(q, self.gen), q
-
-    def accept(self, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[int, int]:
+    def accept(self, prop: drafting.Proposal | None, logits: torch.Tensor) -> tuple[int, int]:
         req = self.req
+        drafts = prop.tokens if prop else []
         if req.greedy:
             return accept_greedy(drafts, logits)
         p = probs(logits, req.temperature, req.top_k, req.top_p)
-        return accept_sampled(drafts, torch.stack(qs) if qs else None, p, self.gen)
+        q = torch.stack(prop.q) if prop and prop.q is not None else None
+        return accept_sampled(drafts, q, p, self.gen)
 
-    def advance(self, k: int, n: int, new: list[int]) -> None:
+    def advance(self, drafter: str | None, k: int, n: int, new: list[int]) -> None:
         """Append the iteration's tokens; decide whether the row is finished; stream."""
-        self.account(k, n)
+        self.account(drafter, k, n)
         cut = next((i + 1 for i, tok in enumerate(new) if tok in self.dec.eos_token_ids), None)
         new = new[:cut] if cut else new
         self.seq += new
@@ -251,20 +268,22 @@ class Row:
             self.finish()
 
     # -- bookkeeping --------------------------------------------------------------------
-    def account(self, k: int, n: int) -> None:
+    def account(self, drafter: str | None, k: int, n: int) -> None:
         st = self.stats
         st.target_forwards += 1
         st.k_values.append(k)
         st.draft_tokens_proposed += k
         st.draft_tokens_accepted += n
+        if drafter is not None and k:
+            counts = st.drafter_tokens.setdefault(drafter, {"proposed": 0, "accepted": 0})
+            counts["proposed"] += k
+            counts["accepted"] += n
         while len(self.pos_proposed) < k:
             self.pos_proposed.append(0)
             self.pos_accepted.append(0)
         for i in range(k):
             self.pos_proposed[i] += 1
             self.pos_accepted[i] += i < n
-        if k and self.tracker is not None:
-            self.tracker.update(k, n)
 
     def decode(self, ids: list[int]) -> str:
         if self.dec.tokenizer is None:
@@ -298,7 +317,7 @@ class Row:
             self.emitted_chars = safe
 
     def finish(self) -> None:
-        st, dec = self.stats, self.dec
+        st = self.stats
         wall = time.perf_counter() - self.t0
         st.finish_reason = self.finish_reason
         st.output_tokens = len(self.out)
@@ -308,8 +327,9 @@ class Row:
         st.mean_accepted_length = st.output_tokens / st.target_forwards if st.target_forwards else 0.0
         st.per_position_acceptance = [a / p for a, p in zip(self.pos_accepted, self.pos_proposed)]
         st.batch_rows = self.rows_seen / st.target_forwards if st.target_forwards else 1.0
-        if self.tracker is not None:
-            dec.acceptance_prior = 0.7 * dec.acceptance_prior + 0.3 * self.tracker.rate
+        st.drafter = max(st.drafter_tokens, key=lambda d: st.drafter_tokens[d]["proposed"], default="none")
+        for d in self.dec.drafters:
+            d.finish(self)
         self.result = GenerationResult(text=self.text, token_ids=list(self.out), finish_reason=self.finish_reason, stats=st)
 
 
@@ -321,9 +341,9 @@ class Batch:
         self.dec = dec
         self.rows: list[Row] = []
         self.tcache = RaggedCache(dec.target)
-        self.dcache = RaggedCache(dec.draft) if dec.draft is not None else None
-        self.schedule = KSchedule()
-        self.joining: list[list[RaggedCache]] = []  # per joined row: its own target (and draft) cache
+        self.sessions = {d.name: d.session(self) for d in dec.drafters}
+        self.probes = Probes()
+        self.joining: list[RaggedCache] = []  # the target caches of rows that joined since the last step
 
     def add(self, request: GenerationRequest, on_text: TextCallback | None = None, tag=None) -> Row:
         """Join the batch (validates first: a RequestError leaves the batch untouched). The
@@ -332,103 +352,83 @@ class Batch:
         dec = self.dec
         prompt = dec.prepare(request)
         row = Row(dec, request, prompt, on_text, tag)
-        own = [self._prefill(self.tcache.model, prompt, row.stats, "target_time_s")]
-        if self.dcache is not None:
-            # a fixed k > 0 drafts at once: prefill now; an auto row's draft is filled when the
-            # schedule first drafts with it (never, while k = 0 wins)
-            eager = row.k is not None and row.k > 0
-            own.append(self._prefill(self.dcache.model, prompt if eager else [], row.stats, "draft_time_s"))
-            row.dlen = len(prompt) - 1 if eager else 0
-        self.joining.append(own)
+        self.joining.append(drafting.prefill(dec.target, prompt, row.stats, "target_time_s"))
+        for session in self.sessions.values():
+            session.add(row)
         self.rows.append(row)
         return row
-
-    @staticmethod
-    def _prefill(model, prompt: list[int], st: Stats, clock: str) -> RaggedCache:
-        """A one-row cache holding ``prompt[:-1]`` (the last token is fed by the first step)."""
-        own = RaggedCache(model, 1)
-        if len(prompt) > 1:
-            with Timer() as t:
-                own.forward([prompt[:-1]], 1)
-            setattr(st, clock, getattr(st, clock) + t.seconds)
-        return own
 
     def merge(self) -> None:
         """Move the caches of rows that joined since the last step into the batch's caches."""
         if self.joining:
-            for cache, owns in zip((self.tcache, self.dcache), zip(*self.joining)):
-                cache.extend(list(owns))
+            self.tcache.extend(self.joining)
             self.joining = []
+        for session in self.sessions.values():
+            session.merge()
 
-    def choose_k(self) -> list[int]:
+    def choose(self) -> list[tuple[str | None, int]]:
+        """Each row's (drafter, k) for this iteration. A fixed k uses the first of the row's
+        drafters that proposes anything; auto rows follow the batch's plan (autok.plan)."""
         dec, rows = self.dec, self.rows
-        auto = [b for b, r in enumerate(rows) if r.k is None]
-        k_auto, probe = 0, None
+        free = [s for s in self.sessions.values() if s.free]
+        offers: dict[int, dict[str, drafting.Proposal]] = {b: {} for b in range(len(rows))}
+        for s in free:
+            ks = {b: min(r.k if r.k is not None else dec.max_k, r.room() - 1) for b, r in enumerate(rows)
+                  if s.name in r.drafters}  # fmt: skip
+            for b, prop in s.propose(rows, {b: k for b, k in ks.items() if k > 0}).items():
+                offers[b][s.name] = prop
+        self.offers = offers
+        picks: list = [(None, 0)] * len(rows)
+        fixed_width, fixed_steps, n_fixed = 0, {}, 0
+        for b, r in enumerate(rows):
+            if r.k is not None:
+                n_fixed += 1
+                k = max(0, min(r.k, r.room() - 1))
+                name = next((d for d in r.drafters if d in offers[b] or not self.sessions[d].free), None) if k else None
+                if name is not None:
+                    k = min(k, len(offers[b][name].tokens)) if name in offers[b] else k
+                    picks[b] = (name, k)
+                    fixed_width = max(fixed_width, k)
+                    if name not in offers[b]:
+                        fixed_steps[name] = max(fixed_steps.get(name, 0), k)
+        auto = [b for b, r in enumerate(rows) if r.k is None and r.room() > 1]
         if auto:
             cost = dec.costs[len(rows)]
             if not cost.calibrated:
                 dec.calibrate(len(rows))
-            k_auto = self.schedule.next_k(cost, [rows[b].tracker.rate for b in auto])
-            if self.schedule.probing:  # refresh the estimate on the row cheapest to bring up to date
-                probe = min(auto, key=lambda b: len(rows[b].seq) - rows[b].dlen)
-        ks = []
-        for b, r in enumerate(rows):
-            k = r.k if r.k is not None else (k_auto if probe in (None, b) else 0)
-            ks.append(max(0, min(k, r.room() - 1)))
-        return ks
-
-    def catch_up(self, ks: list[int]) -> None:
-        """Bring the draft cache of every drafting row up to ``seq[:-1]``'s last token.
-
-        The first draft step feeds each row what it missed, padded to the longest: B x W
-        token passes. A row far behind (or never filled: an auto row's first drafting) is
-        cheaper refilled alone from scratch, then only its last token is fed; choose the
-        width W that minimises the total."""
-        rows, n_rows = self.rows, self.dcache.rows
-        behind = {b: len(rows[b].seq) - rows[b].dlen for b in range(len(rows)) if ks[b]}
-        if not behind:
-            return
-
-        def passes(w: int) -> int:
-            return n_rows * w + sum(len(rows[b].seq) - 1 for b, c in behind.items() if c > w)
-
-        w = min({1, *behind.values()}, key=passes)
-        for b, c in behind.items():
-            if c > w:
+            options = []
+            for b in auto:
                 r = rows[b]
-                self.dcache.fill_row(b, self._prefill(self.dcache.model, r.seq, r.stats, "draft_time_s"))
-                r.dlen = len(r.seq) - 1
+                models = {d: dec.drafter(d).tracker(r).rate for d in r.drafters if not self.sessions[d].free}
+                options.append(RowOptions(free=list(offers[b].values()), models=models, limit=r.room() - 1))
+            probe = None
+            if self.probes.due:  # refresh the estimates; a model drafts on the row cheapest to bring up to date
+                probe = min(range(len(auto)), key=lambda i: min(
+                    (self.sessions[d].behind(rows[auto[i]]) for d in options[i].models), default=0))
+            chosen = plan(cost, options, n_fixed, fixed_width, fixed_steps, probe_row=probe)
+            for b, pick in zip(auto, chosen):
+                picks[b] = pick
+            self.probes.record(drafted=any(k for _, k in chosen), probed=probe is not None)
+        return picks
 
     def step(self) -> list[Row]:
         self.merge()
         dec, rows = self.dec, self.rows
-        ks = self.choose_k()
+        picks = self.choose()
+        props: dict[int, drafting.Proposal] = {}
+        for name, session in self.sessions.items():
+            ks = {b: k for b, (d, k) in enumerate(picks) if d == name and k}
+            if not ks:
+                continue
+            if session.free:
+                props.update({b: self.offers[b][name].cut(k) for b, k in ks.items()})
+            else:
+                props.update(session.propose(rows, ks))
+        ks = [len(props[b].tokens) if b in props else 0 for b in range(len(rows))]
         big_k = max(ks)
-        self.catch_up(ks)
         observe = any(r.k is None for r in rows)
-        drafts: list[list[int]] = [[] for _ in rows]
-        qs: list[list] = [[] for _ in rows]
-        columns = []  # draft cache column fed at each draft step
-        for j in range(big_k):
-            inputs = [(r.seq[r.dlen :] if j == 0 else drafts[b][-1:]) if ks[b] > j else [] for b, r in enumerate(rows)]
-            with Timer() as t:
-                logits = self.dcache.forward(inputs, 1)[:, -1, : dec.vocab_size]
-                hf.sync(dec.draft)
-            columns.append(self.dcache.width - 1)
-            fed = sum(len(x) for x in inputs)
-            for b, r in enumerate(rows):
-                if inputs[b]:
-                    r.dlen += len(inputs[b])
-                    r.stats.draft_forwards += 1
-                    r.stats.draft_time_s += t.seconds * len(inputs[b]) / fed
-                    tok, q = r.pick(logits[b])
-                    drafts[b].append(tok)
-                    if q is not None:
-                        qs[b].append(q)
-            if j and observe:  # one-token steps: the steady-state draft cost
-                dec.costs[sum(1 for x in inputs if x)].observe_draft(t.seconds)
 
-        inputs = [[r.seq[-1]] + drafts[b] for b, r in enumerate(rows)]
+        inputs = [[r.seq[-1]] + (props[b].tokens if b in props else []) for b, r in enumerate(rows)]
         with Timer() as t:
             logits = self.tcache.forward(inputs, big_k + 1)[..., : dec.vocab_size]
             hf.sync(dec.target)
@@ -437,17 +437,15 @@ class Batch:
         start = self.tcache.width - (big_k + 1)
         fed = sum(len(x) for x in inputs)
         for b, r in enumerate(rows):
-            k = ks[b]
+            k, prop = ks[b], props.get(b)
             r.stats.target_time_s += t.seconds * (k + 1) / fed
             r.rows_seen += len(rows)
-            n, nxt = r.accept(drafts[b], qs[b], logits[b, big_k - k :])
-            # roll back: the target keeps [last] + accepted drafts; the draft keeps the drafts it
-            # was fed (d_0..d_{k-2}, at steps 1..k-1) that were accepted
+            n, nxt = r.accept(prop, logits[b, big_k - k :])
+            # roll back: the target keeps [last] + accepted drafts; the drafter its own state
             self.tcache.drop(b, range(start + big_k - k + 1 + n, start + big_k + 1))
-            if k > 1 and n < k - 1:
-                self.dcache.drop(b, [columns[j] for j in range(n + 1, k)])
-                r.dlen -= k - 1 - n
-            r.advance(k, n, drafts[b][:n] + [nxt])
+            if prop is not None:
+                self.sessions[prop.drafter].commit(b, r, prop, n)
+            r.advance(prop.drafter if prop else None, k, n, (prop.tokens[:n] if prop else []) + [nxt])
 
         done = [r for r in rows if r.finish_reason]
         self.keep([b for b, r in enumerate(rows) if not r.finish_reason])
@@ -461,9 +459,9 @@ class Batch:
         n, alive = len(index), set(index)
         tail = iter(b for b in index if b >= n)
         order = [b if b in alive else next(tail) for b in range(n)]
-        for cache in (self.tcache, self.dcache):
-            if cache is not None:
-                if order != list(range(cache.rows)):
-                    cache.keep_rows(order)
-                cache.tidy()
+        if order != list(range(self.tcache.rows)):
+            self.tcache.keep_rows(order)
+        self.tcache.tidy()
+        for session in self.sessions.values():
+            session.keep(order)
         self.rows = [self.rows[b] for b in order]

@@ -40,20 +40,22 @@ def accept_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> tuple
 
 
 def accept_sampled(
-    draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator
+    draft_tokens: list[int], q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator
 ) -> tuple[int, int]:
     """Rejection sampling (Leviathan et al. 2023, Alg. 1).
 
-    ``q`` [k, V] draft probabilities the drafts were sampled from, ``p`` [k+1, V] target
-    probabilities at the same positions plus the bonus one. Accept draft i with probability
-    min(1, p_i(d)/q_i(d)); on the first rejection sample from normalise(max(0, p_i - q_i));
-    if every draft is accepted, sample the bonus token from p_k.
+    ``q`` [k, V] draft probabilities the drafts were sampled from (None: a deterministic
+    draft, i.e. one-hot at each draft token), ``p`` [k+1, V] target probabilities at the
+    same positions plus the bonus one. Accept draft i with probability min(1, p_i(d)/q_i(d));
+    on the first rejection sample from normalise(max(0, p_i - q_i)); if every draft is
+    accepted, sample the bonus token from p_k.
     """
     for i, tok in enumerate(draft_tokens):
-        ratio = p[i, tok] / q[i, tok]
+        qi = q[i] if q is not None else torch.zeros_like(p[i]).index_fill_(0, torch.tensor([tok]), 1.0)
+        ratio = p[i, tok] / qi[tok]
         if float(torch.rand((), generator=generator)) < float(ratio):
             continue
-        residual = (p[i] - q[i]).clamp_min(0)
+        residual = (p[i] - qi).clamp_min(0)
         total = residual.sum()
         return i, sample(residual / total if total > 0 else p[i], generator)
     k = len(draft_tokens)

@@ -35,6 +35,8 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     chat: bool = False
     mode: Literal["speculative", "baseline"] = "speculative"
+    drafter: str = "auto"  # "auto": the pair's drafters, chosen per iteration; or one drafter's name
+    scope: str | None = None  # requests of one scope share what the suffix drafter learns (a job id)
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +72,10 @@ class GenerationRequest:
             _unicode(s, "stop")
         if self.mode not in ("speculative", "baseline"):
             raise RequestError("mode", f"unknown mode {self.mode!r}; use 'speculative' or 'baseline'")
+        if not isinstance(self.drafter, str) or not self.drafter:
+            raise RequestError("drafter", f"must be a drafter's name or \"auto\", got {self.drafter!r}")
+        if self.scope is not None and (not isinstance(self.scope, str) or len(self.scope) > 200):
+            raise RequestError("scope", "must be a string of at most 200 characters, or unset")
         if not isinstance(self.chat, bool):
             raise RequestError("chat", f"must be true or false, got {self.chat!r}")
         if self.chat and not isinstance(p, str):
@@ -117,7 +123,9 @@ class Stats:
     wall_time_s: float = 0.0
     time_to_first_token_s: float = 0.0
     tokens_per_s: float = 0.0
-    k_values: list[int] = field(default_factory=list)  # k used at each iteration
+    k_values: list[int] = field(default_factory=list)  # tokens proposed at each iteration
+    drafter_tokens: dict[str, dict[str, int]] = field(default_factory=dict)  # drafter -> {"proposed", "accepted"}
+    drafter: str = "none"  # the drafter that proposed the most tokens ("none": plain decoding)
     batch_rows: float = 1.0  # mean number of requests decoding beside it (itself included) per iteration
     finish_reason: FinishReason = "length"
 

@@ -1,0 +1,426 @@
+"""Drafters: what proposes the tokens the target verifies. One small protocol, one class each.
+
+A ``Drafter`` belongs to a decoder (long-lived: a draft model, a suffix index shared by
+requests, acceptance statistics). A ``Batch`` opens a session of each drafter for the
+per-batch state (a draft model's KV cache, its rows aligned with the batch's rows);
+per-row state lives in ``row.state[drafter.name]``.
+
+    drafter.session(batch)            -> a session (per Batch)
+    session.add(row)                  a row joined the batch (appended at the end)
+    session.merge() / keep(order)     joins copied in / rows left or moved (new i = old order[i])
+    session.propose(rows, ks)         {b: Proposal} for the rows b asked, at most ks[b] tokens
+    session.commit(b, row, prop, n)   n of the proposal's tokens were accepted: roll back the rest
+    drafter.finish(row)               a row finished (the suffix index learns its text)
+
+A ``Proposal`` carries the tokens, their draft distributions (``q``; None for a
+deterministic drafter, a one-hot draft for the rejection rule) and the estimated
+acceptance of each token given the ones before it. ``free`` drafters (no model forward:
+prompt lookup, suffix index) are asked before the batch chooses who drafts how much (see
+autok.plan); a model drafter is asked after, for the rows that chose it, and costs k draft
+steps for the whole batch (its cost is measured, autok.CostModel).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from . import hf
+from .autok import AcceptanceTracker, Timer
+from .ragged import RaggedCache
+from .sampling import probs, sample
+
+KNOWN = ("lookup", "suffix", "model")  # drafter names a pair can list (``drafters = [...]``)
+
+
+@dataclass
+class Proposal:
+    drafter: str
+    tokens: list[int]
+    q: list[torch.Tensor] | None = None  # draft distributions (None: deterministic)
+    accept: list[float] = field(default_factory=list)  # estimated P(token i accepted | tokens before it were)
+    features: list = field(default_factory=list)  # the drafter's acceptance bucket of each token
+
+    def expected(self, k: int) -> float:
+        """Expected tokens from one verification of the first ``k`` tokens (the target's own one included)."""
+        e, run = 1.0, 1.0
+        for a in self.accept[:k]:
+            run *= a
+            e += run
+        return e
+
+    def cut(self, k: int) -> Proposal:
+        q = self.q[:k] if self.q is not None else None
+        return Proposal(self.drafter, self.tokens[:k], q, self.accept[:k], self.features[:k])
+
+
+class Acceptance:
+    """Per-token acceptance by bucket, learned from verifications (greedy and sampled apart:
+    a deterministic draft is accepted with the target's probability of it when sampling).
+    A bucket starts at ``prior`` with the weight of two observations."""
+
+    def __init__(self, prior: float, weight: float = 2.0):
+        self.prior, self.weight = prior, weight
+        self.counts: dict = defaultdict(lambda: [0.0, 0.0])  # bucket -> [accepted, examined]
+
+    def rate(self, bucket) -> float:
+        acc, seen = self.counts.get(bucket, (0.0, 0.0))
+        return (acc + self.weight * self.prior) / (seen + self.weight)
+
+    def update(self, buckets: list, n: int) -> None:
+        """Tokens up to the first rejection were examined; the first ``n`` were accepted."""
+        for i, bucket in enumerate(buckets[: n + 1]):
+            c = self.counts[bucket]
+            c[0] += i < n
+            c[1] += 1
+
+
+class _Free:
+    """A drafter that reads token ids only (no model): proposals cost no forward."""
+
+    free, shared = True, False
+
+    def __init__(self, prior: float):
+        self.acceptance = Acceptance(prior)
+
+    def session(self, batch):
+        return self
+
+    def add(self, row) -> None:
+        pass
+
+    def merge(self) -> None:
+        pass
+
+    def keep(self, order: list[int]) -> None:
+        pass
+
+    def propose(self, rows, ks: dict[int, int]) -> dict[int, Proposal]:
+        out = {}
+        for b, k in ks.items():
+            row = rows[b]
+            tokens, feats = self.continuation(row, k)
+            if tokens:
+                feats = [(row.req.greedy, f) for f in feats]
+                out[b] = Proposal(self.name, tokens, None, [self.acceptance.rate(f) for f in feats], feats)
+        return out
+
+    def commit(self, b: int, row, prop: Proposal, n: int) -> None:
+        self.acceptance.update(prop.features, n)
+
+    def finish(self, row) -> None:
+        pass
+
+
+class _RowNgrams:
+    """For one growing sequence: the end of the most recent occurrence of every n-gram
+    (n <= max_n) that has a continuation, updated incrementally as tokens arrive."""
+
+    def __init__(self, max_n: int):
+        self.max_n, self.seen, self.last = max_n, 1, {}
+
+    def update(self, seq: list[int]) -> None:
+        for e in range(self.seen, len(seq)):  # n-grams ending at e have seq[e] as continuation
+            for n in range(1, min(self.max_n, e) + 1):
+                self.last[tuple(seq[e - n : e])] = e
+        self.seen = max(self.seen, len(seq))
+
+
+class Lookup(_Free):
+    """Prompt lookup: the longest recent match of the sequence's last n tokens (n from
+    ``max_n`` down to ``min_n``) in the row's own prompt and output; the tokens that followed
+    it are proposed. A token's bucket is (match length, position), so a long match earns
+    longer proposals once it has proven itself."""
+
+    name = "lookup"
+
+    def __init__(self, max_n: int = 4, min_n: int = 1, prior: float = 0.3):
+        super().__init__(prior)
+        self.max_n, self.min_n = max_n, min_n
+
+    def continuation(self, row, k: int):
+        index = row.state.get(self.name)
+        if index is None:
+            index = row.state[self.name] = _RowNgrams(self.max_n)
+        seq = row.seq
+        index.update(seq)
+        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
+            e = index.last.get(tuple(seq[-n:]))
+            if e is not None:
+                tokens = seq[e : e + k]
+                return tokens, [(n, min(i, 3)) for i in range(len(tokens))]
+        return [], []
+
+
+class SuffixIndex:
+    """Counts of the token that followed each context of ``orders`` tokens in earlier
+    sequences (prompt + output), per scope: requests of one scope read only that scope's
+    counts. At most ``max_tokens`` tokens over all scopes; the oldest sequences are
+    forgotten first (their counts subtracted), so memory stays bounded."""
+
+    def __init__(self, max_tokens: int = 200_000, orders: tuple[int, ...] = (2, 3, 4, 6, 8)):
+        self.max_tokens, self.orders = max_tokens, orders
+        self.docs: OrderedDict = OrderedDict()  # (scope, serial) -> tokens, oldest first
+        self.counts: dict = {}  # scope -> {context tuple: {next token: count}}
+        self.tokens = 0
+        self.serial = 0
+
+    def add(self, scope, tokens: list[int]) -> None:
+        tokens = list(tokens)[-self.max_tokens :]
+        self.serial += 1
+        self.docs[(scope, self.serial)] = tokens
+        self.tokens += len(tokens)
+        self._count(self.counts.setdefault(scope, {}), tokens, +1)
+        while self.tokens > self.max_tokens:
+            (old_scope, _), old = self.docs.popitem(last=False)
+            self.tokens -= len(old)
+            self._count(self.counts[old_scope], old, -1)
+            if not self.counts[old_scope]:
+                del self.counts[old_scope]
+
+    def _count(self, table: dict, tokens: list[int], sign: int) -> None:
+        for n in self.orders:
+            for e in range(n, len(tokens)):
+                ctx = tuple(tokens[e - n : e])
+                nxt = table.setdefault(ctx, {})
+                c = nxt.get(tokens[e], 0) + sign
+                if c > 0:
+                    nxt[tokens[e]] = c
+                else:
+                    nxt.pop(tokens[e], None)
+                    if not nxt:
+                        del table[ctx]
+
+    def walk(self, scope, seq: list[int], k: int, min_prob: float):
+        """Up to ``k`` tokens following ``seq``: at each step the most frequent next token of
+        the longest context seen; stop when the path's frequency product drops below ``min_prob``."""
+        table = self.counts.get(scope)
+        if not table:
+            return [], []
+        tokens, feats, path, ext = [], [], 1.0, list(seq[-max(self.orders) :])
+        for _ in range(k):
+            hit = next(((i, table[c]) for i, n in reversed(list(enumerate(self.orders)))
+                        if len(ext) >= n and (c := tuple(ext[-n:])) in table), None)  # fmt: skip
+            if hit is None:
+                break
+            order, nxt = hit
+            tok, count = max(nxt.items(), key=lambda kv: kv[1])
+            p = count / sum(nxt.values())
+            path *= p
+            if path < min_prob:
+                break
+            tokens.append(tok)
+            feats.append((order, min(int(p * 4), 3), min(len(tokens) - 1, 3)))
+            ext.append(tok)
+        return tokens, feats
+
+
+class Suffix(_Free):
+    """A suffix index over earlier sequences of the same scope (a job's rows, or the
+    requests that share no scope), frequency-gated as SuffixDecoding does: a path is
+    proposed while the product of its tokens' frequencies stays above ``min_prob``. Rows
+    feed it as they finish. A seeded sampled row never reads it (its text must not depend
+    on other requests)."""
+
+    name = "suffix"
+    shared = True
+
+    def __init__(self, max_tokens: int = 200_000, min_prob: float = 0.1, prior: float = 0.3):
+        super().__init__(prior)
+        self.index = SuffixIndex(max_tokens)
+        self.min_prob = min_prob
+
+    def continuation(self, row, k: int):
+        return self.index.walk(row.req.scope, row.seq, k, self.min_prob)
+
+    def finish(self, row) -> None:
+        self.index.add(row.req.scope, row.seq)
+
+
+class ModelDrafter:
+    """A draft model with its own KV cache (a distilled draft, a smaller model of the same
+    family). It drafts k tokens in k forwards for every row that chose it; its per-row
+    acceptance is tracked (geometric model), starting from a running estimate over past rows."""
+
+    free, shared = False, False
+
+    def __init__(self, model, vocab_size: int, name: str = "model"):
+        self.model, self.vocab_size, self.name = model, vocab_size, name
+        self.prior = 0.5  # running acceptance estimate over finished rows
+
+    def session(self, batch):
+        return _ModelSession(self, batch)
+
+    def tracker(self, row) -> AcceptanceTracker:
+        st = row.state.get(self.name)
+        if st is None:
+            st = row.state[self.name] = _ModelRow(AcceptanceTracker(self.prior))
+        return st.tracker
+
+    def finish(self, row) -> None:
+        st = row.state.get(self.name)
+        if st is not None and st.used:
+            self.prior = 0.7 * self.prior + 0.3 * st.tracker.rate
+
+    def time_step(self, rows: int, ids: list[int]):
+        """A timing callback for calibration: one draft step of ``rows`` rows on ``ids``."""
+        cache = RaggedCache(self.model, rows)
+        cache.forward([ids] * rows, 1)
+        width = cache.width
+
+        def step() -> float:
+            with Timer() as t:
+                cache.forward([ids[:1]] * rows, 1)
+                hf.sync(self.model)
+            cache.crop(width)
+            return t.seconds
+
+        return step
+
+
+@dataclass
+class _ModelRow:
+    tracker: AcceptanceTracker
+    dlen: int = 0  # tokens of row.seq in the draft cache
+    used: bool = False
+
+
+class _ModelSession:
+    free = False
+
+    def __init__(self, drafter: ModelDrafter, batch):
+        self.d, self.batch = drafter, batch
+        self.cache = RaggedCache(drafter.model)
+        self.joining: list[RaggedCache] = []
+        self.columns: list[int] = []  # the cache column fed at each draft step of this iteration
+
+    def add(self, row) -> None:
+        """A fixed k > 0 drafts at once: prefill now; an auto row's cache is filled the first
+        time it drafts with this model (never, while other drafters or k = 0 win)."""
+        self.d.tracker(row)
+        eager = row.k is not None and row.k > 0 and self.d.name in row.drafters
+        self.joining.append(prefill(self.d.model, row.prompt if eager else [], row.stats, "draft_time_s"))
+        row.state[self.d.name].dlen = len(row.prompt) - 1 if eager else 0
+
+    def merge(self) -> None:
+        if self.joining:
+            self.cache.extend(self.joining)
+            self.joining = []
+
+    def keep(self, order: list[int]) -> None:
+        self.merge()
+        if order != list(range(self.cache.rows)):
+            self.cache.keep_rows(order)
+        self.cache.tidy()
+
+    def behind(self, row) -> int:
+        return len(row.seq) - row.state[self.d.name].dlen
+
+    def catch_up(self, rows, ks: dict[int, int]) -> None:
+        """Bring the draft cache of every drafting row up to ``seq[:-1]``'s last token.
+
+        The first draft step feeds each row what it missed, padded to the longest: B x W
+        token passes. A row far behind (or never filled: an auto row's first drafting) is
+        cheaper refilled alone from scratch, then only its last token is fed; choose the
+        width W that minimises the total."""
+        behind = {b: self.behind(rows[b]) for b in ks}
+
+        def passes(w: int) -> int:
+            return self.cache.rows * w + sum(len(rows[b].seq) - 1 for b, c in behind.items() if c > w)
+
+        w = min({1, *behind.values()}, key=passes)
+        for b, c in behind.items():
+            if c > w:
+                r = rows[b]
+                self.cache.fill_row(b, prefill(self.d.model, r.seq, r.stats, "draft_time_s"))
+                r.state[self.d.name].dlen = len(r.seq) - 1
+
+    def propose(self, rows, ks: dict[int, int]) -> dict[int, Proposal]:
+        self.merge()
+        ks = {b: k for b, k in ks.items() if k > 0}
+        if not ks:
+            return {}
+        self.catch_up(rows, ks)
+        dec, name = self.batch.dec, self.d.name
+        drafts: dict[int, list[int]] = {b: [] for b in ks}
+        qs: dict[int, list] = {b: [] for b in ks}
+        self.columns = []
+        for j in range(max(ks.values())):
+            inputs = [[] for _ in rows]
+            for b, k in ks.items():
+                if k > j:
+                    st = rows[b].state[name]
+                    inputs[b] = rows[b].seq[st.dlen :] if j == 0 else drafts[b][-1:]
+            with Timer() as t:
+                logits = self.cache.forward(inputs, 1)[:, -1, : self.d.vocab_size]
+                hf.sync(self.d.model)
+            self.columns.append(self.cache.width - 1)
+            fed = sum(len(x) for x in inputs)
+            for b in ks:
+                if inputs[b]:
+                    r = rows[b]
+                    r.state[name].dlen += len(inputs[b])
+                    r.stats.draft_forwards += 1
+                    r.stats.draft_time_s += t.seconds * len(inputs[b]) / fed
+                    tok, q = pick(r, logits[b])
+                    drafts[b].append(tok)
+                    if q is not None:
+                        qs[b].append(q)
+            if j:  # one-token steps: the steady-state draft cost
+                dec.costs[sum(1 for x in inputs if x)].observe_draft(name, t.seconds)
+        out = {}
+        for b, k in ks.items():
+            st = rows[b].state[name]
+            st.used = True
+            q = qs[b] if qs[b] else None
+            out[b] = Proposal(name, drafts[b], q, [st.tracker.rate] * k, [None] * k)
+        return out
+
+    def commit(self, b: int, row, prop: Proposal, n: int) -> None:
+        """The draft keeps the drafts it was fed (d_0..d_{k-2}, at steps 1..k-1) that were accepted."""
+        k = len(prop.tokens)
+        st = row.state[self.d.name]
+        st.tracker.update(k, n)
+        if k > 1 and n < k - 1:
+            self.cache.drop(b, [self.columns[j] for j in range(n + 1, k)])
+            st.dlen -= k - 1 - n
+
+
+def pick(row, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """A draft token from a draft model's logits (and its processed distribution when sampling)."""
+    req = row.req
+    if req.greedy:
+        return int(logits.argmax()), None
+    q = probs(logits[None], req.temperature, req.top_k, req.top_p)[0]
+    return sample(q, row.gen), q
+
+
+def prefill(model, prompt: list[int], st, clock: str) -> RaggedCache:
+    """A one-row cache holding ``prompt[:-1]`` (the last token is fed by the first step)."""
+    own = RaggedCache(model, 1)
+    if len(prompt) > 1:
+        with Timer() as t:
+            own.forward([prompt[:-1]], 1)
+        setattr(st, clock, getattr(st, clock) + t.seconds)
+    return own
+
+
+def build(names: list[str], draft_model=None, vocab_size: int | None = None) -> list:
+    """Drafters by name, in order (the order a fixed k tries them in)."""
+    out = []
+    for name in names:
+        if name == "lookup":
+            out.append(Lookup())
+        elif name == "suffix":
+            out.append(Suffix())
+        elif name == "model":
+            if draft_model is None:
+                raise ValueError("drafter 'model' needs a draft model: set the pair's draft, or drop 'model' from drafters")
+            out.append(ModelDrafter(draft_model, vocab_size))
+        else:
+            raise ValueError(f"unknown drafter {name!r}; known drafters: {', '.join(KNOWN)}")
+    if len({d.name for d in out}) != len(out):
+        raise ValueError(f"drafters {names} name one drafter twice")
+    return out
