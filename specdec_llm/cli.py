@@ -73,6 +73,8 @@ def generate(
     pair: Annotated[Optional[str], typer.Option(help="Pair name (default: SPECDEC_DEFAULT_PAIR)")] = None,
     mode: Annotated[str, typer.Option(help="speculative | baseline (target only)")] = "speculative",
     k: Annotated[str, typer.Option("--k", help="Draft length per iteration: an integer or 'auto'")] = "auto",
+    drafter: Annotated[str, typer.Option(help="auto (the pair's drafters, chosen per iteration), or one of them: "
+                                              "lookup, suffix, model")] = "auto",
     max_new_tokens: int = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: float = 1.0,
@@ -83,16 +85,18 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Generate one completion."""
-    from .pairs import load_pair
+    from .pairs import get_spec, load_pair
 
     request = GenerationRequest(
         prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=seed, k=parse_k(k), stop=list(stop or []), chat=chat, mode=mode,
+        seed=seed, k=parse_k(k), stop=list(stop or []), chat=chat, mode=mode, drafter=drafter,
     )  # fmt: skip
     with user_errors():
         request.validate()  # fail fast, before loading models
+        spec = get_spec(pair or get_settings().default_pair)
+        spec.check_drafter(drafter)
         _threads()
-        decoder = load_pair(pair or get_settings().default_pair).decoder()
+        decoder = load_pair(spec).decoder()
         if as_json:
             result = decoder.generate(request)
             print(json.dumps(result.to_dict()))
@@ -130,6 +134,7 @@ def pairs_show(
     with user_errors():
         spec = get_spec(name)
         info = spec.to_dict()
+        info["drafters"] = spec.drafter_names()
         if spec.draft and spec.draft.startswith("layers:"):
             info["draft_note"] = "PLACEHOLDER draft: untrained target layers; expect ~4% acceptance (k=auto falls back to 0)"
         if load:

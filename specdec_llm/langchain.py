@@ -71,8 +71,8 @@ PROVIDER = "specdec"
 # generation_info keys, from the result and its stats
 INFO_FIELDS = ("prompt_tokens", "output_tokens", "draft_tokens_proposed", "draft_tokens_accepted",
                "acceptance_rate", "mean_accepted_length", "tokens_per_s", "time_to_first_token_s",
-               "wall_time_s")  # fmt: skip
-CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k", "chat", "decoding", "timeout",
+               "wall_time_s", "drafter", "drafter_tokens")  # fmt: skip
+CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k", "drafter", "chat", "decoding", "timeout",
                 "job_name", "job_metadata", "category")  # fmt: skip
 
 
@@ -210,6 +210,9 @@ class _SpecDecBase(BaseModel):
     seed: int | None = None
     k: int | Literal["auto"] = "auto"
     """Draft length: an integer (0 = target only) or "auto" (chosen per iteration)."""
+    drafter: str = "auto"
+    """Who drafts: "auto" (the pair's drafters, chosen per row and iteration) or one of them
+    ("lookup", "suffix", "model"; ``specdec-llm pairs show PAIR`` lists a pair's)."""
     stop: list[str] | None = None
     """Stop strings; a call's ``stop`` replaces these. Text is cut before the first one."""
     chat: bool = False
@@ -261,7 +264,8 @@ class _SpecDecBase(BaseModel):
         return {
             "pair": self.pair, **self._spec_fields(), "backend": self.effective_backend(),
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "seed": self.seed, "k": self.k, "decoding": self.decoding, "chat": self.chat,
+            "top_k": self.top_k, "seed": self.seed, "k": self.k, "drafter": self.drafter, "decoding": self.decoding,
+            "chat": self.chat,
         }  # fmt: skip
 
     def _ls(self, model_type: str, stop: list[str] | None, kwargs: dict) -> LangSmithParams:
@@ -296,7 +300,7 @@ class _SpecDecBase(BaseModel):
         opt = {name: kwargs.get(name, getattr(self, name)) for name in CALL_OPTIONS}
         stop = list(stop) if stop is not None else list(self.stop or [])
         gen = dict(max_new_tokens=opt["max_new_tokens"], temperature=opt["temperature"], top_p=opt["top_p"],
-                   top_k=opt["top_k"], seed=opt["seed"], k=opt["k"], stop=stop,
+                   top_k=opt["top_k"], seed=opt["seed"], k=opt["k"], drafter=opt["drafter"], stop=stop,
                    chat=bool(opt["chat"]) and not messages, mode=opt["decoding"])  # fmt: skip
         GenerationRequest(prompt="x", **gen).validate()  # RequestError naming the bad field
         if opt["job_metadata"] is not None:

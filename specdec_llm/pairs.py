@@ -48,12 +48,24 @@ class PairSpec:
     dtype: str = "float32"
     device: str = "cpu"
     k: int | str = "auto"  # what a request's k="auto" means for this pair: "auto" or a fixed integer
+    drafters: list[str] | None = None  # default: lookup, suffix, and model when there is a draft
     trust_remote_code: bool = False
     description: str = ""
     source: str = "builtin"  # builtin | user file path
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def drafter_names(self) -> list[str]:
+        """Its ``drafters`` list, else lookup, suffix and (with a draft) model."""
+        if self.drafters is not None:
+            return list(self.drafters)
+        return ["lookup", "suffix"] + (["model"] if self.draft else [])
+
+    def check_drafter(self, drafter: str) -> None:
+        if drafter != "auto" and drafter not in self.drafter_names():
+            known = ", ".join(["auto", *self.drafter_names()])
+            raise RequestError("drafter", f"unknown drafter {drafter!r} for pair {self.name}; use one of: {known}")
 
 
 # -- registry -------------------------------------------------------------------------
@@ -70,6 +82,17 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
         k = fields.get("k", "auto")
         if k != "auto" and not (isinstance(k, int) and k >= 0):
             raise PairError(f"{source}: pair {name!r}: k must be \"auto\" or an integer >= 0, not {k!r}")
+        drafters = fields.get("drafters")
+        if drafters is not None:
+            from .engine.drafters import KNOWN
+
+            if not isinstance(drafters, list) or not all(isinstance(d, str) for d in drafters):
+                raise PairError(f"{source}: pair {name!r}: drafters must be a list of names, e.g. {list(KNOWN)}")
+            bad = [d for d in drafters if d not in KNOWN]
+            if bad:
+                raise PairError(f"{source}: pair {name!r}: unknown drafter {bad[0]!r}; known drafters: {', '.join(KNOWN)}")
+            if "model" in drafters and not fields.get("draft"):
+                raise PairError(f"{source}: pair {name!r}: drafter 'model' needs a draft; set draft = ... or drop 'model'")
         out[name] = PairSpec(name=name, source=source, **fields)
     return out
 
@@ -285,7 +308,8 @@ class Pair:
     draft_info: dict = field(default_factory=dict)
 
     def decoder(self) -> SpeculativeDecoder:
-        return SpeculativeDecoder(self.target, self.draft, self.tokenizer, vocab_size=self.vocab_size, default_k=self.spec.k)
+        return SpeculativeDecoder(self.target, self.draft, self.tokenizer, drafters=self.spec.drafter_names(),
+                                  vocab_size=self.vocab_size, default_k=self.spec.k)  # fmt: skip
 
 
 def check_vocab(target_ref: str, tok_t, draft_ref: str, tok_d, vt: int, vd: int) -> int:

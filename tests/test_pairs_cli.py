@@ -43,6 +43,12 @@ def test_bad_user_file_names_the_key(tmp_path, monkeypatch):
     try:
         with pytest.raises(PairError, match=r"pair 'x' has unknown keys \['draftt'\]"):
             registry()
+        path.write_text('[pairs.x]\ntarget = "a"\ndrafters = ["lookup", "medusa"]\n')
+        with pytest.raises(PairError, match=r"pair 'x': unknown drafter 'medusa'; known drafters: lookup, suffix, model"):
+            registry()
+        path.write_text('[pairs.x]\ntarget = "a"\ndrafters = ["model"]\n')
+        with pytest.raises(PairError, match=r"drafter 'model' needs a draft"):
+            registry()
     finally:
         monkeypatch.delenv("SPECDEC_CONFIG_FILE")
         reload_settings()
@@ -133,6 +139,8 @@ def test_cli_generate_chat_and_baseline(pairs_file):
         (["generate", "hi", "--k", "lots"], "k: 'lots' is not a number"),
         (["generate", "hi", "--pair", "nope"], "pair: unknown pair 'nope'"),
         (["generate", "hi", "--mode", "warp"], "mode: unknown mode"),
+        (["generate", "hi", "--pair", "smollm2-135m", "--drafter", "eagle"],
+         "drafter: unknown drafter 'eagle' for pair smollm2-135m; use one of: auto, lookup, suffix, model"),
         (["generate", "x " * 600, "--pair", "tiny"], "prompt: is .* tokens but the model's context is 512"),
     ],
 )
@@ -152,6 +160,7 @@ def test_cli_pairs_list_and_show(pairs_file):
     r = runner.invoke(app, ["pairs", "show", "smollm2-135m"])
     info = json.loads(r.stdout)
     assert info["draft"] == "pkg:specdec_llm/drafts/smollm2-135m" and "draft_note" not in info  # the distilled draft
+    assert info["drafters"] == ["lookup", "suffix", "model"]
     r = runner.invoke(app, ["pairs", "show", "tiny-shared", "--load"])
     info = json.loads(r.stdout)
     assert info["draft_info"]["kind"] == "placeholder" and info["draft_own_params"] > 0

@@ -33,6 +33,8 @@ ROWS = [
     ("beta", "cuda:0", T0 + timedelta(days=1, hours=2), 200.0, 1.5, 0.15, 300, 10, 5.0),
 ]
 
+DRAFTERS = ["lookup", "model", "lookup", "suffix", "suffix", "lookup"]  # each row's main drafter
+
 
 def seed(url: str) -> None:
     record.upsert_pair("alpha", target="t-a", draft="d-a", dtype="float32", device="cpu", url=url)
@@ -42,10 +44,11 @@ def seed(url: str) -> None:
     job = record.create_job([{"prompt": f"p{i}", "category": "chat" if i % 2 else "code"} for i in range(7)],
                             job_id="job-1", pair="alpha", url=url)
     ids = job["request_ids"]
-    for rid, (pair, device, at, tps, wall, ttft, out, acc, mal) in zip(ids, ROWS):
+    for rid, (pair, device, at, tps, wall, ttft, out, acc, mal), drafter in zip(ids, ROWS, DRAFTERS):
         stats = dict(prompt_tokens=5, output_tokens=out, draft_tokens_proposed=10, draft_tokens_accepted=acc,
                      acceptance_rate=acc / 10, mean_accepted_length=mal, tokens_per_s=tps, wall_time_s=wall,
-                     time_to_first_token_s=ttft, finish_reason="length")
+                     time_to_first_token_s=ttft, finish_reason="length", drafter=drafter,
+                     drafter_tokens={drafter: {"proposed": 10, "accepted": acc}})
         record.record_result(rid, {"text": "x", "token_ids": [1], "finish_reason": "length", "stats": stats},
                              worker=WORKER, device=device, queue_wait_s=0.1, pair=pair, job_id=None,
                              price_per_hour=3.6, finished_at=at, url=url)
@@ -139,6 +142,18 @@ def test_by_day_hour_worker_job_category(url):
     (total,) = reports.summary(group_by=[], url=url)
     check(total, expected(ROWS))
     assert total["requests"] == 7
+
+
+def test_by_drafter(url):
+    """Grouped by each request's main drafter; a failed request has none."""
+    rows = reports.summary(group_by=["drafter"], url=url)
+    assert [(r["drafter"], r["ok"], r["failed"]) for r in rows] == [
+        ("lookup", 3, 0), ("model", 1, 0), ("suffix", 2, 0), (None, 0, 1)]
+    for r in rows[:3]:
+        check(r, expected([row for row, d in zip(ROWS, DRAFTERS) if d == r["drafter"]]))
+    with db.session_scope(url) as s:
+        assert s.execute(select(Telemetry.drafter_tokens).where(Telemetry.drafter == "model")).scalar_one() == {
+            "model": {"proposed": 10, "accepted": 6}}
 
 
 def test_filters(url):

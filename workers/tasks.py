@@ -155,6 +155,8 @@ def build_request(row: dict, tokenizer) -> GenerationRequest:
         from specdec_llm.chat import render_user_prompt
 
         prompt, gen["chat"] = render_user_prompt(tokenizer, prompt), False
+    if row.get("job_id") and "scope" not in gen:  # the suffix drafter learns within the job's rows
+        gen["scope"] = row["job_id"]
     try:
         return GenerationRequest(prompt=prompt, **gen)
     except TypeError as e:  # an unknown parameter name

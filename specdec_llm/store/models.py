@@ -45,7 +45,7 @@ STATS_FIELDS = (
     "prompt_tokens", "output_tokens", "draft_tokens_proposed", "draft_tokens_accepted",
     "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "target_forwards",
     "draft_forwards", "draft_time_s", "target_time_s", "wall_time_s", "time_to_first_token_s",
-    "tokens_per_s", "k_values", "batch_rows", "finish_reason",
+    "tokens_per_s", "k_values", "drafter_tokens", "drafter", "batch_rows", "finish_reason",
 )
 
 
@@ -204,6 +204,8 @@ class Telemetry(Base):
     tokens_per_s: Mapped[float] = mapped_column(default=0.0)
     k_values: Mapped[list[int] | None] = mapped_column(JSON)
     batch_rows: Mapped[float | None]  # mean batch size the request decoded in (None: recorded before 0002)
+    drafter: Mapped[str | None] = mapped_column(String(32))  # the drafter that proposed most ("none"; None before 0003)
+    drafter_tokens: Mapped[dict[str, Any] | None]  # drafter -> {"proposed", "accepted"}
     finish_reason: Mapped[str] = mapped_column(String(16), default="length")
 
 

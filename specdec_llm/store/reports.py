@@ -23,7 +23,7 @@ from ..settings import get_settings
 from .db import StoreError, check_schema, resolve_url, session_scope
 from .models import Baseline, Pair, Request, Telemetry, Worker, utcnow
 
-GROUP_FIELDS = ("pair", "day", "hour", "job", "worker", "category")
+GROUP_FIELDS = ("pair", "day", "hour", "job", "worker", "category", "drafter")
 METRICS = (
     "requests", "ok", "failed", "prompt_tokens", "output_tokens",
     "tokens_per_s_mean", "tokens_per_s_p50", "tokens_per_s_p95",
@@ -153,6 +153,8 @@ def _keys(model, dialect: str, groups: tuple[str, ...]) -> list:
         "job": model.job_id,
         "worker": model.worker_id,
         "category": model.category,
+        # a request's main drafter (most tokens proposed); a failed request has none
+        "drafter": model.drafter if model is Telemetry else func.nullif(model.status, model.status),
         "day": _time_bucket(dialect, model.finished_at, "day"),
         "hour": _time_bucket(dialect, model.finished_at, "hour"),
     }
@@ -250,7 +252,8 @@ def summary(
     ``since``/``until``: see ``parse_when`` (since inclusive, until exclusive).
     ``price_per_hour``: see ``parse_prices``; without it, the costs estimated at record
     time are summed. Group labels: pair name, job id, worker "host:pid", category,
-    day "YYYY-MM-DD", hour "YYYY-MM-DD HH:00"; None where unknown.
+    drafter (the one that proposed most of a request's draft tokens, "none" for plain
+    decoding), day "YYYY-MM-DD", hour "YYYY-MM-DD HH:00"; None where unknown.
     Raises ``ReportInputError`` for bad input and ``StoreError`` for an unusable database,
     before touching anything.
     """

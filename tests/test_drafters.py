@@ -1,0 +1,151 @@
+"""Drafters behind one seam: prompt lookup, the suffix index and the draft model, alone and
+mixed in one batch, keep every row token-identical to the target's greedy output (caches
+checked after every step); a deterministic drafter keeps the sampled distribution; the suffix
+index stays under its bound and never lets one scope read another's text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import check_caches, greedy_reference, perturbed, tiny_llama
+
+from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder
+from specdec_llm.engine.decoder import Batch
+from specdec_llm.engine.drafters import Lookup, SuffixIndex
+
+# prompts that repeat themselves, so prompt lookup has matches from the first token
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9], [30, 31, 32, 30, 31], [100, 3, 100, 3, 100], [7]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+def decoder(target, **kw):
+    return SpeculativeDecoder(target, perturbed(target, 0.2, seed=3), drafters=["lookup", "suffix", "model"], **kw)
+
+
+def test_lookup_proposes_the_continuation_of_the_longest_match():
+    class R:  # the parts of a row a free drafter reads
+        def __init__(self, seq):
+            self.seq, self.state, self.req = seq, {}, GenerationRequest(prompt=seq)
+
+    lookup = Lookup(max_n=3)
+    row = R([1, 2, 3, 4, 9, 2, 3, 4, 7, 3, 4])
+    tokens, feats = lookup.continuation(row, 3)  # "3 4" (longest: "7 3 4" is new) last seen before "7"
+    assert tokens == [7, 3, 4] and feats[0] == (2, 0)
+    row.seq += [7]  # the index follows the sequence as it grows
+    assert lookup.continuation(row, 2)[0] == [3, 4]
+    assert lookup.continuation(R([5, 6]), 4) == ([], [])
+
+
+def test_each_drafter_alone_and_mixed_in_one_batch_is_greedy_identical(target):
+    dec = decoder(target)
+    reqs = [GenerationRequest(prompt=p, max_new_tokens=n, k=k, drafter=d)
+            for p, n, k, d in zip(PROMPTS * 4, (30, 12, 25, 40, 9) * 4, (3, "auto", 5, 2) * 5,
+                                  ("lookup", "suffix", "model", "auto", "lookup") * 4)]  # fmt: skip
+    dec.generate_many(reqs[:5], max_batch=2)  # the suffix index learns these texts
+    for max_batch in (1, 3, 8):
+        out = dec.generate_many(reqs, max_batch=max_batch)
+        for req, res in zip(reqs, out):
+            assert res.token_ids == greedy_reference(target, req.prompt, req.max_new_tokens), (req, max_batch)
+            s = res.stats
+            assert set(s.drafter_tokens) <= ({"lookup", "suffix", "model"} if req.drafter == "auto" else {req.drafter})
+            assert sum(c["proposed"] for c in s.drafter_tokens.values()) == s.draft_tokens_proposed == sum(s.k_values)
+            assert sum(c["accepted"] for c in s.drafter_tokens.values()) == s.draft_tokens_accepted
+            assert s.output_tokens == s.draft_tokens_accepted + s.target_forwards
+    used = {d: sum(r.stats.drafter_tokens.get(d, {}).get("accepted", 0) for r in out) for d in ("lookup", "suffix", "model")}
+    assert all(used.values()), used  # every drafter's tokens were accepted somewhere
+
+
+def test_rows_join_and_leave_with_mixed_drafters_caches_exact(target):
+    dec = decoder(target)
+    dec.generate_many([GenerationRequest(prompt=p, max_new_tokens=20) for p in PROMPTS], max_batch=5)
+    batch = Batch(dec)
+    rows = [batch.add(GenerationRequest(prompt=PROMPTS[i], max_new_tokens=25, k=k, drafter=d))
+            for i, k, d in ((0, 3, "lookup"), (1, "auto", "auto"))]  # fmt: skip
+    for step in range(60):
+        if step in (2, 6):
+            rows.append(batch.add(GenerationRequest(prompt=PROMPTS[step % 5], max_new_tokens=15, k=4, drafter="model")))
+            rows.append(batch.add(GenerationRequest(prompt=PROMPTS[(step + 1) % 5], max_new_tokens=18, k=2, drafter="suffix")))
+        if not batch.rows:
+            break
+        batch.step()
+        check_caches(batch)
+    assert not batch.rows and batch.tcache.rows == 0
+    for row in rows:
+        assert row.result.token_ids == greedy_reference(target, row.prompt, row.req.max_new_tokens)
+
+
+def test_sampling_with_a_deterministic_drafter_keeps_the_target_distribution():
+    """Prompt lookup proposes the same tokens every time ([1, 1] after this prompt): the
+    rejection rule with a one-hot draft must still give the target's exact distribution
+    (same bound and N as test_engine's sampled tests)."""
+    from test_engine import exact_two_token_distribution
+
+    V, N, prompt = 8, 20_000, [1, 1, 1]
+    target = tiny_llama(11, vocab=V, hidden=32)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(40)
+    exact = exact_two_token_distribution(target, prompt, 1.0, 0, 1.0)
+    assert 0.05 < exact[1, 1] and exact[1].sum() < 0.9, "the lookup draft must be plausible but not certain for the test to have power"
+    dec = SpeculativeDecoder(target, drafters=["lookup"])
+    reqs = [GenerationRequest(prompt=prompt, max_new_tokens=2, k=1 + i % 2, seed=i, temperature=1.0) for i in range(N)]
+    out = dec.generate_many(reqs, max_batch=32)
+    counts = torch.zeros(V, V)
+    for res in out:
+        counts[res.token_ids[0], res.token_ids[1]] += 1
+    tv = 0.5 * (counts / N - exact).abs().sum()
+    assert tv < 0.035, f"TV {tv:.4f}"
+    accepted = sum(r.stats.drafter_tokens.get("lookup", {}).get("accepted", 0) for r in out)
+    assert accepted > N * 0.05  # the draft really was accepted, not only resampled
+
+
+def test_suffix_index_stays_under_its_bound_and_forgets_the_oldest():
+    index = SuffixIndex(max_tokens=100, orders=(2, 3))
+    docs = [[i % 7, (i * 3) % 11, i % 5] * 10 + [i] for i in range(12)]  # 31 tokens each
+    for d in docs:
+        index.add("job", d)
+        assert index.tokens <= 100
+    kept = [d for (_, _), d in index.docs.items()]
+    assert kept == docs[-3:]  # oldest first out
+    fresh = SuffixIndex(max_tokens=100, orders=(2, 3))
+    for d in kept:
+        fresh.add("job", d)
+    assert index.counts == fresh.counts  # evicted sequences left nothing behind
+    index.add("other", list(range(200)))  # one sequence longer than the bound keeps its tail
+    assert index.tokens == 100 and list(index.counts) == ["other"]
+
+
+def test_suffix_drafter_never_reads_another_scope(target):
+    dec = decoder(target)
+    text = dec.generate(GenerationRequest(prompt=[40, 41, 42], max_new_tokens=30, k=0, scope="job-a")).token_ids
+    assert text == greedy_reference(target, [40, 41, 42], 30)
+    mine = dec.generate(GenerationRequest(prompt=[40, 41, 42], max_new_tokens=30, k=4, drafter="suffix", scope="job-a"))
+    theirs = dec.generate(GenerationRequest(prompt=[40, 41, 42], max_new_tokens=30, k=4, drafter="suffix", scope="job-b"))
+    assert mine.stats.drafter_tokens["suffix"]["accepted"] >= 20  # its own scope: the whole answer is known
+    assert "suffix" not in theirs.stats.drafter_tokens  # another scope: nothing to read
+    assert mine.token_ids == theirs.token_ids == text
+
+
+def test_seeded_sampling_does_not_depend_on_other_requests(target):
+    """A seeded sampled row never reads the suffix index: the same seed gives the same text
+    before and after other requests taught the index."""
+    dec = decoder(target)
+    req = GenerationRequest(prompt=[12, 13, 14], max_new_tokens=25, temperature=0.8, seed=7)
+    first = dec.generate(req).token_ids
+    dec.generate_many([GenerationRequest(prompt=[12, 13, 14], max_new_tokens=40) for _ in range(3)])
+    again = dec.generate(req)
+    assert again.token_ids == first and "suffix" not in again.stats.drafter_tokens
+
+
+def test_unknown_drafter_is_a_clear_error(target):
+    dec = decoder(target)
+    with pytest.raises(RequestError, match="unknown drafter 'bogus' for this pair; use one of: auto, lookup, suffix, model"):
+        dec.generate(GenerationRequest(prompt=[1, 2], drafter="bogus"))
+    with pytest.raises(ValueError, match="known drafters: lookup, suffix, model"):
+        SpeculativeDecoder(target, drafters=["lookup", "eagle"])
+    plain = SpeculativeDecoder(target, drafters=["lookup"])
+    with pytest.raises(RequestError, match="use one of: auto, lookup"):
+        plain.generate(GenerationRequest(prompt=[1, 2], drafter="model"))
