@@ -1,11 +1,18 @@
-"""Side-by-side speed of target-only generate, transformers assisted generation and this engine.
+"""Side-by-side speed of transformers and the engine's drafters, per Spec-Bench category, batch 1.
 
-Same prompts, same pair, one run, methods interleaved per prompt (this machine is noisy):
+Same prompts, same pair, same prepared weights, one run, methods interleaved per prompt
+(this machine is noisy):
 
-    .venv/bin/python benchmarks/bench_engine.py --pair smollm2-135m --per-category 2 --max-new-tokens 128
+    .venv/bin/python benchmarks/bench_engine.py --pair smollm2-135m --per-category 3 --max-new-tokens 128
 
-Prints tokens/s per method, the ratio to plain ``generate``, acceptance, tokens per target
-forward and whether greedy outputs matched ``generate`` token for token.
+Methods: transformers ``generate`` (target only), transformers prompt lookup
+(``prompt_lookup_num_tokens=10``), transformers assisted generation (the pair's draft), the
+engine at k=0, the engine with each of the pair's drafters alone (k=auto), and the engine's
+default (every drafter, chosen per iteration). Each engine method has its own decoder, so
+its suffix index has seen the earlier prompts' outputs only, never the prompt being
+timed (as a server that has answered earlier requests). Prints tokens/s per category and
+overall, the ratio to ``generate``, acceptance, tokens per target forward and whether
+greedy outputs matched ``generate`` token for token; the CPU model and flags first.
 """
 
 from __future__ import annotations
@@ -13,103 +20,130 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
+from bench_forward import cpu_info
 from rich.console import Console
 from rich.table import Table
 
-from specdec_llm.engine import GenerationRequest
+from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
 from specdec_llm.evaluate import read_prompts
-from specdec_llm.pairs import load_pair
+from specdec_llm.pairs import load_pair, quiet_loading
 
 SPEC_BENCH = Path(__file__).resolve().parent.parent / "data" / "spec_bench_dev.jsonl"
+BASE = "hf generate"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--pair", default="smollm2-135m")
+    ap.add_argument("--prompts", default=str(SPEC_BENCH), help="JSONL with prompt (or turns) and category")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--fixed-k", type=int, default=4)
+    ap.add_argument("--methods", default="", help="comma-separated subset of the method names (default: all)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-
+    quiet_loading()
     pair = load_pair(args.pair)
-    dec = pair.decoder()
-    eos = set(dec.eos_token_ids)
-    rows = read_prompts(SPEC_BENCH, args.per_category)
     n = args.max_new_tokens
 
-    def hf(ids, assisted):
-        x = torch.tensor([ids])
-        kw = {"assistant_model": pair.draft} if assisted else {}
-        out = pair.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, **kw)
-        return out[0, len(ids) :].tolist(), None
+    ref_dec = pair.decoder()  # prepares the weights (kernels measured on this machine) for every method
+    eos = set(ref_dec.eos_token_ids)
 
-    def engine(k):
-        def run(ids, _=None):
-            res = dec.generate(GenerationRequest(prompt=ids, max_new_tokens=n, k=k))
-            return res.token_ids, res.stats
+    def decoder(drafters):
+        d = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, drafters=drafters, vocab_size=pair.vocab_size)
+        d.calibrate_batches(1)
+        return d
+
+    def hf(**kw):
+        def run(ids):
+            x = torch.tensor([ids])
+            out = pair.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, **kw)
+            return out[0, len(ids) :].tolist(), None
+
         return run
 
-    methods = {
-        "hf generate (target only)": lambda ids: hf(ids, False),
-        "hf assisted (default schedule)": lambda ids: hf(ids, True),
-        "engine baseline (k=0)": engine(0),
-        f"engine speculative (k={args.fixed_k})": engine(args.fixed_k),
-        "engine speculative (k=auto)": engine("auto"),
-    }
-    if pair.draft is None:
-        methods = {m: f for m, f in methods.items() if "assisted" not in m and "speculative" not in m}
-    dec.generate(GenerationRequest(prompt="warm up", max_new_tokens=8, k="auto"))  # calibrates auto-k
-    totals = {m: {"tokens": 0, "seconds": 0.0, "matched": 0, "proposed": 0, "accepted": 0, "forwards": 0} for m in methods}
+    def engine(drafters, k="auto"):
+        dec = decoder(drafters)
+
+        def run(ids):
+            res = dec.generate(GenerationRequest(prompt=ids, max_new_tokens=n, k=k))
+            return res.token_ids, res.stats
+
+        return run
+
+    names = pair.spec.drafter_names()
+    methods = {BASE: hf(), "hf prompt lookup": hf(prompt_lookup_num_tokens=10)}
+    if pair.draft is not None:
+        methods["hf assisted"] = hf(assistant_model=pair.draft)
+    methods["engine k=0"] = engine([], k=0)
+    for name in names:
+        methods[f"engine {name}"] = engine([name])
+    methods["engine default (" + "+".join(names) + ")"] = engine(names)
+    if args.methods:
+        keep = {m.strip() for m in args.methods.split(",")} | {BASE}
+        methods = {m: f for m, f in methods.items() if m in keep or m.split(" (")[0] in keep}
+
+    rows = read_prompts(Path(args.prompts), args.per_category)
+    cats = sorted({r["category"] for r in rows})
+    blank = lambda: {"tokens": 0, "seconds": 0.0, "matched": 0, "prompts": 0, "proposed": 0, "accepted": 0, "forwards": 0}  # noqa: E731
+    totals = {m: defaultdict(blank) for m in methods}
+    print(f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.pair} "
+          f"{pair.spec.dtype}; {len(rows)} prompts, {n} new tokens, greedy", flush=True)  # fmt: skip
     for i, row in enumerate(rows):
-        ids = dec.encode(GenerationRequest(prompt=row["prompt"], chat=True))
-        names = list(methods)
-        names = names[i % len(names) :] + names[: i % len(names)]  # rotate the order per prompt
+        ids = ref_dec.encode(GenerationRequest(prompt=row["prompt"], chat=True))
+        order = list(methods)
+        order = order[i % len(order) :] + order[: i % len(order)]  # rotate the order per prompt
         outputs = {}
-        for name in names:
+        for name in order:
             t0 = time.perf_counter()
             toks, stats = methods[name](ids)
             dt = time.perf_counter() - t0
             cut = next((j + 1 for j, t in enumerate(toks) if t in eos), len(toks))
             outputs[name] = toks[:cut]
-            tot = totals[name]
-            tot["tokens"] += cut
-            tot["seconds"] += dt
-            if stats:
-                tot["proposed"] += stats.draft_tokens_proposed
-                tot["accepted"] += stats.draft_tokens_accepted
-                tot["forwards"] += stats.target_forwards
-        ref = outputs["hf generate (target only)"]
+            for key in (row["category"], "all"):
+                tot = totals[name][key]
+                tot["tokens"] += cut
+                tot["seconds"] += dt
+                tot["prompts"] += 1
+                if stats:
+                    tot["proposed"] += stats.draft_tokens_proposed
+                    tot["accepted"] += stats.draft_tokens_accepted
+                    tot["forwards"] += stats.target_forwards
+        bad = [name for name in methods if outputs[name] != outputs[BASE]]
         for name in methods:
-            totals[name]["matched"] += outputs[name] == ref
-        bad = [name for name in methods if outputs[name] != ref]
-        print(f"[{i + 1}/{len(rows)}] {row['category']}: {'all outputs match' if not bad else 'MISMATCH: ' + ', '.join(bad)}", flush=True)
+            for key in (row["category"], "all"):
+                totals[name][key]["matched"] += name not in bad
+        print(f"[{i + 1}/{len(rows)}] {row['category']}: {'all outputs match' if not bad else 'MISMATCH: ' + ', '.join(bad)}",
+              flush=True)  # fmt: skip
 
-    base = totals["hf generate (target only)"]
-    base_rate = base["tokens"] / base["seconds"]
-    table = Table(title=f"{args.pair}: {len(rows)} Spec-Bench prompts, greedy, {n} new tokens, {torch.get_num_threads()} threads")
-    for col in ("method", "tok/s", "vs generate", "acceptance", "tokens/target fwd", "greedy match"):
-        table.add_column(col)
-    report = {}
-    for name, t in totals.items():
-        rate = t["tokens"] / t["seconds"]
+    rate = {m: {c: t["tokens"] / t["seconds"] for c, t in totals[m].items()} for m in methods}
+    table = Table(title=f"{args.pair}: tok/s and speedup over transformers generate, per Spec-Bench category")
+    table.add_column("method")
+    for c in [*cats, "all"]:
+        table.add_column(c, justify="right")
+    for col in ("accept", "tok/fwd", "match"):
+        table.add_column(col, justify="right")
+    report = {"cpu": cpu_info(), "threads": torch.get_num_threads(), "max_new_tokens": n, "methods": {}}
+    for m in methods:
+        cells = [f"{rate[m][c]:.1f} {rate[m][c] / rate[BASE][c]:.2f}x" for c in [*cats, "all"]]
+        t = totals[m]["all"]
         acc = t["accepted"] / t["proposed"] if t["proposed"] else None
         per_fwd = t["tokens"] / t["forwards"] if t["forwards"] else None
-        report[name] = {"tokens_per_s": rate, "speedup": rate / base_rate, "acceptance": acc,
-                        "tokens_per_target_forward": per_fwd, "matched": t["matched"], "prompts": len(rows)}
-        table.add_row(name, f"{rate:.1f}", f"{rate / base_rate:.2f}x", "-" if acc is None else f"{acc:.2f}",
-                      "-" if per_fwd is None else f"{per_fwd:.2f}", f"{t['matched']}/{len(rows)}")
-    Console().print(table)
-    print("auto-k cost model:", dec.cost)
+        table.add_row(m, *cells, "-" if acc is None else f"{acc:.2f}", "-" if per_fwd is None else f"{per_fwd:.2f}",
+                      f"{t['matched']}/{t['prompts']}")  # fmt: skip
+        report["methods"][m] = {
+            "tokens_per_s": rate[m], "speedup": {c: rate[m][c] / rate[BASE][c] for c in rate[m]},
+            "acceptance": acc, "tokens_per_target_forward": per_fwd, "matched": t["matched"], "prompts": t["prompts"],
+        }  # fmt: skip
+    Console(width=200).print(table)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        Path(args.json).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ class SubsetHead(torch.nn.Module):
     a full-vocabulary head. Other tokens get logit -inf: the draft never proposes them, and
     verification stays exact over the whole vocabulary. The rows are a copy made at load."""
 
-    linear_weight = True  # engine/hf.prepare may store it column-major, as for a Linear
+    linear_method = "subset_logits"  # engine/kernels.py gives it the fastest matmul kernel, as for a Linear
 
     def __init__(self, full: torch.nn.Linear, ids: torch.Tensor):
         super().__init__()
@@ -309,7 +309,8 @@ class Pair:
 
     def decoder(self) -> SpeculativeDecoder:
         return SpeculativeDecoder(self.target, self.draft, self.tokenizer, drafters=self.spec.drafter_names(),
-                                  vocab_size=self.vocab_size, default_k=self.spec.k)  # fmt: skip
+                                  vocab_size=self.vocab_size, default_k=self.spec.k,
+                                  kernel_cache=get_settings().cache_dir / "kernels.json")  # fmt: skip
 
 
 def check_vocab(target_ref: str, tok_t, draft_ref: str, tok_d, vt: int, vd: int) -> int:

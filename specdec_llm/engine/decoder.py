@@ -42,7 +42,8 @@ class SpeculativeDecoder:
     ``drafters``: names (``"lookup"``, ``"suffix"``, ``"model"``: the ``draft`` model) or
     drafter objects, in the order a fixed k tries them; default ``["model"]`` when a draft
     is given, else none. ``vocab_size`` is the vocabulary both models share (a padded
-    embedding beyond it is ignored). ``default_k`` is what a request's k="auto" means: "auto"
+    embedding beyond it is ignored). ``kernel_cache``: a JSON file where the matmul kernel
+    timings of this machine are kept (kernels.py; None measures at every load). ``default_k`` is what a request's k="auto" means: "auto"
     (choose per iteration from measured costs) or a fixed integer. A seeded sampling request
     never uses the timing-driven schedule (the same seed must give the same text whatever
     the machine's timings): it uses ``default_k`` when that is an integer, else ``seeded_k``.
@@ -61,11 +62,13 @@ class SpeculativeDecoder:
         default_k: int | str = "auto",
         seeded_k: int = 4,
         context_length: int | None = None,
+        kernel_cache=None,
     ):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.kernels = {}  # the matmul kernel chosen per weight shape and row count (CPU)
         for model in (target, draft):
             if model is not None:
-                hf.prepare(model)
+                self.kernels.update(hf.prepare(model, kernel_cache))
         sizes = [m.config.vocab_size for m in (target, draft) if m is not None]
         self.vocab_size = vocab_size or min(sizes)
         if drafters is None:
@@ -196,6 +199,8 @@ class SpeculativeDecoder:
         ids = [t % self.vocab_size for t in range(1, context + 1)]
         tcache = RaggedCache(self.target, rows)
         tcache.forward([ids] * rows, 1)
+        for b in range(rows):  # holes, as rolled-back drafts leave them: the masked path real iterations take
+            tcache.drop(b, range(context // 2, context // 2 + 3))
 
         def time_verify(k: int) -> float:
             with Timer() as t:

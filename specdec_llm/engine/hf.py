@@ -7,7 +7,8 @@ absolute length). Everything else in the engine calls these helpers.
 
 It also holds what the engine changes in transformers' machinery, each measured on this
 CPU: KV-cache layers that grow in place (``GrowingLayer``), an attention function that keeps
-grouped KV heads grouped under a mask, and column-major Linear weights (``prepare``).
+grouped KV heads grouped under a mask, and per-row-count matmul kernels (``prepare``,
+kernels.py).
 """
 
 from __future__ import annotations
@@ -129,25 +130,22 @@ AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 @torch.no_grad()
-def prepare(model) -> None:
+def prepare(model, kernel_cache=None) -> dict:
     """Tune a loaded model for this engine (idempotent; the same math, faster kernels).
 
     - sdpa attention becomes ``_attention`` (grouped KV heads stay grouped on CPU).
-    - On CPU, every Linear weight (and a module marked ``linear_weight``, the draft's
-      SubsetHead) is stored column-major, i.e. as the transpose of a contiguous [in, out]
-      matrix. MKL's sgemm is then 1.5-3x faster for the few-row products of decoding (LM
-      head at 1 row: 7.1 -> 3.2 ms; at 13 rows: 38 -> 15 ms; measured on this CPU). A tied
-      embedding shares the tensor; its lookups do not care about the layout.
+    - On CPU, every Linear (and a module declaring ``linear_method``, the draft's
+      SubsetHead) calls the matmul kernel measured fastest on this machine for its row
+      count (kernels.py): one-token steps and k-token verifications each get theirs.
+      ``kernel_cache``: a JSON file keeping those timings per machine. Returns the choice.
     """
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(ATTENTION)
     if model.device.type != "cpu":
-        return
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        linear = isinstance(m, torch.nn.Linear) or getattr(m, "linear_weight", False)
-        if linear and isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_contiguous() and min(w.shape) > 1:
-            w.data = w.data.t().contiguous().t()
+        return {}
+    from .kernels import tune
+
+    return tune(model, kernel_cache)
 
 
 @torch.inference_mode()

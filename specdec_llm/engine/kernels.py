@@ -1,0 +1,239 @@
+"""CPU matmul kernels for the Linear layers, chosen per row count from timings on this machine.
+
+A decode step multiplies one row per sequence by every weight matrix; a verification
+multiplies k+1 rows. On a CPU both are memory-bound, so verifying k tokens should cost
+little more than one step, but which kernel streams the weights well depends on the row
+count, the layout and the CPU (measured on one 2-core Xeon without AMX, 60 cold
+1536x576 matrices, one thread):
+
+| rows | row-major (``x @ W.T``) | column-major | oneDNN, pre-packed |
+|---|---|---|---|
+| 1 | 26.7 ms | 24.8 ms | 32.8 ms |
+| 2 | 28.5 | 46.3 | 40.3 |
+| 5 | 52.4 | 46.9 | 37.5 |
+| 9 | 72.8 | 58.5 | 44.1 |
+
+No layout wins everywhere, and another CPU (AMX, bf16 hardware) ranks them differently.
+So ``tune`` times each available kernel on the model's own weights (every matrix of a
+shape, so the weights come from memory, not cache) at ``POINTS`` row counts, keeps a copy
+of the weights for each kernel that wins somewhere, and makes every Linear call the
+winner for its row count. The timings are cached in a JSON file keyed by CPU model and
+flags, torch version, threads, dtype and shape, so a later load on the same machine does
+not measure again. The math is the same whichever kernel runs (fp32 results may differ
+in the last bits between kernels; greedy outputs are checked token for token in tests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+import types
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("specdec.engine")
+
+POINTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64)
+TABLE = 1024  # row counts with a precomputed choice (larger counts use the last point's)
+
+
+def _onednn_ok() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _copy(kind: str, w: torch.Tensor) -> torch.Tensor:
+    """The weight as ``kind``'s kernel reads it."""
+    if kind == "row":
+        return w.contiguous()
+    if kind == "col":
+        return w.t().contiguous().t()
+    if kind == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+    raise ValueError(kind)
+
+
+def _fn(kind: str):
+    """y2d = fn(x2d, copy)."""
+    if kind == "onednn":
+        return lambda x, p: torch.ops.mkldnn._linear_pointwise(x.contiguous(), p, None, "none", [], "")
+    return torch.nn.functional.linear
+
+
+def kinds(dtype: torch.dtype) -> list[str]:
+    out = ["row", "col"]
+    if _onednn_ok() and dtype in (torch.float32, torch.bfloat16):
+        out.append("onednn")
+    return out
+
+
+def machine_key() -> str:
+    """CPU model and flags, torch version and threads: what the timings depend on."""
+    model, flags = platform.processor(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    digest = hashlib.sha256(flags.encode()).hexdigest()[:10]
+    return f"{model}|flags {digest}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+
+
+def _time(fn, weights, x, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for w in weights:
+            fn(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.inference_mode()
+def measure(weights: list[torch.Tensor], kinds_: list[str]) -> dict[str, list[float]]:
+    """Seconds per kernel to multiply POINTS rows by every matrix in ``weights`` (one shape)."""
+    out = {}
+    for kind in kinds_:
+        try:
+            copies, fn = [_copy(kind, w) for w in weights], _fn(kind)
+            fn(torch.zeros(1, weights[0].shape[1], dtype=weights[0].dtype), copies[0])
+        except RuntimeError as e:  # a kernel this build or dtype lacks
+            log.info("kernel %s unavailable for %s: %s", kind, tuple(weights[0].shape), e)
+            continue
+        times = []
+        for m in POINTS:
+            x = torch.randn(m, weights[0].shape[1], dtype=weights[0].dtype)
+            _time(fn, copies[:2], x, 1)  # warm up
+            times.append(_time(fn, copies, x))
+        out[kind] = times
+        del copies
+    return out
+
+
+def choose(times: dict[str, list[float]], tolerance: float = 0.05) -> list[str]:
+    """A kernel for each of POINTS: the fastest, unless a kernel already chosen for an
+    earlier point is within ``tolerance`` of it (each kernel kept costs a copy of the weights)."""
+    chosen: list[str] = []
+    for i in range(len(POINTS)):
+        best = min(times, key=lambda k: times[k][i])
+        near = [k for k in dict.fromkeys(chosen) if times[k][i] <= (1 + tolerance) * times[best][i]]
+        chosen.append(near[0] if near else best)
+    return chosen
+
+
+def table(choice: list[str]) -> list[str]:
+    """Row count -> kernel, for 0..TABLE-1: the choice at the nearest point at or above it."""
+    out = []
+    for m in range(TABLE):
+        i = next((i for i, p in enumerate(POINTS) if p >= m), len(POINTS) - 1)
+        out.append(choice[i])
+    return out
+
+
+def untune(model) -> None:
+    """Undo ``tune``: every Linear back to its own forward and a row-major weight."""
+    for m in model.modules():
+        if getattr(m, "_kernels", None) is not None:
+            m.__dict__.pop(getattr(m, "linear_method", None) or "forward", None)
+            m.weight.data = m.weight.data.contiguous()
+            m._kernels = m._kernel_weights = None
+
+
+def _linears(model) -> list[torch.nn.Module]:
+    """Modules that multiply by a 2-D ``weight``: nn.Linear, and modules that declare
+    ``linear_method`` (the draft's SubsetHead: its ``subset_logits``)."""
+    out = []
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if (isinstance(m, torch.nn.Linear) or getattr(m, "linear_method", None)) and isinstance(w, torch.Tensor):
+            if w.dim() == 2 and min(w.shape) > 1 and getattr(m, "_kernels", None) is None:
+                out.append(m)
+    return out
+
+
+def _install(module, table_: list[str], copies: dict) -> None:
+    module._kernels = table_
+    module._kernel_weights = copies
+    fns = {kind: _fn(kind) for kind in copies}
+    bias = getattr(module, "bias", None)
+
+    def linear(self, x):
+        m = x.numel() // x.shape[-1] if x.dim() else 1
+        kind = table_[m] if m < TABLE else table_[-1]
+        y = fns[kind](x.reshape(-1, x.shape[-1]), copies[kind])
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    setattr(module, getattr(module, "linear_method", None) or "forward", types.MethodType(linear, module))
+
+
+def _load(cache_file: Path | None) -> dict:
+    if cache_file is None or not cache_file.is_file():
+        return {}
+    try:
+        return json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save(cache_file: Path | None, data: dict) -> None:
+    if cache_file is None:
+        return
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(cache_file)
+    except OSError as e:  # a read-only cache costs a re-measure next time, nothing else
+        log.info("could not save kernel timings to %s: %s", cache_file, e)
+
+
+@torch.no_grad()
+def tune(model, cache_file: Path | None = None, force: str | None = None) -> dict[str, dict]:
+    """Give every Linear of ``model`` (on CPU) the fastest kernel per row count; returns
+    {shape: {"choice": {rows: kernel}, "ms": {kernel: [ms at POINTS]}}}. Idempotent.
+    ``force``: one kernel for every row count, unmeasured (benchmarks compare them)."""
+    groups: dict[tuple, list] = {}
+    for m in _linears(model):
+        groups.setdefault((tuple(m.weight.shape), m.weight.dtype), []).append(m)
+    if not groups:
+        return {}
+    machine = machine_key()
+    cached = _load(cache_file)
+    report, dirty = {}, False
+    for (shape, dtype), mods in groups.items():
+        # one matrix per module (a tied LM head shares the embedding's tensor: counted once)
+        weights = list({m.weight.data_ptr(): m.weight.detach() for m in mods}.values())
+        key = f"{machine}|{str(dtype).removeprefix('torch.')}|{shape[0]}x{shape[1]}x{len(weights)}"
+        entry = cached.get(key)
+        if force is not None:
+            entry = {"points": list(POINTS), "ms": {force: [0.0] * len(POINTS)}}
+        elif entry is None or entry.get("points") != list(POINTS):
+            times = measure(weights, kinds(dtype))
+            entry = {"points": list(POINTS), "ms": {k: [round(t * 1e3, 4) for t in v] for k, v in times.items()}}
+            cached[key] = entry
+            dirty = True
+        choice = choose(entry["ms"])
+        tab = table(choice)
+        used = sorted(set(choice))
+        for m in mods:
+            w = m.weight.detach()
+            copies = {kind: (w if kind == "row" and w.is_contiguous() else _copy(kind, w)) for kind in used}
+            if "row" not in copies and "col" in copies:  # one layout only: the parameter takes it (no copy kept)
+                m.weight.data = copies["col"]
+            _install(m, tab, copies)
+        report[f"{shape[0]}x{shape[1]}"] = {"choice": dict(zip(POINTS, choice)), "ms": entry["ms"]}
+    if dirty:
+        _save(cache_file, cached)
+    return report
