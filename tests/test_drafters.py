@@ -92,7 +92,7 @@ def test_sampling_with_a_deterministic_drafter_keeps_the_target_distribution():
     assert 0.05 < exact[1, 1] and exact[1].sum() < 0.9, "the lookup draft must be plausible but not certain for the test to have power"
     dec = SpeculativeDecoder(target, drafters=["lookup"])
     reqs = [GenerationRequest(prompt=prompt, max_new_tokens=2, k=1 + i % 2, seed=i, temperature=1.0) for i in range(N)]
-    out = dec.generate_many(reqs, max_batch=32)
+    out = dec.generate_many(reqs, max_batch=256)
     counts = torch.zeros(V, V)
     for res in out:
         counts[res.token_ids[0], res.token_ids[1]] += 1

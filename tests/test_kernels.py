@@ -1,0 +1,55 @@
+"""Per-row-count matmul kernels (engine/kernels.py): the choice logic, the installed forward
+computes the same products, timings are cached per machine and re-read, untune restores."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from specdec_llm.engine import kernels
+
+
+def test_choose_keeps_few_copies_and_table_covers_every_row_count():
+    P = len(kernels.POINTS)
+    times = {"row": [1.0] * P, "col": [1.02] * P, "onednn": [5.0] * P}
+    times["row"][4:] = [3.0] * (P - 4)  # row-major slows down from 5 rows
+    times["onednn"][4:] = [2.0] * (P - 4)
+    times["col"][4:] = [2.05] * (P - 4)  # within 5% of oneDNN: no third copy needed? col is not kept yet
+    choice = kernels.choose(times)
+    assert choice[:4] == ["row"] * 4  # col is within 5% but row is first
+    assert set(choice[4:]) == {"onednn"}  # col was never chosen, so the faster one wins
+    times["col"][:4] = [0.98] * 4  # now col wins at 1 row, and stays within 5% later on
+    assert kernels.choose(times) == ["col"] * P
+    tab = kernels.table(["row"] * 4 + ["onednn"] * (P - 4))
+    assert tab[1] == tab[4] == "row" and tab[5] == tab[64] == tab[kernels.TABLE - 1] == "onednn"
+
+
+def test_tuned_forward_equals_plain_linear_and_the_cache_is_reused(tmp_path, monkeypatch):
+    model = tiny_llama(0)
+    ref = copy.deepcopy(model)
+    cache = tmp_path / "kernels.json"
+    report = kernels.tune(model, cache)
+    assert report and all(set(r["choice"].values()) <= set(kernels.kinds(torch.float32)) for r in report.values())
+    saved = json.loads(cache.read_text())
+    assert all(k.startswith(kernels.machine_key()) for k in saved)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        for rows in (1, 3, 7):
+            a = model(input_ids=ids[:, :rows]).logits
+            b = ref(input_ids=ids[:, :rows]).logits
+            assert torch.allclose(a, b, atol=1e-4), rows
+    # a second model of the same shapes on this machine: read from the cache, nothing measured
+    monkeypatch.setattr(kernels, "measure", lambda *a: pytest.fail("measured again"))
+    other = tiny_llama(1)
+    forced = {"row": [0.0] * len(kernels.POINTS), "col": [1.0] * len(kernels.POINTS)}
+    cache.write_text(json.dumps({k: {**v, "ms": forced} for k, v in saved.items()}))
+    report = kernels.tune(other, cache)
+    assert all(set(r["choice"].values()) == {"row"} for r in report.values())
+    assert kernels.tune(other, cache) == {}  # idempotent: already tuned
+    kernels.untune(other)
+    assert all(getattr(m, "_kernels", None) is None for m in other.modules())
+    assert all("forward" not in vars(m) for m in other.modules() if isinstance(m, torch.nn.Linear))
