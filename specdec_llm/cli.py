@@ -224,13 +224,15 @@ def eval_pair(
     limit: Annotated[Optional[int], typer.Option(help="First N prompts of each category")] = None,
     max_new_tokens: int = 128,
     k: Annotated[int, typer.Option("--k", help="Fixed draft length")] = 4,
+    drafter: Annotated[str, typer.Option(help="The drafter measured (default: the draft model if the pair "
+                                              "has one, else auto)")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
-    """Greedy acceptance rate, mean accepted length and per-position acceptance of a pair."""
+    """Greedy acceptance rate, mean accepted length and per-position acceptance of a pair's drafter."""
     from pathlib import Path
 
     from .evaluate import evaluate, read_prompts
-    from .pairs import load_pair
+    from .pairs import get_spec, load_pair
 
     if k < 1:
         fail(f"k: {k} is below 1; eval-pair measures drafts, use k >= 1")
@@ -242,8 +244,11 @@ def eval_pair(
             rows = read_prompts(path, limit)
         except (ValueError, UnicodeDecodeError) as e:
             fail(f"prompts: {e}")
+        spec = get_spec(pair or get_settings().default_pair)
+        drafter = drafter or ("model" if "model" in spec.drafter_names() else "auto")
+        spec.check_drafter(drafter)
         _threads()
-        decoder = load_pair(pair or get_settings().default_pair).decoder()
+        decoder = load_pair(spec).decoder()
         done = 0
 
         def show(row, res) -> None:
@@ -252,7 +257,7 @@ def eval_pair(
             if not as_json:
                 err.print(f"[dim]{done}/{len(rows)} {row['category']}: acceptance {res.stats.acceptance_rate:.2f}[/dim]")
 
-        report = evaluate(decoder, rows, max_new_tokens, k, on_row=show)
+        report = evaluate(decoder, rows, max_new_tokens, k, on_row=show, drafter=drafter)
     if as_json:
         print(json.dumps(report))
         return

@@ -51,15 +51,19 @@ def _summary(stats: list) -> dict:
     }
 
 
-def evaluate(decoder: SpeculativeDecoder, rows: list[dict], max_new_tokens: int = 128, k: int = 4, on_row=None) -> dict:
-    """Greedy speculative decoding at a fixed k over ``rows``; figures overall and per category."""
+def evaluate(decoder: SpeculativeDecoder, rows: list[dict], max_new_tokens: int = 128, k: int = 4, on_row=None,
+             drafter: str = "auto") -> dict:
+    """Greedy speculative decoding at a fixed k over ``rows`` with ``drafter`` ("auto": the
+    first of the pair's drafters that proposes, each iteration); figures overall and per category."""
     by_cat: dict[str, list] = defaultdict(list)
     for row in rows:
-        res = decoder.generate(GenerationRequest(prompt=row["prompt"], chat=True, max_new_tokens=max_new_tokens, k=k))
+        req = GenerationRequest(prompt=row["prompt"], chat=True, max_new_tokens=max_new_tokens, k=k, drafter=drafter)
+        res = decoder.generate(req)
         by_cat[row["category"]].append(res.stats)
         if on_row:
             on_row(row, res)
-    out = {"overall": _summary([s for v in by_cat.values() for s in v]), "k": k, "max_new_tokens": max_new_tokens}
+    out = {"overall": _summary([s for v in by_cat.values() for s in v]), "k": k, "drafter": drafter,
+           "max_new_tokens": max_new_tokens}
     if len(by_cat) > 1 or "all" not in by_cat:
         out["categories"] = {c: _summary(v) for c, v in sorted(by_cat.items())}
     return out
