@@ -121,8 +121,11 @@ def get_app() -> Celery:
     if key not in _apps:
         from . import tasks  # noqa: F401  (registers the task on every app)
 
+        from .leases import LeaseStep
+
         app = Celery("specdec", set_as_current=False)
         app.conf.update(celery_config(settings))
+        app.steps["consumer"].add(LeaseStep)  # heartbeats of held rows; requeues rows whose worker is gone
         _apps[key] = app
     return _apps[key]
 
