@@ -126,18 +126,18 @@ class Redis:
     """A private, persistent redis-server (append-only file, fsync always) that the test can
     kill and start again on the same port, with the same data."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, persistent: bool = True):
         self.exe = shutil.which("redis-server")
         if self.exe is None:
             _unavailable("redis-server is not installed")
-        self.folder, self.port, self.proc = folder, free_port(), None
+        self.folder, self.port, self.proc, self.persistent = folder, free_port(), None, persistent
         self.url = f"redis://127.0.0.1:{self.port}"
         self.start()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.folder)],
-                                     stdout=subprocess.DEVNULL)  # fmt: skip
+        aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
+        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *aof,
+                                      "--dir", str(self.folder)], stdout=subprocess.DEVNULL)  # fmt: skip
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -160,13 +160,17 @@ class Redis:
             self.proc.wait(10)
 
 
-def test_broker_restarted_mid_job(tmp_path, pairs_toml, use):  # noqa: F811
-    redis = Redis(tmp_path)
+@pytest.mark.parametrize("persistent", [True, False], ids=["aof", "no-persistence"])
+def test_broker_restarted_mid_job(tmp_path, pairs_toml, use, persistent):  # noqa: F811
+    """Redis killed and restarted mid-job. The row being generated when it died comes back
+    by its lease; without persistence the queued rows' messages are gone too, and `run`'s
+    wait (``requeue_lost_after_s``) sends them again. No visibility-timeout tuning."""
+    redis = Redis(tmp_path, persistent)
     fleet = make_fleet(tmp_path, redis.url, 0, sqlite_url(tmp_path), pairs_toml)
-    env = fast_restore(tmp_path)
+    fleet.env.update(LEASES)
     use(fleet)
     try:
-        worker = fleet.start_worker("w", ("--no-calibrate",), **env)
+        worker = fleet.start_worker("w", ("--no-calibrate",))
         wait_for(lambda: loaded(worker), 120)
         sub = client.submit(write_prompts(tmp_path / "p.jsonl", 60, "redis"), "tiny", {"max_new_tokens": 24})
         wait_for(lambda: client.job_counts(sub["job_id"])["ok"] >= 5, 60)
@@ -174,7 +178,7 @@ def test_broker_restarted_mid_job(tmp_path, pairs_toml, use):  # noqa: F811
         assert client.job_counts(sub["job_id"])["ok"] < 60  # mid-job
         time.sleep(2)  # the worker and this client see connection errors meanwhile
         redis.start()
-        client.wait(sub["job_id"], workers=[worker], timeout_s=180)
+        client.wait(sub["job_id"], workers=[worker], timeout_s=180, requeue_lost_after_s=5)  # as `run` does
         assert_exactly_once(sub["job_id"], 60)
         assert worker.poll() is None  # the same worker reconnected
         # the client reconnects too: a new job through the same app and producer pool
@@ -297,3 +301,52 @@ def _ok(job: str) -> int:
         return client.job_counts(job)["ok"]
     except Exception:  # noqa: BLE001 - the job (or the database) is not there yet
         return 0
+
+
+# -- the embedded broker: `run`'s local worker SIGKILLed ---------------------------------------
+def test_run_embedded_survives_its_worker_sigkilled(tmp_path, pairs_toml, monkeypatch):  # noqa: F811
+    """`specdec-llm run` with the embedded broker: its local worker is SIGKILLed while it
+    generates a row (whose message file is already gone). `run` starts another worker, the
+    row comes back by its lease, and the job ends with every row exactly once."""
+    import sqlite3
+    from contextlib import closing
+
+    ROWS = 40
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+    env.update(SPECDEC_DATA_DIR=str(tmp_path / "data"), SPECDEC_CONFIG_FILE=str(pairs_toml), SPECDEC_THREADS="1",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **LEASES)  # fmt: skip
+    path = write_prompts(tmp_path / "p.jsonl", ROWS, "emb")
+    cmd = [sys.executable, "-m", "specdec_llm", "run", str(path), "--pair", "tiny", "--max-new-tokens", "32",
+           "--out", str(tmp_path / "out.jsonl")]  # fmt: skip
+    db = tmp_path / "data" / "specdec.db"
+
+    def running() -> list[tuple[str, str]]:
+        try:
+            with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)) as con:
+                sql = "SELECT id, lease_owner FROM requests WHERE status = 'running' AND lease_owner IS NOT NULL"
+                return con.execute(sql).fetchall()
+        except sqlite3.Error:
+            return []
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(running, 120)
+        [(row, owner)] = running()
+        pid = int(owner.split("@")[0].rsplit("-", 1)[1])  # node specdec-tiny-<pid>@host
+        os.killpg(pid, signal.SIGKILL)  # the worker and its pool child, mid-row
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert f"{ROWS} ok, 0 failed" in out and "starting another" in err
+    for k, v in env.items():
+        if k.startswith("SPECDEC_"):
+            monkeypatch.setenv(k, v)
+    reload_settings()
+    try:
+        assert_exactly_once(row.rsplit("-", 1)[0], ROWS)  # request ids are <job>-<n>
+        assert store_get(row)["requeues"] == 1  # the killed row came back once, by its lease
+    finally:
+        monkeypatch.undo()
+        reload_settings()
