@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .checks import check_seed
 from .engine import GenerationRequest, RequestError
 from .settings import get_settings
 
@@ -91,6 +92,7 @@ def generate(
     )  # fmt: skip
     with user_errors():
         request.validate()  # fail fast, before loading models
+        check_seed(seed)
         _threads()
         decoder = load_pair(pair or get_settings().default_pair).decoder()
         if as_json:

@@ -56,7 +56,9 @@ def broker_display(settings: Settings | None = None) -> str:
         return f"embedded (files in {settings.data_dir / 'queue'})"
     from kombu.utils.url import maybe_sanitize_url
 
-    return maybe_sanitize_url(settings.broker_url)
+    from specdec_llm.store.db import mask_query
+
+    return mask_query(maybe_sanitize_url(settings.broker_url))  # user:pass@ and ?password=...
 
 
 def celery_config(settings: Settings) -> dict:

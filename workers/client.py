@@ -71,12 +71,17 @@ def submit(path: Path, pair: str, params: dict | None = None, *, name: str | Non
             "enqueued": len(todo), "done": len(rows) - len(todo) - bad}  # fmt: skip
 
 
-def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False) -> list:
+def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False, check_pair: bool = True) -> list:
     """One message per request on the pair's queue (rows must already be in the store).
 
     Bulk jobs read their results from the store, so by default the workers do not also
     put them in the result backend; ``keep_results=True`` does (for ``AsyncResult.get()``),
-    and returns the AsyncResults."""
+    and returns the AsyncResults. A pair this registry does not know is refused
+    (``RequestError`` naming the known pairs): its queue would have no consumer.
+    (``check_pair=False``: rows already accepted once, requeued by a worker whose own
+    registry may differ.)"""
+    if check_pair:
+        get_spec(pair)
     app, now = get_app(), time.time()
     sent = []
     with app.producer_or_acquire() as producer:

@@ -42,7 +42,7 @@ def reclaim_and_enqueue(max_attempts: int = MAX_ATTEMPTS) -> list[dict]:
     for pair, ids in by_pair.items():
         log.warning("%d rows of pair %s lost their worker (no heartbeat for %g s): requeued",
                     len(ids), pair, get_settings().lease_timeout_s)  # fmt: skip
-        enqueue(ids, pair)  # a failure leaves them queued without a message: `run` and `retry` resend those
+        enqueue(ids, pair, check_pair=False)  # a failure leaves them queued without a message: `run` and `retry` resend those
     return rows
 
 

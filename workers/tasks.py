@@ -39,6 +39,7 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 from celery.utils.time import get_exponential_backoff_interval
 
 from specdec_llm import store
+from specdec_llm.checks import check_seed
 from specdec_llm.engine import GenerationRequest, RequestError
 
 from specdec_llm.settings import get_settings
@@ -157,6 +158,7 @@ def build_request(row: dict, tokenizer) -> GenerationRequest:
     if params.get("_input_error"):
         raise RequestError("input", params["_input_error"])
     gen = generation_params(params)
+    check_seed(gen.get("seed"))
     prompt = row["prompt"]
     if row.get("messages") is not None:
         prompt, gen["chat"] = runtime.chat_prompt(tokenizer, row["messages"]), False
