@@ -129,7 +129,7 @@ def make_engine(url: str, **kw) -> Engine:
         missing = f" (its driver is not installed: {e})" if isinstance(e, ImportError) else ""
         raise StoreError(
             f"SPECDEC_DATABASE_URL: no usable SQLAlchemy driver for {mask_url(url)}{missing}; the store runs on "
-            "SQLite or PostgreSQL: use sqlite:////path/specdec.db or postgresql+psycopg://user@host/db"
+            "SQLite or PostgreSQL: set SPECDEC_DATABASE_URL to sqlite:////path/specdec.db or postgresql+psycopg://user@host/db"
         ) from None
     if backend == "sqlite":
         event.listen(engine, "connect", _on_sqlite_connect)
