@@ -79,12 +79,14 @@ def exactly_once(db: Path, job: str, n: int) -> dict:
             "rows_redone": attempts_over_1}  # fmt: skip
 
 
-def kill_mid_row(db: Path, job: str, pid: int | None = None, timeout: float = 120) -> tuple[int, bool]:
+def kill_mid_row(db: Path, job: str, pid: int | None = None, timeout: float = 120, dead: set | None = None
+                 ) -> tuple[int, bool]:  # fmt: skip
     """SIGKILL the process group of a worker holding a running row of ``job`` (``pid``'s, or
-    any); returns (its pid, whether the kill landed mid-row)."""
+    any not in ``dead``: killed before, their rows wait for their lease to expire); returns
+    (its pid, whether the kill landed mid-row)."""
     deadline = time.monotonic() + timeout
     while True:
-        rows = [(r, p) for r, p in held(db, job) if pid is None or p == pid]
+        rows = [(r, p) for r, p in held(db, job) if (pid is None or p == pid) and p not in (dead or ())]
         if rows:
             break
         if time.monotonic() > deadline:
@@ -149,6 +151,7 @@ def scenario_kills(args, tmp: Path, pairs: Path) -> dict:
         for w in workers:
             client.stop_local_worker(w, timeout=20)
         redis.terminate()
+        redis.wait(10)
     return out
 
 
@@ -189,6 +192,7 @@ def scenario_redis(args, tmp: Path, pairs: Path) -> dict:
         finally:
             client.stop_local_worker(worker, timeout=20)
             redis.terminate()
+            redis.wait(10)
     return out
 
 
@@ -207,12 +211,13 @@ def scenario_embedded(args, tmp: Path, pairs: Path) -> dict:
                                 "--max-new-tokens", str(args.max_new_tokens), "--out", str(tmp / "e.out.jsonl")],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         mid = kills = 0
-        job = None
+        job, dead = None, set()
         while mid < kills_wanted and kills < 3 * kills_wanted:
-            while not (rows := held(db)):
+            while not (rows := [r for r in held(db) if r[1] not in dead]):
                 time.sleep(0.02)
             job = job or rows[0][0].rsplit("-", 1)[0]
-            _, landed = kill_mid_row(db, job)
+            victim, landed = kill_mid_row(db, job, dead=dead)
+            dead.add(victim)
             mid, kills = mid + landed, kills + 1
             time.sleep(rng.uniform(0, 2))
         stdout, stderr = run.communicate(timeout=args.timeout_s)

@@ -359,10 +359,20 @@ class _SpecDecBase(BaseModel):
     def _wait(self, rid: str, result, call: _Call) -> dict:
         from celery.exceptions import TimeoutError as CeleryTimeout
 
-        try:
-            out = result.get(timeout=call.remaining(), propagate=False, interval=0.05)
-        except CeleryTimeout:
-            raise _timeout_error(call, f"request {rid}") from None
+        from . import store
+
+        while True:  # the task's result; or the row finished by another delivery (its first worker was lost)
+            remaining = call.remaining()
+            try:
+                out = result.get(timeout=5.0 if remaining is None else max(0.01, min(5.0, remaining)),
+                                 propagate=False, interval=0.05)  # fmt: skip
+                break
+            except CeleryTimeout:
+                row = store.get_request(rid)
+                if row and row["status"] in ("ok", "failed", "cancelled"):
+                    return self._from_store(rid, call)
+                if call.expired():
+                    raise _timeout_error(call, f"request {rid}") from None
         if result.failed():
             raise GenerationFailed(f"request {rid} failed in the worker: {out!r}")
         try:

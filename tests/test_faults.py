@@ -350,3 +350,45 @@ def test_run_embedded_survives_its_worker_sigkilled(tmp_path, pairs_toml, monkey
     finally:
         monkeypatch.undo()
         reload_settings()
+
+
+# -- a row longer than the lease timeout keeps its lease -------------------------------------------
+SLOW_ROWS = """
+import time as _time
+import workers.tasks as _tasks
+
+_build = _tasks.build_request
+
+def _slow_build(row, tokenizer):  # runs after the row was taken: it stays running 4 s
+    _time.sleep(4)
+    return _build(row, tokenizer)
+
+_tasks.build_request = _slow_build
+"""
+
+
+@pytest.mark.parametrize("broker", ["redis", "embedded", "redis-batching"])
+def test_a_row_longer_than_the_lease_timeout_is_not_requeued(tmp_path, redis_url, pairs_toml, use, broker):  # noqa: F811
+    """Rows that run 4 s under a 1.5 s lease timeout: the worker's heartbeats keep them (none
+    requeued, each generated once), on both brokers and in the batching (threads) pool."""
+    from test_workers import Fleet
+
+    (tmp_path / "slow_rows.py").write_text(SLOW_ROWS)
+    env = {"SPECDEC_DATABASE_URL": sqlite_url(tmp_path), "SPECDEC_DATA_DIR": str(tmp_path / "data"),
+           "SPECDEC_CONFIG_FILE": str(pairs_toml), "SPECDEC_THREADS": "1", "SPECDEC_LEASE_HEARTBEAT_S": "0.3",
+           "SPECDEC_LEASE_TIMEOUT_S": "1.5"}  # fmt: skip
+    if broker != "embedded":
+        env["SPECDEC_BROKER_URL"] = f"{redis_url}/5"
+    fleet = Fleet(tmp_path, env)
+    use(fleet)
+    args = ("--no-calibrate", *(("--max-batch", "2") if broker == "redis-batching" else ()))
+    try:
+        worker = fleet.start_worker("slow", args, SPECDEC_CELERY_CONFIG="slow_rows",
+                                    PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))  # fmt: skip
+        sub = client.submit(write_prompts(tmp_path / "p.jsonl", 2, f"slow-{broker}"), "tiny", {"max_new_tokens": 4})
+        client.wait(sub["job_id"], workers=[worker], timeout_s=120)
+        assert_exactly_once(sub["job_id"], 2)
+        rows = [store_get(rid) for rid in ids(sub["job_id"])]
+        assert [(r["requeues"], r["attempts"]) for r in rows] == [(0, 1), (0, 1)], fleet.log()[-3000:]
+    finally:
+        fleet.stop()
