@@ -124,3 +124,30 @@ def test_status_shows_lost_rows_instead_of_a_false_eta(url, monkeypatch):
     finally:
         monkeypatch.delenv("SPECDEC_DATABASE_URL")
         reload_settings()
+
+
+def test_batch_server_cancel_drops_one_row_and_keeps_the_others():
+    """``BatchServer.cancel``: a running row leaves the batch (CancelledError), the others
+    finish with the same tokens as alone; a request not started never joins."""
+    import time
+    from concurrent.futures import CancelledError
+
+    from conftest import greedy_reference, tiny_llama
+
+    from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
+    from specdec_llm.engine.serve import BatchServer
+
+    target = tiny_llama(0)
+    server = BatchServer(SpeculativeDecoder(target, tiny_llama(1, layers=1)), max_batch=4, max_wait_ms=50)
+    try:
+        long = server.submit(GenerationRequest(prompt=[5, 6, 7], max_new_tokens=500, k=0))
+        short = server.submit(GenerationRequest(prompt=[3, 4], max_new_tokens=20, k=0))
+        while not long.running():  # joined the batch (hundreds of steps to go)
+            time.sleep(0.001)
+        assert server.cancel(long)
+        with pytest.raises(CancelledError):
+            long.result(timeout=60)
+        assert short.result(timeout=60).token_ids == greedy_reference(target, [3, 4], 20)
+        assert not server.cancel(short)  # finished: nothing to cancel
+    finally:
+        server.close(timeout=10)
