@@ -139,7 +139,8 @@ def test_job_rows_fail_alone_and_are_always_storable(tiny_decoder, tmp_path_fact
     try:
         rows = R.read_rows(path)
     except R.InputError as e:
-        assert "no prompts" in str(e) and not any(line.strip() for line in lines)
+        first = lines[0].removeprefix("\ufeff")  # a UTF-8 byte order mark opening the file is not text
+        assert "no prompts" in str(e) and not any(line.strip() for line in (first, *lines[1:]))
         return
     R.check_rows(rows, job)
     for row in rows:

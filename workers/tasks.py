@@ -41,14 +41,13 @@ from celery.utils.time import get_exponential_backoff_interval
 from specdec_llm import store
 from specdec_llm.checks import check_seed
 from specdec_llm.engine import GenerationRequest, RequestError
-
 from specdec_llm.settings import get_settings
 from specdec_llm.store import jobs
 
 from . import runtime
 from .app import TASK, queue_name
-from .leases import MAX_ATTEMPTS
 from .client import StreamWriter
+from .leases import MAX_ATTEMPTS
 from .rows import generation_params
 
 log = logging.getLogger("specdec.worker")
