@@ -142,7 +142,8 @@ def scenario_kills(args, tmp: Path, pairs: Path) -> dict:
                 mid, kills = mid + landed, kills + 1
                 workers[i] = start()  # as a supervisor (systemd, k8s) would
                 time.sleep(rng.uniform(0, 2))
-            client.wait(job, workers=workers, timeout_s=args.timeout_s)  # leases only: no requeue_lost, no retry
+            client.wait(job, workers=workers, timeout_s=args.timeout_s,  # as `run`: leases, and its resend of rows
+                        requeue_lost_after_s=args.requeue_lost_after_s)  # whose message is gone (none here so far)
             wall = time.monotonic() - t0
             out[phase] = {"wall_s": round(wall, 1), "kills": kills, "mid_row": mid, **exactly_once(db, job, args.rows)}
         base, hit = out["undisturbed"]["wall_s"], out["5 SIGKILLs"]["wall_s"]
