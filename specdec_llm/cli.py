@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .checks import check_seed
 from .engine import GenerationRequest, RequestError
 from .settings import get_settings
 
@@ -93,6 +94,7 @@ def generate(
     )  # fmt: skip
     with user_errors():
         request.validate()  # fail fast, before loading models
+        check_seed(seed)
         spec = get_spec(pair or get_settings().default_pair)
         spec.check_drafter(drafter)
         _threads()

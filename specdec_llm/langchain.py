@@ -59,6 +59,7 @@ from langchain_core.outputs import (
 )
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from .checks import check_seed
 from .engine import GenerationRequest, RequestError
 from .settings import get_settings
 
@@ -183,14 +184,9 @@ def _local_pair(name: str) -> _Loaded:
 
 
 def _price(device: str) -> float | None:
-    from .store.record import device_kind
-    from .store.reports import parse_prices
+    from .store.reports import price_for
 
-    configured = get_settings().price_per_hour
-    prices = parse_prices(configured.split(",")) if configured else None
-    if not prices:
-        return None
-    return prices.get(device_kind(device), prices.get("*"))
+    return price_for(get_settings().price_per_hour, device)
 
 
 # -- the shared part of both models -----------------------------------------------------------------
@@ -303,6 +299,7 @@ class _SpecDecBase(BaseModel):
                    top_k=opt["top_k"], seed=opt["seed"], k=opt["k"], drafter=opt["drafter"], stop=stop,
                    chat=bool(opt["chat"]) and not messages, mode=opt["decoding"])  # fmt: skip
         GenerationRequest(prompt="x", **gen).validate()  # RequestError naming the bad field
+        check_seed(gen["seed"])
         if opt["job_metadata"] is not None:
             try:
                 json.dumps(opt["job_metadata"])
@@ -366,10 +363,20 @@ class _SpecDecBase(BaseModel):
     def _wait(self, rid: str, result, call: _Call) -> dict:
         from celery.exceptions import TimeoutError as CeleryTimeout
 
-        try:
-            out = result.get(timeout=call.remaining(), propagate=False, interval=0.05)
-        except CeleryTimeout:
-            raise _timeout_error(call, f"request {rid}") from None
+        from . import store
+
+        while True:  # the task's result; or the row finished by another delivery (its first worker was lost)
+            remaining = call.remaining()
+            try:
+                out = result.get(timeout=5.0 if remaining is None else max(0.01, min(5.0, remaining)),
+                                 propagate=False, interval=0.05)  # fmt: skip
+                break
+            except CeleryTimeout:
+                row = store.get_request(rid)
+                if row and row["status"] in ("ok", "failed", "cancelled"):
+                    return self._from_store(rid, call)
+                if call.expired():
+                    raise _timeout_error(call, f"request {rid}") from None
         if result.failed():
             raise GenerationFailed(f"request {rid} failed in the worker: {out!r}")
         try:
@@ -554,11 +561,16 @@ def _clean(text: str) -> str:
 
 
 def _check_item(item: _Item) -> None:
+    from .checks import check_messages, check_text
+
     if item.prompt is not None:
         if not isinstance(item.prompt, str) or not item.prompt.strip():
             raise RequestError("prompt", "is empty; pass some text")
+        check_text(item.prompt, "prompt")  # unpaired surrogates, NUL: RequestError, as ChatSpecDec
     elif not item.messages:
         raise RequestError("messages", "is empty; pass at least one message")
+    else:
+        check_messages(item.messages)
 
 
 async def _aiter_in_thread(make: Callable[[threading.Event], Iterator]) -> AsyncIterator:

@@ -33,6 +33,10 @@ class Settings(BaseSettings):
     # time, prefork pool); an idle worker waits max_wait_ms for a burst to start together.
     max_batch: int = 1
     max_wait_ms: float = 20.0
+    # Leases: a worker renews the heartbeat of each row it runs every lease_heartbeat_s; a
+    # running row without a heartbeat for lease_timeout_s lost its worker and is requeued.
+    lease_heartbeat_s: float = 10.0
+    lease_timeout_s: float = 60.0
 
     @property
     def effective_database_url(self) -> str:

@@ -1,6 +1,7 @@
 """Faults on the whole path, for real: nothing lost, nothing duplicated.
 
-- five SIGKILLs of a worker at random points of a 200-row job (restarted after each);
+- five SIGKILLs of a worker, each while it generates a row, in a 200-row job (restarted
+  after each): the leases requeue the killed rows, no visibility-timeout tuning;
 - the broker (a private redis-server, persistent) killed and restarted mid-job;
 - a worker that cannot load its pair (missing model; out of memory at load) exits
   non-zero and leaves the rows queued for a good worker;
@@ -50,32 +51,61 @@ def loaded(proc) -> bool:
 
 
 # -- five SIGKILLs ----------------------------------------------------------------------------
+LEASES = {"SPECDEC_LEASE_HEARTBEAT_S": "0.5", "SPECDEC_LEASE_TIMEOUT_S": "3"}  # lost rows back in ~3 s
+
+
+def running_on(job: str, proc) -> list[str]:
+    """Rows of ``job`` running under the lease of worker ``proc`` (node specdec-tiny-<pid>@host)."""
+    from sqlalchemy import select
+
+    from specdec_llm import store
+    from specdec_llm.store.models import Request
+
+    with store.session_scope() as s:
+        return list(s.scalars(select(Request.id).where(
+            Request.job_id == job, Request.status == "running", Request.lease_owner.like(f"specdec-tiny-{proc.pid}@%"))))
+
+
+def kill_mid_row(job: str, proc) -> bool:
+    """SIGKILL worker ``proc`` (and its pool child) while it holds a running row; True when
+    the kill did land mid-row (that row still running under the dead worker's lease)."""
+    wait_for(lambda: running_on(job, proc), 120)
+    held = running_on(job, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return bool(held) and set(held) <= set(running_on(job, proc))
+
+
 def test_five_sigkills_during_a_200_row_job(tmp_path, redis_url, pairs_toml, use):  # noqa: F811
+    """Five SIGKILLs, each landing while the worker is generating a row (checked: the row is
+    still running under the dead worker's lease; a kill that missed is not counted and
+    another follows). No visibility-timeout tuning: the leases bring the rows back."""
     seed = int(os.environ.get("SPECDEC_TEST_SEED", time.time()))
     rng = random.Random(seed)
     fleet = make_fleet(tmp_path, redis_url, 3, sqlite_url(tmp_path), pairs_toml)
-    env = fast_restore(tmp_path)
+    fleet.env.update(LEASES)
     args = ("--no-calibrate",)
     use(fleet)
     try:
-        workers = [fleet.start_worker(f"w{i}", args, **env) for i in range(2)]
+        workers = [fleet.start_worker(f"w{i}", args) for i in range(2)]
         wait_for(lambda: all(loaded(w) for w in workers), 120)
-        sub = client.submit(write_prompts(tmp_path / "p.jsonl", 200, "kill5"), "tiny", {"max_new_tokens": 8})
+        sub = client.submit(write_prompts(tmp_path / "p.jsonl", 200, "kill5"), "tiny", {"max_new_tokens": 32})
         job = sub["job_id"]
-        # kill points: after a random number of finished rows (increasing), plus a random delay
-        points = sorted(rng.sample(range(5, 170), 5))
-        for n, point in enumerate(points):
-            wait_for(lambda: _ok(job) >= point, 120)
-            time.sleep(rng.uniform(0, 0.3))
+        mid_row = kills = 0
+        while mid_row < 5 and kills < 15:
             i = rng.randrange(len(workers))
-            os.killpg(workers[i].pid, signal.SIGKILL)  # the worker and its pool child, mid-row or between rows
-            workers[i].wait()
-            workers[i] = fleet.start_worker(f"w{i}-{n}", args, **env)
-        client.wait(job, workers=workers, timeout_s=180, requeue_lost_after_s=10)  # see client.requeue_lost
+            mid_row += kill_mid_row(job, workers[i])
+            kills += 1
+            workers[i] = fleet.start_worker(f"w{i}-{kills}", args)
+            time.sleep(rng.uniform(0, 1.5))
+        assert mid_row == 5, f"only {mid_row} of {kills} kills landed mid-row"
+        # leases bring back the killed rows; `run`'s resend covers a message taken by a worker
+        # killed before it marked its row running (the row is still queued, its message gone)
+        client.wait(job, workers=workers, timeout_s=180, requeue_lost_after_s=10)
         assert_exactly_once(job, 200)  # one output and one telemetry row each, every row ok
-        retried = sum(r["attempts"] > 1 for r in client.job_requests(job, outputs=False))
-        print(f"seed {seed}: {retried} rows were being generated when their worker was killed, and redone")
-        assert retried >= 1  # the kills did land mid-row (both workers are busy all along)
+        requeued = sum(r["requeues"] for r in (store_get(rid) for rid in ids(job)))
+        assert requeued >= 5  # each killed row went back to the queue by its lease (exactly once each)
+        print(f"seed {seed}: {kills} kills, {mid_row} mid-row, {requeued} rows requeued by lease")
     except BaseException:
         print(f"seed {seed} (SPECDEC_TEST_SEED={seed} repeats it)\n{fleet.log()[-4000:]}")
         raise
@@ -83,23 +113,33 @@ def test_five_sigkills_during_a_200_row_job(tmp_path, redis_url, pairs_toml, use
         fleet.stop()
 
 
+def ids(job: str) -> list[str]:
+    return [r["id"] for r in client.job_requests(job, outputs=False)]
+
+
+def store_get(rid: str) -> dict:
+    from specdec_llm import store
+
+    return store.get_request(rid)
+
+
 # -- the broker restarted ---------------------------------------------------------------------
 class Redis:
     """A private, persistent redis-server (append-only file, fsync always) that the test can
     kill and start again on the same port, with the same data."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, persistent: bool = True):
         self.exe = shutil.which("redis-server")
         if self.exe is None:
             _unavailable("redis-server is not installed")
-        self.folder, self.port, self.proc = folder, free_port(), None
+        self.folder, self.port, self.proc, self.persistent = folder, free_port(), None, persistent
         self.url = f"redis://127.0.0.1:{self.port}"
         self.start()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.folder)],
-                                     stdout=subprocess.DEVNULL)  # fmt: skip
+        aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
+        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *aof,
+                                      "--dir", str(self.folder)], stdout=subprocess.DEVNULL)  # fmt: skip
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -122,13 +162,17 @@ class Redis:
             self.proc.wait(10)
 
 
-def test_broker_restarted_mid_job(tmp_path, pairs_toml, use):  # noqa: F811
-    redis = Redis(tmp_path)
+@pytest.mark.parametrize("persistent", [True, False], ids=["aof", "no-persistence"])
+def test_broker_restarted_mid_job(tmp_path, pairs_toml, use, persistent):  # noqa: F811
+    """Redis killed and restarted mid-job. The row being generated when it died comes back
+    by its lease; without persistence the queued rows' messages are gone too, and `run`'s
+    wait (``requeue_lost_after_s``) sends them again. No visibility-timeout tuning."""
+    redis = Redis(tmp_path, persistent)
     fleet = make_fleet(tmp_path, redis.url, 0, sqlite_url(tmp_path), pairs_toml)
-    env = fast_restore(tmp_path)
+    fleet.env.update(LEASES)
     use(fleet)
     try:
-        worker = fleet.start_worker("w", ("--no-calibrate",), **env)
+        worker = fleet.start_worker("w", ("--no-calibrate",))
         wait_for(lambda: loaded(worker), 120)
         sub = client.submit(write_prompts(tmp_path / "p.jsonl", 60, "redis"), "tiny", {"max_new_tokens": 24})
         wait_for(lambda: client.job_counts(sub["job_id"])["ok"] >= 5, 60)
@@ -136,7 +180,7 @@ def test_broker_restarted_mid_job(tmp_path, pairs_toml, use):  # noqa: F811
         assert client.job_counts(sub["job_id"])["ok"] < 60  # mid-job
         time.sleep(2)  # the worker and this client see connection errors meanwhile
         redis.start()
-        client.wait(sub["job_id"], workers=[worker], timeout_s=180)
+        client.wait(sub["job_id"], workers=[worker], timeout_s=180, requeue_lost_after_s=5)  # as `run` does
         assert_exactly_once(sub["job_id"], 60)
         assert worker.poll() is None  # the same worker reconnected
         # the client reconnects too: a new job through the same app and producer pool
@@ -259,3 +303,94 @@ def _ok(job: str) -> int:
         return client.job_counts(job)["ok"]
     except Exception:  # noqa: BLE001 - the job (or the database) is not there yet
         return 0
+
+
+# -- the embedded broker: `run`'s local worker SIGKILLed ---------------------------------------
+def test_run_embedded_survives_its_worker_sigkilled(tmp_path, pairs_toml, monkeypatch):  # noqa: F811
+    """`specdec-llm run` with the embedded broker: its local worker is SIGKILLed while it
+    generates a row (whose message file is already gone). `run` starts another worker, the
+    row comes back by its lease, and the job ends with every row exactly once."""
+    import sqlite3
+    from contextlib import closing
+
+    ROWS = 20
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+    env.update(SPECDEC_DATA_DIR=str(tmp_path / "data"), SPECDEC_CONFIG_FILE=str(pairs_toml), SPECDEC_THREADS="1",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **LEASES)  # fmt: skip
+    path = write_prompts(tmp_path / "p.jsonl", ROWS, "emb")
+    cmd = [sys.executable, "-m", "specdec_llm", "run", str(path), "--pair", "tiny", "--max-new-tokens", "32",
+           "--out", str(tmp_path / "out.jsonl")]  # fmt: skip
+    db = tmp_path / "data" / "specdec.db"
+
+    def running() -> list[tuple[str, str]]:
+        try:
+            with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)) as con:
+                sql = "SELECT id, lease_owner FROM requests WHERE status = 'running' AND lease_owner IS NOT NULL"
+                return con.execute(sql).fetchall()
+        except sqlite3.Error:
+            return []
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(running, 120)
+        [(row, owner)] = running()
+        pid = int(owner.split("@")[0].rsplit("-", 1)[1])  # node specdec-tiny-<pid>@host
+        os.killpg(pid, signal.SIGKILL)  # the worker and its pool child, mid-row
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert f"{ROWS} ok, 0 failed" in out and "starting another" in err
+    for k, v in env.items():
+        if k.startswith("SPECDEC_"):
+            monkeypatch.setenv(k, v)
+    reload_settings()
+    try:
+        assert_exactly_once(row.rsplit("-", 1)[0], ROWS)  # request ids are <job>-<n>
+        assert store_get(row)["requeues"] == 1  # the killed row came back once, by its lease
+    finally:
+        monkeypatch.undo()
+        reload_settings()
+
+
+# -- a row longer than the lease timeout keeps its lease -------------------------------------------
+SLOW_ROWS = """
+import time as _time
+import workers.tasks as _tasks
+
+_build = _tasks.build_request
+
+def _slow_build(row, tokenizer):  # runs after the row was taken: it stays running 4 s
+    _time.sleep(4)
+    return _build(row, tokenizer)
+
+_tasks.build_request = _slow_build
+"""
+
+
+@pytest.mark.parametrize("broker", ["redis", "embedded", "redis-batching"])
+def test_a_row_longer_than_the_lease_timeout_is_not_requeued(tmp_path, redis_url, pairs_toml, use, broker):  # noqa: F811
+    """Rows that run 4 s under a 1.5 s lease timeout: the worker's heartbeats keep them (none
+    requeued, each generated once), on both brokers and in the batching (threads) pool."""
+    from test_workers import Fleet
+
+    (tmp_path / "slow_rows.py").write_text(SLOW_ROWS)
+    env = {"SPECDEC_DATABASE_URL": sqlite_url(tmp_path), "SPECDEC_DATA_DIR": str(tmp_path / "data"),
+           "SPECDEC_CONFIG_FILE": str(pairs_toml), "SPECDEC_THREADS": "1", "SPECDEC_LEASE_HEARTBEAT_S": "0.3",
+           "SPECDEC_LEASE_TIMEOUT_S": "1.5"}  # fmt: skip
+    if broker != "embedded":
+        env["SPECDEC_BROKER_URL"] = f"{redis_url}/5"
+    fleet = Fleet(tmp_path, env)
+    use(fleet)
+    args = ("--no-calibrate", *(("--max-batch", "2") if broker == "redis-batching" else ()))
+    try:
+        worker = fleet.start_worker("slow", args, SPECDEC_CELERY_CONFIG="slow_rows",
+                                    PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))  # fmt: skip
+        sub = client.submit(write_prompts(tmp_path / "p.jsonl", 2, f"slow-{broker}"), "tiny", {"max_new_tokens": 4})
+        client.wait(sub["job_id"], workers=[worker], timeout_s=120)
+        assert_exactly_once(sub["job_id"], 2)
+        rows = [store_get(rid) for rid in ids(sub["job_id"])]
+        assert [(r["requeues"], r["attempts"]) for r in rows] == [(0, 1), (0, 1)], fleet.log()[-3000:]
+    finally:
+        fleet.stop()

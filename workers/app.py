@@ -56,7 +56,9 @@ def broker_display(settings: Settings | None = None) -> str:
         return f"embedded (files in {settings.data_dir / 'queue'})"
     from kombu.utils.url import maybe_sanitize_url
 
-    return maybe_sanitize_url(settings.broker_url)
+    from specdec_llm.store.db import mask_query
+
+    return mask_query(maybe_sanitize_url(settings.broker_url))  # user:pass@ and ?password=...
 
 
 def celery_config(settings: Settings) -> dict:
@@ -121,8 +123,11 @@ def get_app() -> Celery:
     if key not in _apps:
         from . import tasks  # noqa: F401  (registers the task on every app)
 
+        from .leases import LeaseStep
+
         app = Celery("specdec", set_as_current=False)
         app.conf.update(celery_config(settings))
+        app.steps["consumer"].add(LeaseStep)  # heartbeats of held rows; requeues rows whose worker is gone
         _apps[key] = app
     return _apps[key]
 

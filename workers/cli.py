@@ -193,6 +193,10 @@ def register(app: typer.Typer) -> None:
         cost = "-" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
         print(f"job {st['job_id']} ({st['name']}): {st['status']}, {st['progress']:.0%} of {st['total']} rows")
         print("  " + ", ".join(f"{k} {v}" for k, v in c.items()))
+        if st["lost"] or st["requeued"]:  # rows whose worker is gone: back on the queue by themselves
+            parts = [f"{st['lost']} lost, being requeued"] if st["lost"] else []
+            parts += [f"{st['requeued']} lost, requeued"] if st["requeued"] else []
+            print("  " + "; ".join(parts) + " (their worker stopped; they run again on their own)")
         print(f"  {st['output_tokens']} tokens, {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s overall, "
               f"{_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request; acceptance "
               f"{_fmt(st['acceptance_rate'], '.1%')}, speedup {_fmt(st['speedup'], '.2f')}x, cost {cost}")  # fmt: skip
@@ -260,6 +264,7 @@ def register(app: typer.Typer) -> None:
         device = _device(device)
         _batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
         out = out or Path(f"{file.stem}.results.{fmt}")
+        _check_output(fmt, out)  # before generating anything, not after
         t0 = time.time()
         procs = []
         with _errors():
@@ -286,7 +291,11 @@ def register(app: typer.Typer) -> None:
                         done = c["ok"] + c["failed"] + c["cancelled"]
                         progress.update(bar, completed=done, detail=f"ok {c['ok']} failed {c['failed']}")
 
-                    client.wait(job, workers=procs, on_progress=show, requeue_lost_after_s=60)
+                    def restart(dead):  # a local worker killed (SIGKILL, OOM killer): its rows come back by lease
+                        return client.start_local_worker(pair, device=device, concurrency=concurrency,
+                                                         max_batch=max_batch)  # fmt: skip
+
+                    client.wait(job, workers=procs, on_progress=show, requeue_lost_after_s=60, restart=restart)
             except RuntimeError as e:
                 _fail(str(e))
             except KeyboardInterrupt:
@@ -295,7 +304,7 @@ def register(app: typer.Typer) -> None:
             finally:
                 for p in procs:
                     client.stop_local_worker(p)
-            _export(client.results(job), fmt, out)
+            _export(client.results(job), fmt, out, job=job)
             st = client.status(job, price_per_hour=price_per_hour or None)
         c, wall = st["counts"], time.time() - t0
         print(f"job {job}: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled; results in {out}")
@@ -309,7 +318,20 @@ def register(app: typer.Typer) -> None:
             print(f"  {c['failed']} rows failed: see their 'error' in {out}; `specdec-llm retry {job}` runs them again")
 
 
-def _export(items: list[dict], fmt: str, out: Path | None) -> None:
+def _check_output(fmt: str, out: Path) -> None:
+    """Refuse a format or an output file that cannot work, before a job runs."""
+    if fmt not in ("jsonl", "csv"):
+        _fail(f"format: {fmt!r} unknown; use --format jsonl or --format csv")
+    if out.is_dir():
+        _fail(f"out: {out} is a folder; give a file name, e.g. --out {out / 'results.jsonl'}")
+    folder = out.parent
+    while not folder.exists() and folder != folder.parent:  # the nearest existing folder gets the new ones
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder if not out.exists() else out, os.W_OK):
+        _fail(f"out: cannot write {out} (permission denied or not a folder); choose another --out")
+
+
+def _export(items: list[dict], fmt: str, out: Path | None, job: str | None = None) -> None:
     from . import client
 
     if fmt not in ("jsonl", "csv"):
@@ -322,4 +344,5 @@ def _export(items: list[dict], fmt: str, out: Path | None) -> None:
         with open(out, "w", encoding="utf-8", newline="") as f:
             client.write_results(items, fmt, f)
     except OSError as e:
-        _fail(f"cannot write {out}: {e.strerror}")
+        again = f"; the results are in the store: `specdec-llm results {job} --out FILE` writes them" if job else ""
+        _fail(f"cannot write {out}: {e.strerror}{again}")

@@ -10,6 +10,7 @@ position, so submitting the same thing again resumes it instead of duplicating i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,11 +19,12 @@ import time
 from pathlib import Path
 
 from kombu.exceptions import OperationalError
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from specdec_llm import store
 from specdec_llm.pairs import get_spec
 from specdec_llm.settings import get_settings
+from specdec_llm.store import jobs
 from specdec_llm.store.models import utcnow
 
 from . import rows as R
@@ -69,12 +71,17 @@ def submit(path: Path, pair: str, params: dict | None = None, *, name: str | Non
             "enqueued": len(todo), "done": len(rows) - len(todo) - bad}  # fmt: skip
 
 
-def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False) -> list:
+def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False, check_pair: bool = True) -> list:
     """One message per request on the pair's queue (rows must already be in the store).
 
     Bulk jobs read their results from the store, so by default the workers do not also
     put them in the result backend; ``keep_results=True`` does (for ``AsyncResult.get()``),
-    and returns the AsyncResults."""
+    and returns the AsyncResults. A pair this registry does not know is refused
+    (``RequestError`` naming the known pairs): its queue would have no consumer.
+    (``check_pair=False``: rows already accepted once, requeued by a worker whose own
+    registry may differ.)"""
+    if check_pair:
+        get_spec(pair)
     app, now = get_app(), time.time()
     sent = []
     with app.producer_or_acquire() as producer:
@@ -118,15 +125,11 @@ def job_requests(job_id: str, *, outputs: bool = True) -> list[dict]:
     return out
 
 
-def job_counts(job_id: str) -> dict[str, int]:
-    from specdec_llm.store.models import Request
-
-    store.check_schema()
-    with store.session_scope() as s:
-        counts = dict(s.execute(
-            select(Request.status, func.count()).where(Request.job_id == job_id).group_by(Request.status)
-        ).all())  # fmt: skip
-    return {k: counts.get(k, 0) for k in (*PENDING, *FINISHED)}
+def job_counts(job_id: str, *, leases: bool = False) -> dict[str, int]:
+    """Rows by state; ``leases``: also ``lost`` (running, lease expired: about to be
+    requeued) and ``requeued`` (pending again after their worker was lost)."""
+    counts = jobs.counts(job_id, lease_timeout_s=get_settings().lease_timeout_s)
+    return counts if leases else {k: counts[k] for k in (*PENDING, *FINISHED)}
 
 
 def get_job(job_id: str) -> dict:
@@ -142,7 +145,8 @@ def status(job_id: str, price_per_hour=None) -> dict:
     from specdec_llm.store import summary
 
     job = get_job(job_id)
-    counts = job_counts(job_id)
+    counts = job_counts(job_id, leases=True)
+    lost, requeued = counts.pop("lost"), counts.pop("requeued")
     total = sum(counts.values())
     done = sum(counts[s] for s in FINISHED)
     report = summary(job=job_id, group_by=(), price_per_hour=price_per_hour)
@@ -151,8 +155,9 @@ def status(job_id: str, price_per_hour=None) -> dict:
     rate = done / elapsed if elapsed > 0 and done else None
     return {
         "job_id": job_id, "name": job["name"], "status": job["status"], "total": total, "counts": counts,
-        "progress": done / total if total else 1.0, "elapsed_s": elapsed,
-        "eta_s": (total - done) / rate if rate and total > done else (0.0 if total == done else None),
+        "progress": done / total if total else 1.0, "elapsed_s": elapsed, "lost": lost, "requeued": requeued,
+        # no ETA while a row's worker is gone and its row not yet requeued (it would be a false one)
+        "eta_s": None if lost else (total - done) / rate if rate and total > done else (0.0 if total == done else None),
         "output_tokens": rep.get("output_tokens", 0),
         "throughput_tokens_per_s": rep.get("output_tokens", 0) / elapsed if elapsed > 0 else None,
         "tokens_per_s_mean": rep.get("tokens_per_s_mean"), "acceptance_rate": rep.get("acceptance_rate"),
@@ -193,31 +198,22 @@ def write_results(items: list[dict], fmt: str, out) -> None:
 # -- retry and cancel --------------------------------------------------------------------------
 def retry(job_id: str) -> dict:
     """Re-enqueue failed rows (not those refused at submit: they would fail again) and lost
-    ones (still queued or running: a message lost with its broker or worker). A row that is
-    in fact still running elsewhere is harmless: the first result recorded wins."""
+    ones (queued: a message lost with its broker; running with an expired lease: a worker
+    lost), in one UPDATE. Rows running under a live lease are left to their worker."""
     get_job(job_id)
+    rows = jobs.requeue(job_id, lease_timeout_s=get_settings().lease_timeout_s)
     by_pair: dict[str, list[str]] = {}
-    skipped = 0
-    for r in job_requests(job_id, outputs=False):
-        if r["status"] == "failed" and (r["params"] or {}).get("_input_error"):
-            skipped += 1
-        elif r["status"] in ("failed", *PENDING):
-            by_pair.setdefault(r["pair"], []).append(r["id"])
+    for r in rows:
+        by_pair.setdefault(r["pair"], []).append(r["id"])
     for pair, ids in by_pair.items():
-        for rid in ids:
-            store.mark_request(rid, "queued")
         _enqueue_job(job_id, ids, pair)
-    return {"job_id": job_id, "enqueued": sum(map(len, by_pair.values())), "bad_input": skipped}
+    return {"job_id": job_id, "enqueued": len(rows), "bad_input": jobs.refused_count(job_id)}
 
 
 def cancel(job_id: str) -> dict:
-    """Rows not started are cancelled (workers skip them); a row being generated finishes."""
+    """Rows not started are cancelled, in one UPDATE (workers skip them); a row being generated finishes."""
     get_job(job_id)
-    n = 0
-    for r in job_requests(job_id, outputs=False):
-        if r["status"] == "queued":
-            n += store.mark_request(r["id"], "cancelled", error="cancelled")
-    return {"job_id": job_id, "cancelled": n}
+    return {"job_id": job_id, "cancelled": jobs.cancel(job_id)}
 
 
 # -- workers -----------------------------------------------------------------------------------
@@ -294,8 +290,8 @@ def queue_size(pair: str) -> int | None:
 
 def requeue_lost(job_id: str) -> int:
     """Enqueue again the job's rows that are still queued while their pair's queue is empty
-    and none of the job's rows is running: their messages were lost (a broker that lost its
-    data, or a worker killed between taking a message and recording it). A duplicate
+    and none of the job's rows is running: their messages were lost (a broker restarted
+    without persistence, or a worker killed between taking a message and its row). A duplicate
     message is harmless: a row already finished is a no-op. Returns how many were sent."""
     rows = job_requests(job_id, outputs=False)
     if any(r["status"] == "running" for r in rows):
@@ -313,18 +309,26 @@ def requeue_lost(job_id: str) -> int:
 
 
 def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None, poll_s: float = 0.3,
-         timeout_s: float | None = None, requeue_lost_after_s: float | None = None) -> dict:  # fmt: skip
+         timeout_s: float | None = None, requeue_lost_after_s: float | None = None, restart=None,
+         max_restarts: int = 20) -> dict:  # fmt: skip
     """Until no row of the job is queued or running; returns the counts by state.
     ``on_progress(counts)`` after each look. Raises RuntimeError when every local worker in
     ``workers`` has stopped first, TimeoutError after ``timeout_s``. A database that cannot
     be read (an outage, a lock) is looked at again for up to ``STORE_GRACE_S`` seconds.
-    ``requeue_lost_after_s``: when no row has finished for that long, none is running and
-    some are queued, ``requeue_lost`` (rows whose message is gone are sent again)."""
+    Every lease heartbeat period, rows whose worker is gone (lease expired) are requeued
+    (as every worker does: whoever comes first). ``restart(proc)``: a new local worker for
+    one in ``workers`` killed by a signal (at most ``max_restarts``; ``workers`` is a
+    list, updated in place). ``requeue_lost_after_s``: when no row has finished for that
+    long, none is running and some are queued, ``requeue_lost`` (rows whose message is
+    gone, e.g. with a broker that lost its data, are sent again)."""
     from sqlalchemy.exc import DBAPIError
 
+    from .leases import reclaim_and_enqueue
+
+    log = logging.getLogger("specdec.client")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    last_read = progress_at = time.monotonic()
-    last_done = -1
+    last_read = progress_at = reclaimed_at = time.monotonic()
+    last_done, restarts = -1, 0
     while True:
         try:
             counts = job_counts(job_id)
@@ -351,10 +355,18 @@ def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None,
             except (store.StoreError, DBAPIError, QueueError):  # not now; look again later
                 n = 0
             if n:
-                import logging
-
-                logging.getLogger("specdec.client").warning(
-                    "job %s: %d queued rows had no message (lost with a worker or the broker); enqueued again", job_id, n)
+                log.warning("job %s: %d queued rows had no message (lost with the broker); enqueued again", job_id, n)
+        if counts["running"] and time.monotonic() - reclaimed_at > get_settings().lease_heartbeat_s:
+            reclaimed_at = time.monotonic()
+            try:
+                reclaim_and_enqueue()
+            except Exception as e:  # noqa: BLE001 - the database or broker is away: a worker or the next look does it
+                log.debug("requeueing lost rows: %s", e)
+        for i, p in enumerate(workers):
+            if p.poll() is not None and p.returncode < 0 and restart is not None and restarts < max_restarts:
+                restarts += 1
+                log.warning("the local worker was killed (signal %d); starting another", -p.returncode)
+                workers[i] = restart(p)
         if workers and all(p.poll() is not None for p in workers):
             p = workers[0]
             raise RuntimeError(f"the local worker stopped (exit code {p.returncode}); its log {p.log_path}:\n{log_tail(p)}")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from specdec_llm.checks import check_messages, check_seed, check_text
 from specdec_llm.engine import GenerationRequest, RequestError
 
 PARAMS = tuple(f.name for f in fields(GenerationRequest) if f.name != "prompt")
@@ -248,7 +249,7 @@ def _csv(lines, path: Path) -> list[Row]:
                 yield line + "\n"
 
     csv.field_size_limit(MAX_LINE_BYTES)  # (the default, 131,072 characters, would refuse long prompts)
-    reader = csv.DictReader(text())
+    reader = csv.DictReader(text(), strict=True)  # strict: a quote never closed is an error, not the rest of the file
     try:
         fieldnames = reader.fieldnames
     except csv.Error as e:
@@ -262,11 +263,18 @@ def _csv(lines, path: Path) -> list[Row]:
         except StopIteration:
             break
         except csv.Error as e:  # a broken record fails alone
+            if "unexpected end of data" in str(e):  # every line after the quote would be one prompt
+                raise InputError(
+                    f"{path}: line {start}: a quoted field opens in this record and is never closed, so every "
+                    "line after it would become part of one prompt; close the quote (a quote inside a quoted "
+                    'field is written "")'
+                ) from None
             rows.append(Row(len(rows), start, "", prompt="", error=f"bad CSV ({e})"))
             start = reader.line_num + 1
             continue
         line, start = start, reader.line_num + 1
         extra = {k: v for k, v in record.items() if k not in ("id", "prompt", "category") and k is not None}
+        surplus = record.get(None)  # more fields than the header names: never dropped silently
         row = Row(len(rows), line, record.get("id") or "", prompt=record.get("prompt"),
                   metadata=extra or None, category=record.get("category") or None)  # fmt: skip
         values = [v for v in record.values() if isinstance(v, str)]
@@ -274,6 +282,9 @@ def _csv(lines, path: Path) -> list[Row]:
         if bad or any(CSV_BAD_LINE in v for v in values):
             problem = bad[0] if bad else _Bad("a line of this record cannot be read", "")
             row.id, row.prompt, row.metadata, row.category, row.error = "", problem.preview, None, None, problem.error
+        elif surplus:
+            row.error = (f"{len(fieldnames) + len(surplus)} fields, but the header names {len(fieldnames)}; "
+                         "quote a prompt that holds commas (\"like, this\"), or name the extra columns in the header")
         elif not (row.prompt or "").strip():
             row.error = "empty prompt"
         rows.append(row)
@@ -288,6 +299,7 @@ def check_params(params: dict, *, messages: bool = False) -> None:
         raise RequestError(unknown[0], f"unknown parameter; known: {', '.join(PARAMS)}")
     gen = {**params, "chat": False} if messages else params
     GenerationRequest(prompt="x", **gen).validate()
+    check_seed(params.get("seed"))
 
 
 def check_rows(rows: list[Row], job_params: dict) -> None:
@@ -297,6 +309,8 @@ def check_rows(rows: list[Row], job_params: dict) -> None:
         if r.error is None:
             try:
                 check_params({**job_params, **r.params}, messages=r.messages is not None)
+                check_text(r.prompt, "prompt")
+                check_messages(r.messages)
             except RequestError as e:
                 r.error = str(e)
 

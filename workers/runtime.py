@@ -154,13 +154,11 @@ def load(options: WorkerOptions) -> Runtime:
 def _price(given: float | None, device: str) -> float | None:
     """USD per device-hour: as given, else from settings (``price_per_hour``, if the settings
     have it: one figure or per device kind, as the reports read it)."""
-    from specdec_llm.store.record import device_kind
-    from specdec_llm.store.reports import parse_prices
+    from specdec_llm.store.reports import price_for
 
     if given is not None:
         return given
-    prices = parse_prices(getattr(get_settings(), "price_per_hour", None)) or {}
-    return prices.get(device_kind(device), prices.get("*"))
+    return price_for(get_settings().price_per_hour, device)
 
 
 def memory_text(rt: Runtime) -> str:

@@ -16,6 +16,9 @@ messages, parameters) is read from the store, so a message is a few ids, not dat
 - Transient faults (database or broker unreachable) retry with exponential backoff and
   jitter; a failure writing the result retries the write alone, carrying the result in
   the message, so a GPU never generates the same row twice for a database hiccup.
+- The row is taken under a lease (``workers.leases``): the worker's heartbeat keeps it;
+  a row whose worker dies goes back to the queue by itself. A duplicate message for a
+  row running under another worker's live lease is left alone.
 - A row whose deliveries keep dying mid-generation (OOM-killed worker) fails after
   ``MAX_ATTEMPTS`` instead of killing workers forever.
 - A row whose params hold ``"_stream": true`` (LangChain ``.stream``) publishes its text
@@ -36,11 +39,15 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 from celery.utils.time import get_exponential_backoff_interval
 
 from specdec_llm import store
+from specdec_llm.checks import check_seed
 from specdec_llm.engine import GenerationRequest, RequestError
+from specdec_llm.settings import get_settings
+from specdec_llm.store import jobs
 
 from . import runtime
 from .app import TASK, queue_name
 from .client import StreamWriter
+from .leases import MAX_ATTEMPTS
 from .rows import generation_params
 
 log = logging.getLogger("specdec.worker")
@@ -58,7 +65,6 @@ except ImportError:  # pragma: no cover
 
 MAX_RETRIES = 12
 BACKOFF_MAX = 60  # s
-MAX_ATTEMPTS = 3  # deliveries that died mid-generation before a row is given up
 
 
 class GenerateTask(Task):
@@ -99,8 +105,12 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
         except Exception as e:  # noqa: BLE001 - not the row's fault: put it back, stop this worker
             runtime.stop_worker(runtime.load_error_text(pair, e))
             raise Reject(f"pair {pair} unavailable here", requeue=True) from None
-        if not store.mark_request(request_id, "running", worker=rt.worker):  # cancelled (or done) meanwhile
-            return _finished(store.get_request(request_id))
+        owner = self.request.hostname or f"{rt.worker['host']}:{rt.worker['pid']}"
+        if not jobs.take(request_id, owner, lease_timeout_s=get_settings().lease_timeout_s, worker=rt.worker):
+            row = store.get_request(request_id)  # cancelled or done meanwhile, or another worker's live lease
+            if row["status"] == "running":
+                return {"request_id": request_id, "status": "running elsewhere", "duplicate": True}
+            return _finished(row)
         stream = StreamWriter(request_id) if (row.get("params") or {}).get("_stream") else None  # see client.py
         limit = soft_time_limit(self)
         try:
@@ -147,6 +157,7 @@ def build_request(row: dict, tokenizer) -> GenerationRequest:
     if params.get("_input_error"):
         raise RequestError("input", params["_input_error"])
     gen = generation_params(params)
+    check_seed(gen.get("seed"))
     prompt = row["prompt"]
     if row.get("messages") is not None:
         prompt, gen["chat"] = runtime.chat_prompt(tokenizer, row["messages"]), False

@@ -10,6 +10,8 @@ steps; between steps it takes waiting requests up to ``max_batch`` rows. A bad r
 fails its own Future with the RequestError at join time; an error inside a step (out of
 memory...) fails the rows of that batch and the loop goes on with a fresh one. A
 request whose ``deadline`` (time.monotonic()) passes leaves the batch with TimeoutError.
+``cancel(future)`` withdraws a request: not started yet, it never joins; in the batch, it
+leaves before the next step (its Future raises CancelledError); the other rows go on.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class BatchServer:
         self.decoder, self.max_batch, self.max_wait = decoder, max_batch, max_wait_ms / 1000
         self.inbox: queue.Queue = queue.Queue()
         self.closed = threading.Event()
+        self.cancelled: set[Future] = set()  # futures of rows to drop at the next step (server thread reads)
+        self._cancel_lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name="specdec-batch", daemon=True)
         self.thread.start()
 
@@ -42,6 +46,17 @@ class BatchServer:
         fut: Future = Future()
         self.inbox.put((request, on_text, deadline, fut))
         return fut
+
+    def cancel(self, fut: Future) -> bool:
+        """Withdraw the request behind ``fut`` (from ``submit``). False when it has already
+        finished; else True: it never starts, or leaves the batch before the next step."""
+        if fut.cancel():  # still waiting in the inbox: it will never join
+            return True
+        if fut.done():
+            return False
+        with self._cancel_lock:
+            self.cancelled.add(fut)
+        return True
 
     def close(self, timeout: float | None = None) -> None:
         self.closed.set()
@@ -111,9 +126,20 @@ class BatchServer:
             fut.set_exception(e)
 
     def _expire(self, batch: Batch) -> None:
+        """Rows past their deadline (TimeoutError) or cancelled (CancelledError) leave the batch."""
+        from concurrent.futures import CancelledError
+
         now = time.monotonic()
-        late = [b for b, row in enumerate(batch.rows) if row.tag[1] is not None and now > row.tag[1]]
-        if late:
-            for b in late:
-                batch.rows[b].tag[0].set_exception(TimeoutError("generation passed its deadline"))
-            batch.keep([b for b in range(len(batch.rows)) if b not in late])
+        with self._cancel_lock:
+            cancelled, self.cancelled = self.cancelled, set()
+        gone = []
+        for b, row in enumerate(batch.rows):
+            fut, deadline = row.tag
+            if fut in cancelled:
+                fut.set_exception(CancelledError("cancelled"))
+                gone.append(b)
+            elif deadline is not None and now > deadline:
+                fut.set_exception(TimeoutError("generation passed its deadline"))
+                gone.append(b)
+        if gone:
+            batch.keep([b for b in range(len(batch.rows)) if b not in gone])

@@ -27,6 +27,12 @@ function takes ``url=`` to use another database. Times are naive UTC.
                   dtype=None, category=None, finished_at=None) -> bool  # False: already recorded
     get_request(request_id) -> dict | None;  get_job(job_id) -> dict | None
 
+``jobs`` (leases and job-wide operations, set-based)
+    take(request_id, owner, *, lease_timeout_s, worker=None) -> bool   # start a row under a lease
+    renew(request_ids, owner) -> int;  reclaim(lease_timeout_s, *, max_attempts=None) -> [{"id", "pair"}]
+    counts(job_id, *, lease_timeout_s=None) -> {status: n, "lost", "requeued"}
+    requeue(job_id, *, lease_timeout_s) -> [{"id", "pair"}];  cancel(job_id) -> int;  refused_count(job_id)
+
 ``reports`` (reads only)
     summary(since=None, until=None, group_by=("pair",), pair=None, job=None,
             price_per_hour=None, url=None) -> list[dict]

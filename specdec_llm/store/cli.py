@@ -74,24 +74,34 @@ def register(app: typer.Typer) -> None:
             [], "--price-per-hour", help="USD per device-hour: 2.5 for all, or per device kind: cuda=2.5 (repeat)."),
     ) -> None:
         """Speed, acceptance, speedup and cost per pair/day/hour/job/worker/category."""
-        from .render import report, to_table
+        from .render import report_rows, to_table
         from .reports import summary
 
+        filters = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in (("since", since), ("until", until),
+                                                                        ("pair", pair), ("job", job)) if v)  # fmt: skip
+        no_data = f"no data: no request finished {'with ' + filters if filters else 'yet'}; widen --since or check the filters"
         try:
             kw = dict(since=since, until=until, group_by=group_by, pair=pair, job=job,
                       price_per_hour=price_per_hour or None)
             if fmt == "table" and out is None:
                 from rich.console import Console
 
-                Console().print(to_table(summary(**kw)))
+                rows = summary(**kw)
+                if not rows:
+                    typer.echo(no_data, err=True)
+                    return
+                Console().print(to_table(rows))
                 return
-            text = report(fmt, **kw)
+            text, n = report_rows(fmt, **kw)
         except StoreError as e:
             _fail(e)
+        if not n:
+            typer.echo(no_data, err=True)
         if out is None:
             typer.echo(text, nl=False)
             return
         try:
+            out.parent.mkdir(parents=True, exist_ok=True)  # as `run --out` does
             out.write_text(text, encoding="utf-8")
         except OSError as e:
             _fail(f"cannot write {out}: {e.strerror}")

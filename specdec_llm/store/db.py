@@ -45,7 +45,7 @@ def resolve_url(url: str | None = None) -> str:
     try:
         make_url(url)
     except (exc.ArgumentError, ValueError):
-        shown = re.sub(r"(//[^/:@]*:)[^/@]*@", r"\1***@", url)  # no password, even here
+        shown = mask_query(re.sub(r"(//[^/:@]*:)[^/@]*@", r"\1***@", url))  # no password, even here
         raise StoreError(
             f"cannot read the database URL {shown!r}; set SPECDEC_DATABASE_URL to e.g. "
             "sqlite:////path/specdec.db or postgresql+psycopg://user@host/db"
@@ -53,10 +53,19 @@ def resolve_url(url: str | None = None) -> str:
     return url
 
 
+_SECRET_QUERY = re.compile(r"([?&](?:password|passwd|pwd|sslpassword|secret|token|access_token)=)[^&#]*", re.IGNORECASE)
+
+
+def mask_query(text: str) -> str:
+    """``text`` with the values of password-like query parameters (``?password=...``) hidden."""
+    return _SECRET_QUERY.sub(r"\1***", text)
+
+
 def mask_url(url: str) -> str:
-    """The URL with its password hidden, fit for logs and error messages."""
+    """The URL with its password hidden (``user:pass@`` and ``?password=...``), fit for logs
+    and error messages."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        return mask_query(make_url(url).render_as_string(hide_password=True))
     except (exc.ArgumentError, ValueError):
         return "<unreadable database URL>"
 
@@ -116,10 +125,11 @@ def make_engine(url: str, **kw) -> Engine:
         kw.setdefault("pool_pre_ping", True)
     try:
         engine = create_engine(url, **kw)
-    except exc.NoSuchModuleError:
+    except (exc.NoSuchModuleError, ImportError) as e:  # an unknown dialect, or its driver not installed (mysql://)
+        missing = f" (its driver is not installed: {e})" if isinstance(e, ImportError) else ""
         raise StoreError(
-            f"no SQLAlchemy driver for {mask_url(url)}; set SPECDEC_DATABASE_URL to "
-            "sqlite:////path/specdec.db or postgresql+psycopg://user@host/db"
+            f"SPECDEC_DATABASE_URL: no usable SQLAlchemy driver for {mask_url(url)}{missing}; the store runs on "
+            "SQLite or PostgreSQL: set SPECDEC_DATABASE_URL to sqlite:////path/specdec.db or postgresql+psycopg://user@host/db"
         ) from None
     if backend == "sqlite":
         event.listen(engine, "connect", _on_sqlite_connect)
@@ -184,10 +194,11 @@ def dispose_engine(url: str | None = None) -> None:
 
 
 def unreachable(url: str, error: Exception) -> StoreError:
-    reason = str(getattr(error, "orig", None) or error).strip().splitlines()[0]
-    password = make_url(url).password
-    if password:
-        reason = reason.replace(str(password), "***")
+    reason = mask_query(str(getattr(error, "orig", None) or error).strip().splitlines()[0])
+    u = make_url(url)
+    for secret in (u.password, *(v for k, v in u.query.items() if _SECRET_QUERY.match(f"?{k}="))):
+        if secret and isinstance(secret, str):
+            reason = reason.replace(secret, "***")
     return StoreError(
         f"cannot use the database at {mask_url(url)} ({reason}); "
         "check SPECDEC_DATABASE_URL and that the server is running"

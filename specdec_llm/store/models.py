@@ -128,6 +128,7 @@ class Request(Base):
         CheckConstraint(_in("status", REQUEST_STATUSES), name="status"),
         Index("ix_requests_job_status", "job_id", "status"),
         Index("ix_requests_status_finished", "status", "finished_at"),
+        Index("ix_requests_status_heartbeat", "status", "heartbeat_at"),  # lost leases (0004)
     )
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
@@ -144,6 +145,11 @@ class Request(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    # The lease of a running row (0004): the Celery node holding it and its last heartbeat;
+    # a row whose heartbeat stops goes back to the queue (``requeues`` counts those times).
+    lease_owner: Mapped[str | None] = mapped_column(String(255))
+    heartbeat_at: Mapped[datetime | None]
+    requeues: Mapped[int] = mapped_column(default=0)
 
 
 class Output(Base):

@@ -214,6 +214,24 @@ def _refresh_job(session: Session, job_id: str) -> None:
     )
 
 
+def _row_changed(session: Session, job_id: str, *, started: bool = True) -> None:
+    """After one row of a job changed: index lookups only, no count over the job's rows
+    (one count per finished row made a 100k-row job quadratic). The job's counters are
+    recounted when its last pending row finishes (and by ``get_job``); meanwhile it is
+    marked running. ``started``: the row left the queue (running or finished)."""
+    pending = session.scalar(
+        select(Request.id).where(Request.job_id == job_id, Request.status.in_(("queued", "running"))).limit(1)
+    )
+    if pending is None:
+        _refresh_job(session, job_id)
+    elif started:
+        now = utcnow()
+        session.execute(
+            update(Job).where(Job.id == job_id, Job.status != "running")
+            .values(status="running", started_at=func.coalesce(Job.started_at, now), finished_at=None)
+        )
+
+
 def _ensure_job(session: Session, job_id: str, **values) -> None:
     stmt = _insert(session, Job).values(id=job_id, created_at=utcnow(), status="queued", **values)
     session.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
@@ -319,6 +337,8 @@ def mark_request(
             values.update(attempts=Request.attempts + 1, started_at=func.coalesce(Request.started_at, now))
         if status in ("failed", "cancelled"):
             values["finished_at"] = now
+        if status != "running":
+            values.update(lease_owner=None, heartbeat_at=None)
         if worker:
             values["worker_id"] = _worker_id(s, worker)
         # "ok" is final; a row only starts running from queued/running (never over a cancel)
@@ -328,7 +348,7 @@ def mark_request(
             .returning(Request.job_id)
         ).first()
         if changed is not None and changed.job_id:
-            _refresh_job(s, changed.job_id)
+            _row_changed(s, changed.job_id, started=status != "queued")
         return changed is not None
 
 
@@ -416,12 +436,12 @@ def record_result(
         s.execute(
             update(Request)
             .where(Request.id == request_id)
-            .values(status="ok", error=None, finished_at=now,
+            .values(status="ok", error=None, finished_at=now, lease_owner=None, heartbeat_at=None,
                     worker_id=worker_id if worker_id is not None else Request.worker_id,
                     pair_id=func.coalesce(Request.pair_id, pair_id))
         )
         if req.job_id:
-            _refresh_job(s, req.job_id)
+            _row_changed(s, req.job_id)
         return True
 
 
@@ -440,6 +460,7 @@ def get_request(request_id: str, *, url: str | None = None) -> dict | None:
         return {
             "id": req.id, "job_id": req.job_id, "status": req.status, "error": req.error,
             "attempts": req.attempts, "category": req.category, "prompt": req.prompt,
+            "lease_owner": req.lease_owner, "heartbeat_at": req.heartbeat_at, "requeues": req.requeues,
             "messages": req.messages, "params": req.params, "created_at": req.created_at,
             "started_at": req.started_at, "finished_at": req.finished_at,
             "output": None if out is None else {

@@ -189,13 +189,18 @@ def to_html(rows: list[dict], *, timeline: list[dict], by_day: list[dict], by_pa
 FORMATS = ("table", "csv", "json", "html")
 
 
-def report(fmt: str = "table", *, since=None, until=None, group_by=("pair",), pair=None, job=None,
-           price_per_hour=None, url=None) -> str:
+def report(fmt: str = "table", **filters) -> str:
     """Run ``summary`` with these filters and render it as ``fmt`` (see ``FORMATS``).
 
     "html" adds the chart queries: by day (by hour when the data spans two days or
     less) and by pair.
     """
+    return report_rows(fmt, **filters)[0]
+
+
+def report_rows(fmt: str = "table", *, since=None, until=None, group_by=("pair",), pair=None, job=None,
+                price_per_hour=None, url=None) -> tuple[str, int]:
+    """``report`` and how many groups it has (0: no data for these filters)."""
     from .reports import ReportInputError, parse_group_by, parse_when, summary
 
     if fmt not in FORMATS:
@@ -205,14 +210,14 @@ def report(fmt: str = "table", *, since=None, until=None, group_by=("pair",), pa
               pair=pair, job=job, price_per_hour=price_per_hour, url=url)
     rows = summary(group_by=group_by, **kw)
     if fmt == "csv":
-        return to_csv(rows)
+        return to_csv(rows), len(rows)
     if fmt == "json":
-        return to_json(rows)
+        return to_json(rows), len(rows)
     if fmt == "table":
-        return table_text(rows)
+        return table_text(rows), len(rows)
     by_day = summary(group_by=("day",), **kw)
     timeline = summary(group_by=("hour",), **kw) if len(by_day) <= 2 else by_day
     by_pair = summary(group_by=("pair",), **kw)
     filters = {"since": kw["since"], "until": kw["until"], "group by": ", ".join(parse_group_by(group_by)),
                "pair": pair, "job": job}
-    return to_html(rows, timeline=timeline, by_day=by_day, by_pair=by_pair, filters=filters)
+    return to_html(rows, timeline=timeline, by_day=by_day, by_pair=by_pair, filters=filters), len(rows)

@@ -79,7 +79,13 @@ def parse_when(value, option: str = "since", *, end: bool = False, now: datetime
         text = value.strip()
         m = _DURATION.match(text.lower())
         if m:
-            return (now or utcnow()) - timedelta(**{_UNITS[m.group(2)]: float(m.group(1))})
+            try:
+                return (now or utcnow()) - timedelta(**{_UNITS[m.group(2)]: float(m.group(1))})
+            except OverflowError:  # before year 1
+                raise ReportInputError(
+                    f"--{option}: {value!r} reaches back before the year 1; use a shorter duration or a date "
+                    "like 2026-01-31"
+                ) from None
         try:
             value = date.fromisoformat(text) if len(text) == 10 else datetime.fromisoformat(text)
         except ValueError:
@@ -98,11 +104,15 @@ def parse_when(value, option: str = "since", *, end: bool = False, now: datetime
 
 def parse_prices(value) -> dict[str, float] | None:
     """USD per device-hour by device kind: 2.5 (every kind), {"cuda": 2.5, "cpu": 0.1,
-    "*": 1.0} ("*" = any other kind), or CLI text such as ["2.5"] or ["cuda=2.5", "cpu=0.1"]."""
-    if value is None or value == [] or value == ():
+    "*": 1.0} ("*" = any other kind), or text such as "2.5", "cuda=2.5,cpu=0.1" (as in
+    SPECDEC_PRICE_PER_HOUR) or ["cuda=2.5", "cpu=0.1"] (a repeated CLI option; each item
+    may hold commas too). The one price parser: reports, workers and LangChain use it."""
+    if value is None or value == [] or value == () or value == "":
         return None
     if isinstance(value, (int, float, str)):
         value = [value]
+    if not isinstance(value, Mapping):
+        value = [part for v in value for part in (str(v).split(",") if isinstance(v, str) else [v]) if part != ""]
     items = value.items() if isinstance(value, Mapping) else (_price_item(v) for v in value)
     prices: dict[str, float] = {}
     for kind, price in items:
@@ -118,6 +128,15 @@ def parse_prices(value) -> dict[str, float] | None:
     return prices
 
 
+def price_for(value, device: str) -> float | None:
+    """USD per device-hour for ``device`` ("cuda:0" -> its kind's price, else "*") from a
+    price setting in any form ``parse_prices`` reads; None when none applies."""
+    from .record import device_kind
+
+    prices = parse_prices(value) or {}
+    return prices.get(device_kind(device), prices.get("*"))
+
+
 def _price_item(v) -> tuple[str, object]:
     if isinstance(v, (int, float)):
         return "*", v
@@ -128,7 +147,7 @@ def _price_item(v) -> tuple[str, object]:
         return kind, float(price)
     except ValueError:
         raise ReportInputError(
-            f"--price-per-hour: cannot read {v!r}; use USD per device-hour, e.g. 2.5 or cuda=2.5"
+            f"--price-per-hour: cannot read {v!r}; use USD per device-hour, e.g. 2.5 or cuda=2.5,cpu=0.05"
         ) from None
 
 
@@ -265,8 +284,7 @@ def summary(
             f"--since ({since_dt:%Y-%m-%d %H:%M}) must be before --until ({until_dt:%Y-%m-%d %H:%M})"
         )
     if price_per_hour is None:
-        configured = get_settings().price_per_hour
-        price_per_hour = configured.split(",") if configured else None
+        price_per_hour = get_settings().price_per_hour
     prices = parse_prices(price_per_hour)
     url = resolve_url(url)
     check_schema(url)

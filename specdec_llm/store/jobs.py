@@ -1,0 +1,177 @@
+"""Leases and job-wide operations: set-based SQL, one statement per change, never row by row.
+
+A worker that takes a request row holds a *lease* on it: ``take`` writes the worker's
+Celery node name (``lease_owner``) and a heartbeat (``heartbeat_at``); the worker renews
+the heartbeat of every row it holds (``renew``) while they run. A running row whose
+heartbeat is older than the lease timeout lost its worker (SIGKILL, out of memory, a lost
+machine, tasks cancelled when the broker went away): ``reclaim`` moves it back to
+"queued" in one atomic UPDATE ... RETURNING, so whoever runs it (every worker and `run`
+do, periodically), each lost row is requeued exactly once; the caller then enqueues the
+returned rows. A row that lost ``max_attempts`` workers fails instead.
+
+Job-wide: ``counts`` (by state, plus lost and requeued rows), ``requeue`` (retry) and
+``cancel``, each one UPDATE over the job's rows.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy import and_, func, or_, select, update
+
+from .db import check_schema, session_scope
+from .models import Pair, Request, utcnow
+from .record import _refresh_job, _row_changed, _worker_id, _writing
+
+PENDING = ("queued", "running")
+FINISHED = ("ok", "failed", "cancelled")
+
+
+def _beat():
+    """A running row's last sign of life (rows taken before 0004 have no heartbeat)."""
+    return func.coalesce(Request.heartbeat_at, Request.started_at, Request.created_at)
+
+
+def _lost(cutoff):
+    return and_(Request.status == "running", _beat() < cutoff)
+
+
+def take(request_id: str, owner: str, *, lease_timeout_s: float, worker: dict | None = None,
+         url: str | None = None) -> bool:  # fmt: skip
+    """Start running ``request_id`` under a lease held by ``owner`` (a Celery node name):
+    from "queued", or from "running" when the lease is ``owner``'s own or has expired
+    (its worker is gone). Counts an attempt. False when the row is finished, cancelled, or
+    running under another worker's live lease (a stale duplicate message: leave it)."""
+    with _writing(url) as s:
+        now = utcnow()
+        takeable = or_(
+            Request.status == "queued",
+            and_(Request.status == "running",
+                 or_(Request.lease_owner.is_(None), Request.lease_owner == owner,
+                     _beat() < now - timedelta(seconds=lease_timeout_s))),
+        )  # fmt: skip
+        values = dict(status="running", error=None, attempts=Request.attempts + 1, lease_owner=owner,
+                      heartbeat_at=now, started_at=func.coalesce(Request.started_at, now))  # fmt: skip
+        if worker:
+            values["worker_id"] = _worker_id(s, worker)
+        changed = s.execute(
+            update(Request).where(Request.id == request_id, takeable).values(**values).returning(Request.job_id)
+        ).first()
+        if changed is not None and changed.job_id:
+            _row_changed(s, changed.job_id)
+        return changed is not None
+
+
+def renew(request_ids, owner: str, *, url: str | None = None) -> int:
+    """Heartbeat: the rows in ``request_ids`` that ``owner`` still holds are alive now."""
+    request_ids = list(request_ids)
+    if not request_ids:
+        return 0
+    with _writing(url) as s:
+        result = s.execute(
+            update(Request)
+            .where(Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == owner)
+            .values(heartbeat_at=utcnow())
+            .returning(Request.id)
+        )  # fmt: skip
+        return len(result.all())
+
+
+def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str | None = None) -> list[dict]:
+    """Requeue every running row whose lease expired (no heartbeat for ``lease_timeout_s``):
+    each such row moves back to "queued" (``requeues`` += 1) in one atomic UPDATE, so one
+    caller gets it however many call at once. Rows that already had ``max_attempts``
+    attempts fail instead (their worker keeps dying on them). Returns the requeued rows
+    as ``[{"id", "pair"}]``: the caller enqueues them."""
+    with _writing(url) as s:
+        now = utcnow()
+        cutoff = now - timedelta(seconds=lease_timeout_s)
+        jobs: set[str] = set()
+        if max_attempts is not None:
+            failed = s.execute(
+                update(Request).where(_lost(cutoff), Request.attempts >= max_attempts)
+                .values(status="failed", finished_at=now, lease_owner=None, heartbeat_at=None,
+                        error=f"gave up after {max_attempts} attempts whose worker was lost each time "
+                              "(killed: out of memory?)")
+                .returning(Request.job_id)
+            ).all()  # fmt: skip
+            jobs.update(r.job_id for r in failed if r.job_id)
+        requeued = s.execute(
+            update(Request).where(_lost(cutoff))
+            .values(status="queued", lease_owner=None, heartbeat_at=None, requeues=Request.requeues + 1)
+            .returning(Request.id, Request.job_id, Request.pair_id)
+        ).all()  # fmt: skip
+        jobs.update(r.job_id for r in requeued if r.job_id)
+        names = _pair_names(s, {r.pair_id for r in requeued})
+        for job_id in jobs:
+            _refresh_job(s, job_id)
+        return [{"id": r.id, "pair": names.get(r.pair_id)} for r in requeued]
+
+
+def _pair_names(session, ids) -> dict:
+    ids = [i for i in ids if i is not None]
+    return dict(session.execute(select(Pair.id, Pair.name).where(Pair.id.in_(ids))).all()) if ids else {}
+
+
+def counts(job_id: str, *, lease_timeout_s: float | None = None, url: str | None = None) -> dict[str, int]:
+    """Rows of a job by state, plus ``lost`` (running, no heartbeat for ``lease_timeout_s``:
+    about to be requeued) and ``requeued`` (pending again after losing their worker).
+    Reads only."""
+    check_schema(url)
+    with session_scope(url) as s:
+        by_status = dict(s.execute(
+            select(Request.status, func.count()).where(Request.job_id == job_id).group_by(Request.status)
+        ).all())  # fmt: skip
+        out = {k: by_status.get(k, 0) for k in (*PENDING, *FINISHED)}
+        pending = Request.job_id == job_id
+        out["requeued"] = s.scalar(
+            select(func.count()).where(pending, Request.status.in_(PENDING), Request.requeues > 0)
+        ) if out["queued"] or out["running"] else 0  # fmt: skip
+        out["lost"] = 0
+        if lease_timeout_s is not None and out["running"]:
+            cutoff = utcnow() - timedelta(seconds=lease_timeout_s)
+            out["lost"] = s.scalar(select(func.count()).where(pending, _lost(cutoff)))
+    return out
+
+
+def requeue(job_id: str, *, lease_timeout_s: float, url: str | None = None) -> list[dict]:
+    """``retry``: failed rows (not those refused at submit: they would fail again), queued
+    rows, and running rows whose lease expired go back to "queued", in one UPDATE; rows
+    running under a live lease are left to their worker. Returns them as ``[{"id", "pair"}]``
+    (the caller enqueues them)."""
+    with _writing(url) as s:
+        cutoff = utcnow() - timedelta(seconds=lease_timeout_s)
+        refused = Request.params["_input_error"].as_string().is_not(None)
+        rows = s.execute(
+            update(Request)
+            .where(Request.job_id == job_id,
+                   or_(Request.status == "queued", _lost(cutoff),
+                       and_(Request.status == "failed", or_(Request.params.is_(None), ~refused))))
+            .values(status="queued", error=None, lease_owner=None, heartbeat_at=None)
+            .returning(Request.id, Request.pair_id)
+            .execution_options(synchronize_session=False)
+        ).all()  # fmt: skip
+        names = _pair_names(s, {r.pair_id for r in rows})
+        _refresh_job(s, job_id)
+        return [{"id": r.id, "pair": names.get(r.pair_id)} for r in rows]
+
+
+def refused_count(job_id: str, *, url: str | None = None) -> int:
+    """Failed rows of a job that were refused at submit (bad input)."""
+    check_schema(url)
+    with session_scope(url) as s:
+        refused = Request.params["_input_error"].as_string().is_not(None)
+        return s.scalar(select(func.count()).where(Request.job_id == job_id, Request.status == "failed", refused))
+
+
+def cancel(job_id: str, *, url: str | None = None) -> int:
+    """Cancel every queued row of a job in one UPDATE (running rows finish); how many."""
+    with _writing(url) as s:
+        rows = s.execute(
+            update(Request).where(Request.job_id == job_id, Request.status == "queued")
+            .values(status="cancelled", error="cancelled", finished_at=utcnow())
+            .returning(Request.id)
+            .execution_options(synchronize_session=False)
+        ).all()  # fmt: skip
+        _refresh_job(s, job_id)
+        return len(rows)

@@ -1,0 +1,86 @@
+"""Leases: no row stays "running" after its worker is gone (store side: ``specdec_llm.store.jobs``).
+
+- A task takes its row under a lease in the worker's Celery node name (``store.jobs.take``).
+- ``LeaseStep``, a bootstep of every worker's consumer, runs on Celery's own worker timer
+  (the one that drives its event heartbeats) in the worker's main process. Every
+  ``SPECDEC_LEASE_HEARTBEAT_S`` seconds it renews the heartbeat of every row the worker
+  holds (Celery's own record of the requests it has reserved or is running,
+  ``celery.worker.state``), then requeues rows whose lease expired (``reclaim``). If the
+  worker dies (SIGKILL, OOM killer, lost host) its rows' heartbeats stop, and after
+  ``SPECDEC_LEASE_TIMEOUT_S`` any other worker (or a waiting ``run``) puts them back on
+  the queue, exactly once (one atomic UPDATE picks each).
+- A late duplicate of the message (Redis redelivers an unacknowledged message after its
+  visibility timeout; a message requeued by ``task_reject_on_worker_lost`` when a pool
+  child died) finds the row finished (no-op) or running under another worker's live lease
+  (left alone), never generating it twice.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import bootsteps
+from celery.worker import state
+
+from specdec_llm.settings import get_settings
+from specdec_llm.store import jobs
+
+log = logging.getLogger("specdec.worker")
+
+MAX_ATTEMPTS = 3  # deliveries that died mid-generation before a row is given up
+
+
+def reclaim_and_enqueue(max_attempts: int = MAX_ATTEMPTS) -> list[dict]:
+    """Requeue rows whose lease expired and send a message for each; returns them."""
+    from .client import enqueue
+
+    rows = jobs.reclaim(get_settings().lease_timeout_s, max_attempts=max_attempts)
+    by_pair: dict[str, list[str]] = {}
+    for r in rows:
+        if r["pair"]:
+            by_pair.setdefault(r["pair"], []).append(r["id"])
+    for pair, ids in by_pair.items():
+        log.warning("%d rows of pair %s lost their worker (no heartbeat for %g s): requeued",
+                    len(ids), pair, get_settings().lease_timeout_s)  # fmt: skip
+        enqueue(ids, pair, check_pair=False)  # a failure leaves them queued without a message: `run` and `retry` resend those
+    return rows
+
+
+def held_request_ids(task_name: str) -> set[str]:
+    """Ids of the rows this worker holds: Celery's reserved and active requests of ``task_name``."""
+    held = set()
+    for req in [*state.reserved_requests, *state.active_requests]:
+        if req.task_name == task_name and req.args:
+            held.add(str(req.args[0]))
+    return held
+
+
+class LeaseStep(bootsteps.StartStopStep):
+    """Consumer bootstep: heartbeats for the rows this worker holds, and requeueing of rows
+    whose worker is gone, on the worker's timer."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c, **kwargs):
+        self.tref = None
+        super().__init__(c, **kwargs)
+
+    def start(self, c):
+        interval = get_settings().lease_heartbeat_s
+        self.tref = c.timer.call_repeatedly(interval, self.beat, (c,), priority=10)
+
+    def stop(self, c):
+        if self.tref is not None:
+            self.tref.cancel()
+            self.tref = None
+
+    shutdown = stop
+
+    def beat(self, c) -> None:
+        from .app import TASK
+
+        try:
+            jobs.renew(held_request_ids(TASK), c.hostname)
+            reclaim_and_enqueue()
+        except Exception as e:  # noqa: BLE001 - the database or broker is away: the next beat tries again
+            log.warning("lease heartbeat failed (%s: %s); the next one tries again", type(e).__name__, e)
