@@ -19,7 +19,7 @@ from alembic import op
 
 
 revision: str = '0004'
-down_revision: Union[str, Sequence[str], None] = '0002'  # TEMP: 0003
+down_revision: Union[str, Sequence[str], None] = '0003'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
