@@ -59,16 +59,15 @@ class Proposal:
 class Acceptance:
     """Per-token acceptance by bucket, learned from verifications (greedy and sampled apart:
     a deterministic draft is accepted with the target's probability of it when sampling).
-    A bucket starts at its prior (the drafter's own estimate, else ``prior``) with the weight
-    of two observations."""
+    A bucket starts at ``prior`` with the weight of two observations."""
 
     def __init__(self, prior: float, weight: float = 2.0):
         self.prior, self.weight = prior, weight
         self.counts: dict = defaultdict(lambda: [0.0, 0.0])  # bucket -> [accepted, examined]
 
-    def rate(self, bucket, prior: float | None = None) -> float:
+    def rate(self, bucket) -> float:
         acc, seen = self.counts.get(bucket, (0.0, 0.0))
-        return (acc + self.weight * (self.prior if prior is None else prior)) / (seen + self.weight)
+        return (acc + self.weight * self.prior) / (seen + self.weight)
 
     def update(self, buckets: list, n: int) -> None:
         """Tokens up to the first rejection were examined; the first ``n`` were accepted."""
@@ -105,13 +104,8 @@ class _Free:
             tokens, feats = self.continuation(row, k)
             if tokens:
                 feats = [(row.req.greedy, f) for f in feats]
-                accept = [self.acceptance.rate(f, self.prior(f[1])) for f in feats]
-                out[b] = Proposal(self.name, tokens, None, accept, feats)
+                out[b] = Proposal(self.name, tokens, None, [self.acceptance.rate(f) for f in feats], feats)
         return out
-
-    def prior(self, bucket) -> float | None:
-        """A bucket's acceptance before any verification (None: the drafter's default)."""
-        return None
 
     def commit(self, b: int, row, prop: Proposal, n: int) -> None:
         self.acceptance.update(prop.features, n)
@@ -201,9 +195,7 @@ class SuffixIndex:
 
     def walk(self, scope, seq: list[int], k: int, min_prob: float):
         """Up to ``k`` tokens following ``seq``: at each step the most frequent next token of
-        the longest context seen (its frequency add-one smoothed: a context seen once gives
-        0.5); stop when the path's frequency product drops below ``min_prob``. A token's
-        bucket is (its frequency in fifths, its position); the fifth's middle is its prior."""
+        the longest context seen; stop when the path's frequency product drops below ``min_prob``."""
         table = self.counts.get(scope)
         if not table:
             return [], []
@@ -215,12 +207,12 @@ class SuffixIndex:
                 break
             order, nxt = hit
             tok, count = max(nxt.items(), key=lambda kv: kv[1])
-            p = count / (sum(nxt.values()) + 1)  # add-one: a context seen once is weak evidence
+            p = count / sum(nxt.values())
             path *= p
             if path < min_prob:
                 break
             tokens.append(tok)
-            feats.append((min(int(p * 5), 4), min(len(tokens) - 1, 3)))  # frequency fifth, position
+            feats.append((order, min(int(p * 4), 3), min(len(tokens) - 1, 3)))
             ext.append(tok)
         return tokens, feats
 
@@ -243,8 +235,6 @@ class Suffix(_Free):
     def continuation(self, row, k: int):
         return self.index.walk(row.req.scope, row.seq, k, self.min_prob)
 
-    def prior(self, bucket) -> float:
-        return 0.7 * (bucket[0] + 0.5) / 5  # the middle of the frequency fifth, discounted
     def finish(self, row) -> None:
         self.index.add(row.req.scope, row.seq)
 
