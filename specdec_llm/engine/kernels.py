@@ -76,9 +76,7 @@ def machine_key() -> str:
     model, flags = platform.processor(), ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("model name"):
+            if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
             elif line.startswith("flags"):
                 flags = line.split(":", 1)[1].strip()
