@@ -1,6 +1,7 @@
 """The engine: pure torch + transformers. Knows nothing of Celery, SQL or LangChain."""
 
 from .types import (
+    SPEEDUP_BASIS,
     GenerationRequest,
     GenerationResult,
     RequestError,
@@ -22,6 +23,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "SPEEDUP_BASIS",
     "GenerationRequest",
     "GenerationResult",
     "RequestError",

@@ -36,10 +36,39 @@ class CostModel:
     verify_s: dict[int, float] = field(default_factory=dict)  # k -> seconds at calibration
     verify_scale: float = 1.0
     draft_scale: dict[str, float] = field(default_factory=dict)
+    # what a plain (k = 0) iteration costs besides its forward (accepting, streaming text...):
+    # an EMA over observed k = 0 iterations; None until one was seen (or loaded)
+    plain_overhead_s: float | None = None
 
     @property
     def calibrated(self) -> bool:
         return 0 in self.verify_s
+
+    def plain_step(self) -> float:
+        """Seconds of one target-only iteration at this batch size, as this process measures it
+        now: the calibrated k = 0 forward at the live scale, plus the observed overhead."""
+        return self.verify(0) + (self.plain_overhead_s or 0.0)
+
+    def observe_plain(self, seconds: float, forward_s: float) -> None:
+        """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward."""
+        extra = max(0.0, seconds - forward_s)
+        old = self.plain_overhead_s
+        self.plain_overhead_s = extra if old is None else (1 - EMA) * old + EMA * extra
+
+    def to_dict(self) -> dict:
+        """The costs as measured now (live scales folded in), for the on-disk cache."""
+        return {
+            "verify_s": {str(k): v * self.verify_scale for k, v in sorted(self.verify_s.items())},
+            "draft_s": {n: v * self.draft_scale.get(n, 1.0) for n, v in sorted(self.draft_s.items())},
+            "plain_overhead_s": self.plain_overhead_s,
+        }
+
+    def load(self, data: dict) -> None:
+        """Fill from ``to_dict``'s output (scales reset: the figures are the latest measured)."""
+        self.verify_s = {int(k): float(v) for k, v in data["verify_s"].items() if int(k) <= self.max_k}
+        self.draft_s = {n: float(v) for n, v in data.get("draft_s", {}).items()}
+        self.plain_overhead_s = data.get("plain_overhead_s")
+        self.verify_scale, self.draft_scale = 1.0, {}
 
     def _calibrated_verify(self, k: int) -> float:
         pts = sorted(self.verify_s)

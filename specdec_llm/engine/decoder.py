@@ -22,9 +22,11 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
+from . import costcache
 from . import drafters as drafting
 from . import hf
 from .autok import BatchCosts, Probes, RowOptions, Timer, calibrate, plan
@@ -43,7 +45,9 @@ class SpeculativeDecoder:
     drafter objects, in the order a fixed k tries them; default ``["model"]`` when a draft
     is given, else none. ``vocab_size`` is the vocabulary both models share (a padded
     embedding beyond it is ignored). ``kernel_cache``: a JSON file where the matmul kernel
-    timings of this machine are kept (kernels.py; None measures at every load). ``default_k`` is what a request's k="auto" means: "auto"
+    timings of this machine are kept (kernels.py; None measures at every load); the measured
+    decoding costs (costcache.py) are kept beside it, in ``costs.json`` (or ``cost_cache``).
+    ``default_k`` is what a request's k="auto" means: "auto"
     (choose per iteration from measured costs) or a fixed integer. A seeded sampling request
     never uses the timing-driven schedule (the same seed must give the same text whatever
     the machine's timings): it uses ``default_k`` when that is an integer, else ``seeded_k``.
@@ -63,6 +67,7 @@ class SpeculativeDecoder:
         seeded_k: int = 4,
         context_length: int | None = None,
         kernel_cache=None,
+        cost_cache=None,
     ):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.kernels = {}  # the matmul kernel chosen per weight shape and row count (CPU)
@@ -86,6 +91,10 @@ class SpeculativeDecoder:
         self.max_k = max_k if self.drafters else 0
         self.default_k, self.seeded_k = default_k, seeded_k
         self.costs = BatchCosts(max_k=self.max_k)
+        if cost_cache is None and kernel_cache is not None:
+            cost_cache = Path(kernel_cache).with_name(costcache.FILE)
+        self.cost_cache = None if cost_cache is None else Path(cost_cache)
+        self._cost_key: str | None = None
 
     @property
     def cost(self):
@@ -133,10 +142,13 @@ class SpeculativeDecoder:
         return prompt
 
     def generate(self, request: GenerationRequest, on_text: TextCallback | None = None) -> GenerationResult:
+        if self.row_drafters(request):  # before the request's clock starts (cached on disk: no time)
+            self.ensure_calibrated(1)
         batch = Batch(self)
         row = batch.add(request, on_text)
         while batch.rows:
             batch.step()
+        self.save_costs()
         return row.result
 
     def generate_many(
@@ -159,6 +171,7 @@ class SpeculativeDecoder:
             if batch.rows:
                 for row in batch.step():
                     results[row.tag] = row.result
+        self.save_costs()
         return results
 
     # -- speed model ------------------------------------------------------------------
@@ -184,13 +197,44 @@ class SpeculativeDecoder:
         return None
 
     def calibrate_batches(self, max_batch: int) -> None:
-        """Calibrate every batch-size bucket up to ``max_batch`` now (a few seconds each on a
-        CPU), instead of stalling a running batch the first time it reaches a size."""
-        if not self.drafters or self.default_k != "auto":
+        """Calibrate every batch-size bucket up to ``max_batch`` now, instead of stalling a
+        running batch the first time it reaches a size: from the on-disk cache when it has
+        this machine's figures, else measured (a few seconds each on a CPU) and cached. Also
+        with a fixed k: a drafting iteration's target-only counterfactual reads the costs."""
+        if not self.drafters:
             return
         for rows in sorted({BatchCosts.bucket(r) for r in range(1, max_batch + 1)}):
-            if not self.costs[rows].calibrated:
-                self.calibrate(rows)
+            self.ensure_calibrated(rows)
+
+    def ensure_calibrated(self, rows: int) -> None:
+        """The cost model of a batch of ``rows`` ready: loaded from the cache, else measured."""
+        cost = self.costs[rows]
+        if cost.calibrated:
+            return
+        entry = costcache.load(self.cost_cache).get(self._cache_key(rows)) if self.cost_cache else None
+        if entry:
+            try:
+                cost.load(entry)
+                if cost.calibrated:
+                    return
+            except (KeyError, TypeError, ValueError):  # a damaged entry: measure again
+                pass
+        self.calibrate(rows)
+        self.save_costs(rows)
+
+    def _cache_key(self, rows: int) -> str:
+        if self._cost_key is None:
+            self._cost_key = costcache.decoder_key(self)
+        return f"{self._cost_key}|rows {BatchCosts.bucket(rows)}"
+
+    def save_costs(self, rows: int | None = None) -> None:
+        """Write the calibrated buckets' live figures (or bucket ``rows``'s) to the cache."""
+        if self.cost_cache is None:
+            return
+        buckets = [BatchCosts.bucket(rows)] if rows is not None else list(self.costs.models)
+        entries = {self._cache_key(b): self.costs.models[b].to_dict() for b in buckets
+                   if self.costs.models[b].calibrated}  # fmt: skip
+        costcache.save(self.cost_cache, entries)
 
     def calibrate(self, rows: int = 1, context: int = 64) -> None:
         """Measure verify(k) at every k and each model drafter's step at a batch of ``rows``."""
@@ -236,6 +280,12 @@ class Row:
         self.result: GenerationResult | None = None
         self.t0 = time.perf_counter()
         self.rows_seen = 0  # sum over iterations of the batch's size
+        # the target-only counterfactual (Stats.baseline_s): seconds of this row's iterations,
+        # and what its tokens would have cost at the target-only step of the same batch sizes
+        self.spent_s = 0.0
+        self.plain_s = 0.0
+        self.plain_step = 0.0  # of the last iteration
+        self.emitted = 0  # tokens appended (before a stop string cut them)
 
     def room(self) -> int:
         return min(self.req.max_new_tokens - len(self.out), self.dec.context_length - len(self.seq))
@@ -256,6 +306,7 @@ class Row:
         new = new[:cut] if cut else new
         self.seq += new
         self.out += new
+        self.emitted += len(new)
         st = self.stats
         if not st.time_to_first_token_s:
             st.time_to_first_token_s = time.perf_counter() - self.t0
@@ -269,8 +320,6 @@ class Row:
         elif len(self.seq) >= self.dec.context_length:
             self.finish_reason = "context"
         self.stream(final=self.finish_reason is not None)
-        if self.finish_reason:
-            self.finish()
 
     # -- bookkeeping --------------------------------------------------------------------
     def account(self, drafter: str | None, k: int, n: int) -> None:
@@ -280,9 +329,15 @@ class Row:
         st.draft_tokens_proposed += k
         st.draft_tokens_accepted += n
         if drafter is not None and k:
-            counts = st.drafter_tokens.setdefault(drafter, {"proposed": 0, "accepted": 0})
+            counts = st.drafter_tokens.setdefault(drafter, {"proposed": 0, "accepted": 0, "drafts": 0,
+                                                            "accepted_per_position": []})  # fmt: skip
             counts["proposed"] += k
             counts["accepted"] += n
+            counts["drafts"] += 1
+            per_pos = counts["accepted_per_position"]
+            per_pos += [0] * (n - len(per_pos))
+            for i in range(n):
+                per_pos[i] += 1
         while len(self.pos_proposed) < k:
             self.pos_proposed.append(0)
             self.pos_accepted.append(0)
@@ -328,6 +383,12 @@ class Row:
         st.output_tokens = len(self.out)
         st.wall_time_s = wall
         st.tokens_per_s = st.output_tokens / wall if wall > 0 else 0.0
+        # target-only, the request would have spent the same time outside its iterations
+        # (prefill, joins, waits) and one plain step per token (plus the one that reveals a
+        # stop string) instead of its iterations
+        extra = self.emitted - len(self.out) - (self.finish_reason == "stop")
+        plain = self.plain_s - max(0, extra) * self.plain_step
+        st.baseline_s = max(0.0, wall - self.spent_s + plain)
         st.acceptance_rate = st.draft_tokens_accepted / st.draft_tokens_proposed if st.draft_tokens_proposed else 0.0
         st.mean_accepted_length = st.output_tokens / st.target_forwards if st.target_forwards else 0.0
         st.per_position_acceptance = [a / p for a, p in zip(self.pos_accepted, self.pos_proposed)]
@@ -398,9 +459,7 @@ class Batch:
                         fixed_steps[name] = max(fixed_steps.get(name, 0), k)
         auto = [b for b, r in enumerate(rows) if r.k is None and r.room() > 1]
         if auto:
-            cost = dec.costs[len(rows)]
-            if not cost.calibrated:
-                dec.calibrate(len(rows))
+            cost = dec.costs[len(rows)]  # calibrated by step()
             options = []
             for b in auto:
                 r = rows[b]
@@ -419,7 +478,12 @@ class Batch:
     def step(self) -> list[Row]:
         self.merge()
         dec, rows = self.dec, self.rows
+        cost = dec.costs[len(rows)]
+        if not cost.calibrated and any(r.drafters for r in rows):
+            dec.ensure_calibrated(len(rows))  # outside the iteration's clock
+        t_start = time.perf_counter()
         picks = self.choose()
+        t_chosen = time.perf_counter()
         props: dict[int, drafting.Proposal] = {}
         for name, session in self.sessions.items():
             ks = {b: k for b, (d, k) in enumerate(picks) if d == name and k}
@@ -431,16 +495,15 @@ class Batch:
                 props.update(session.propose(rows, ks))
         ks = [len(props[b].tokens) if b in props else 0 for b in range(len(rows))]
         big_k = max(ks)
-        observe = any(r.k is None for r in rows)
 
         inputs = [[r.seq[-1]] + (props[b].tokens if b in props else []) for b, r in enumerate(rows)]
         with Timer() as t:
             logits = self.tcache.forward(inputs, big_k + 1)[..., : dec.vocab_size]
             hf.sync(dec.target)
-        if observe:
-            dec.costs[len(rows)].observe_verify(big_k, t.seconds)
+        cost.observe_verify(big_k, t.seconds)
         start = self.tcache.width - (big_k + 1)
         fed = sum(len(x) for x in inputs)
+        emitted = [r.emitted for r in rows]
         for b, r in enumerate(rows):
             k, prop = ks[b], props.get(b)
             r.stats.target_time_s += t.seconds * (k + 1) / fed
@@ -452,7 +515,21 @@ class Batch:
                 self.sessions[prop.drafter].commit(b, r, prop, n)
             r.advance(prop.drafter if prop else None, k, n, (prop.tokens[:n] if prop else []) + [nxt])
 
+        # the target-only counterfactual: a k = 0 iteration is one (the proposals nobody
+        # verified are speculation's own cost); any other costs a plain step per token
+        end = time.perf_counter()
+        if big_k == 0:
+            plain = end - t_chosen
+            cost.observe_plain(plain, t.seconds)
+        else:
+            plain = cost.plain_step()  # calibrated above: this iteration drafted
+        for r, before in zip(rows, emitted):
+            r.spent_s += end - t_start
+            r.plain_s += (r.emitted - before) * plain
+            r.plain_step = plain
         done = [r for r in rows if r.finish_reason]
+        for r in done:
+            r.finish()
         self.keep([b for b, r in enumerate(rows) if not r.finish_reason])
         return done
 

@@ -124,13 +124,27 @@ class Stats:
     time_to_first_token_s: float = 0.0
     tokens_per_s: float = 0.0
     k_values: list[int] = field(default_factory=list)  # tokens proposed at each iteration
-    drafter_tokens: dict[str, dict[str, int]] = field(default_factory=dict)  # drafter -> {"proposed", "accepted"}
+    # drafter -> {"proposed", "accepted", "drafts" (iterations it drafted in), "accepted_per_position"}
+    drafter_tokens: dict[str, dict] = field(default_factory=dict)
     drafter: str = "none"  # the drafter that proposed the most tokens ("none": plain decoding)
     batch_rows: float = 1.0  # mean number of requests decoding beside it (itself included) per iteration
+    # Seconds the request would have taken decoding target-only in the same process: its time
+    # outside its iterations as it was, plus each token at the target-only step cost this
+    # process measured at the same batch size (autok.CostModel, kept current by k = 0
+    # iterations and probes). The basis of ``speedup`` (SPEEDUP_BASIS).
+    baseline_s: float = 0.0
     finish_reason: FinishReason = "length"
+
+    @property
+    def speedup(self) -> float | None:
+        """Target-only time over the time taken (``baseline_s / wall_time_s``)."""
+        return self.baseline_s / self.wall_time_s if self.wall_time_s > 0 and self.baseline_s > 0 else None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+SPEEDUP_BASIS = "same-process target-only step cost at the same batch size"
 
 
 @dataclass

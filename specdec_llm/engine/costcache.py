@@ -1,0 +1,84 @@
+"""Measured decoding costs kept on disk, so a new process starts with them instead of
+measuring again (autok.CostModel: verify(k), each model drafter's step, a plain iteration's
+overhead, per batch-size bucket).
+
+One JSON file beside the kernel timings (``costs.json`` in ``SPECDEC_CACHE_DIR``, default
+``~/.cache/specdec-llm``), one entry per machine (CPU model and flags, torch version,
+threads: ``kernels.machine_key``; the GPU's name on CUDA), device, dtype, pair fingerprint
+(the weights of the target and of each model drafter, the drafters' names, the shared
+vocabulary, max k) and batch-size bucket. A decoder writes its live figures back when a
+request or a batch finishes, so the entry follows the machine's current speed; a write
+merges with what other processes wrote meanwhile and replaces the file atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("specdec.engine")
+
+FILE = "costs.json"
+
+
+def weights_fingerprint(model) -> str:
+    """Identity of a model's weights: tensor names and shapes plus the embedding's first rows."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+    emb = model.get_input_embeddings().weight
+    h.update(emb[: min(512, emb.shape[0])].detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def device_key(model) -> str:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        return f"{device.type}|{torch.cuda.get_device_name(device)}"
+    from .kernels import machine_key
+
+    return f"{device.type}|{machine_key()}"
+
+
+def decoder_key(dec) -> str:
+    """Everything a decoder's costs depend on, except the batch size."""
+    target = dec.target
+    parts = [device_key(target), str(next(target.parameters()).dtype).removeprefix("torch."),
+             f"target {weights_fingerprint(target)}", f"vocab {dec.vocab_size}", f"max_k {dec.max_k}"]
+    for d in dec.drafters:
+        model = getattr(d, "model", None)
+        parts.append(d.name if model is None else f"{d.name} {weights_fingerprint(model)}")
+    return "|".join(parts)
+
+
+def load(path: Path | None) -> dict:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def save(path: Path | None, entries: dict[str, dict]) -> None:
+    """Merge ``entries`` into the file (another process's entries are kept)."""
+    if path is None or not entries:
+        return
+    try:
+        data = load(path)
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for key, entry in entries.items():
+            data[key] = {**entry, "updated_at": now}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as e:  # a read-only cache costs a calibration next time, nothing else
+        log.info("could not save decoding costs to %s: %s", path, e)
