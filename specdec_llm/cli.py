@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .checks import check_seed
-from .engine import GenerationRequest, RequestError
+from .engine import SPEEDUP_BASIS, GenerationRequest, RequestError
 from .settings import get_settings
 
 app = typer.Typer(help="Speculative decoding at scale: generate, serve, distil, report.", no_args_is_help=True)
@@ -101,14 +101,18 @@ def generate(
         decoder = load_pair(spec).decoder()
         if as_json:
             result = decoder.generate(request)
-            print(json.dumps(result.to_dict()))
+            out = result.to_dict()
+            out["stats"].update(speedup=result.stats.speedup, speedup_basis=SPEEDUP_BASIS)
+            print(json.dumps(out))
             return
         result = decoder.generate(request, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
     s = result.stats
     print()
+    speedup = "-" if s.speedup is None else f"{s.speedup:.2f}x"
     err.print(
-        f"[dim]{s.output_tokens} tokens, {s.tokens_per_s:.1f} tok/s, finish={s.finish_reason}, "
-        f"acceptance={s.acceptance_rate:.2f}, tokens/target forward={s.mean_accepted_length:.2f}[/dim]"
+        f"[dim]{s.output_tokens} tokens, {s.tokens_per_s:.1f} tok/s, TTFT {s.time_to_first_token_s:.3f} s, "
+        f"finish={s.finish_reason}, acceptance={s.acceptance_rate:.2f}, tokens/target forward="
+        f"{s.mean_accepted_length:.2f}, speedup vs target-only {speedup} (basis: {SPEEDUP_BASIS})[/dim]"
     )
 
 

@@ -20,8 +20,10 @@ belong to the store job named ``job_name`` for its pair (a stable id), carrying
 LangChain traffic per job.
 
 Per prompt, ``generation_info`` holds finish_reason, prompt/output tokens, acceptance
-rate, mean accepted length, tokens/s, time to first token, wall time, request and job
-ids; ``llm_output`` holds ``token_usage`` and ``model_name``. Streamed chunks carry text
+rate, mean accepted length, tokens/s, time to first token, wall time, the speedup over
+target-only decoding with its counterfactual seconds (``baseline_s``) and basis
+(``speedup_basis``: each output token at the target-only step cost the decoding process
+measured at the same batch size), request and job ids; ``llm_output`` holds ``token_usage`` and ``model_name``. Streamed chunks carry text
 only; the last chunk (empty text) carries all of those fields, so LangChain's chunk
 addition (which sums integers and refuses to merge differing floats) gives the totals.
 
@@ -60,7 +62,7 @@ from langchain_core.outputs import (
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from .checks import check_seed
-from .engine import GenerationRequest, RequestError
+from .engine import SPEEDUP_BASIS, GenerationRequest, RequestError
 from .settings import get_settings
 
 __all__ = [
@@ -72,7 +74,7 @@ PROVIDER = "specdec"
 # generation_info keys, from the result and its stats
 INFO_FIELDS = ("prompt_tokens", "output_tokens", "draft_tokens_proposed", "draft_tokens_accepted",
                "acceptance_rate", "mean_accepted_length", "tokens_per_s", "time_to_first_token_s",
-               "wall_time_s", "drafter", "drafter_tokens")  # fmt: skip
+               "wall_time_s", "baseline_s", "drafter", "drafter_tokens")  # fmt: skip
 CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k", "drafter", "chat", "decoding", "timeout",
                 "job_name", "job_metadata", "category")  # fmt: skip
 
@@ -618,6 +620,9 @@ def _info(result: dict) -> dict:
     stats = result.get("stats") or {}
     info = {"finish_reason": result.get("finish_reason") or stats.get("finish_reason")}
     info.update({name: stats.get(name) for name in INFO_FIELDS})
+    base, wall = stats.get("baseline_s"), stats.get("wall_time_s")
+    speedup = base / wall if base and wall else None  # a row recorded before baseline_s existed has none
+    info.update(speedup=speedup, speedup_basis=SPEEDUP_BASIS if speedup is not None else None)
     info.update(request_id=result.get("request_id"), job_id=result.get("job_id"), pair=result.get("pair"))
     return info
 

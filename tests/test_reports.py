@@ -351,3 +351,28 @@ def test_recent_rows_and_durations(tmp_path):
     assert row["cost_usd"] is None and row["cost_per_1m_output_tokens"] is None  # no price anywhere
     assert row["speedup"] is None  # no baseline
     db.dispose_engine(url)
+
+
+def test_speedup_is_the_recorded_counterfactual_over_the_time_taken(tmp_path):
+    """Speedup = sum of each request's target-only counterfactual seconds (baseline_s) over
+    the sum of its wall seconds, whatever the start-up calibration stored; rows recorded
+    before baseline_s existed fall back to the calibration baseline, labelled as such, only
+    in a group without newer rows."""
+    url = sqlite_url(tmp_path)
+    record.record_baseline("p", device="cpu", dtype="float32", tokens_per_s=1.0, url=url)  # a very slow start-up
+    record.record_baseline("old", device="cpu", dtype="float32", tokens_per_s=10.0, url=url)
+    for rid, pair, wall, base in (("a", "p", 2.0, 3.0), ("b", "p", 4.0, 3.6), ("c", "p", 1.0, None),
+                                  ("d", "old", 1.0, None), ("e", "old", 1.0, None)):  # fmt: skip
+        stats = {"tokens_per_s": 20.0, "wall_time_s": wall, "output_tokens": 20}
+        if base is not None:
+            stats["baseline_s"] = base
+        record.record_result(rid, {"text": "", "token_ids": [], "finish_reason": "length", "stats": stats},
+                             worker=None, device="cpu", queue_wait_s=None, pair=pair, job_id=None,
+                             price_per_hour=None, dtype="float32", url=url)  # fmt: skip
+    old, p = reports.summary(url=url)
+    assert p["speedup"] == pytest.approx((3.0 + 3.6) / (2.0 + 4.0)) and p["speedup_basis"] == reports.SPEEDUP_BASIS
+    assert old["speedup"] == pytest.approx(2.0) and old["speedup_basis"] == reports.LEGACY_BASIS
+    text = render.table_text([p])
+    assert "basis: same-process target-only step cost" in " ".join(text.split())
+    assert "speedup_basis" in render.to_csv([p]).splitlines()[0]
+    db.dispose_engine(url)

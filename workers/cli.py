@@ -199,7 +199,8 @@ def register(app: typer.Typer) -> None:
             print("  " + "; ".join(parts) + " (their worker stopped; they run again on their own)")
         print(f"  {st['output_tokens']} tokens, {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s overall, "
               f"{_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request; acceptance "
-              f"{_fmt(st['acceptance_rate'], '.1%')}, speedup {_fmt(st['speedup'], '.2f')}x, cost {cost}")  # fmt: skip
+              f"{_fmt(st['acceptance_rate'], '.1%')}, speedup {_fmt(st['speedup'], '.2f')}x "
+              f"(basis: {st['speedup_basis'] or '-'}), cost {cost}")  # fmt: skip
         print(f"  elapsed {st['elapsed_s']:.0f} s, ETA {_fmt(st['eta_s'], '.0f')} s")
 
     @app.command()
@@ -310,10 +311,13 @@ def register(app: typer.Typer) -> None:
         print(f"job {job}: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled; results in {out}")
         print(f"  {st['output_tokens']} output tokens; {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s over the "
               f"job ({wall:.1f} s this run), {_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request")  # fmt: skip
-        speedup = "unknown (no baseline)" if st["speedup"] is None else f"{st['speedup']:.2f}x"
+        speedup = "unknown (no counterfactual recorded)" if st["speedup"] is None else f"{st['speedup']:.2f}x"
         cost = "unknown (give --price-per-hour)" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
         print(f"  acceptance {_fmt(st['acceptance_rate'], '.1%')}, {_fmt(st['mean_accepted_length'], '.2f')} tokens "
               f"per target forward; speedup vs target-only {speedup}; cost {cost}")  # fmt: skip
+        if st["speedup"] is not None:
+            print(f"  (speedup basis: {st['speedup_basis']}: each request's output tokens at the target-only step "
+                  "time its worker measured at the same batch size, over the time it took)")  # fmt: skip
         if c["failed"]:
             print(f"  {c['failed']} rows failed: see their 'error' in {out}; `specdec-llm retry {job}` runs them again")
 

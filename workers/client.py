@@ -162,6 +162,7 @@ def status(job_id: str, price_per_hour=None) -> dict:
         "throughput_tokens_per_s": rep.get("output_tokens", 0) / elapsed if elapsed > 0 else None,
         "tokens_per_s_mean": rep.get("tokens_per_s_mean"), "acceptance_rate": rep.get("acceptance_rate"),
         "mean_accepted_length": rep.get("mean_accepted_length"), "speedup": rep.get("speedup"),
+        "speedup_basis": rep.get("speedup_basis"),
         "cost_usd": rep.get("cost_usd"),
     }  # fmt: skip
 

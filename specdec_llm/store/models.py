@@ -45,7 +45,7 @@ STATS_FIELDS = (
     "prompt_tokens", "output_tokens", "draft_tokens_proposed", "draft_tokens_accepted",
     "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "target_forwards",
     "draft_forwards", "draft_time_s", "target_time_s", "wall_time_s", "time_to_first_token_s",
-    "tokens_per_s", "k_values", "drafter_tokens", "drafter", "batch_rows", "finish_reason",
+    "tokens_per_s", "k_values", "drafter_tokens", "drafter", "batch_rows", "baseline_s", "finish_reason",
 )
 
 
@@ -54,7 +54,7 @@ REPORT_COLUMNS = (
     "pair_id", "finished_at", "job_id", "worker_id", "category", "device_kind", "dtype",
     "prompt_tokens", "output_tokens", "draft_tokens_proposed", "draft_tokens_accepted",
     "mean_accepted_length", "tokens_per_s", "wall_time_s", "time_to_first_token_s",
-    "estimated_cost_usd",
+    "estimated_cost_usd", "baseline_s",
 )
 
 
@@ -211,7 +211,9 @@ class Telemetry(Base):
     k_values: Mapped[list[int] | None] = mapped_column(JSON)
     batch_rows: Mapped[float | None]  # mean batch size the request decoded in (None: recorded before 0002)
     drafter: Mapped[str | None] = mapped_column(String(32))  # the drafter that proposed most ("none"; None before 0003)
-    drafter_tokens: Mapped[dict[str, Any] | None]  # drafter -> {"proposed", "accepted"}
+    drafter_tokens: Mapped[dict[str, Any] | None]  # drafter -> {"proposed", "accepted", "drafts", ...}
+    # target-only counterfactual seconds (0005): the speedup's basis; None before 0005
+    baseline_s: Mapped[float | None]
     finish_reason: Mapped[str] = mapped_column(String(16), default="length")
 
 

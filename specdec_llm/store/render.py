@@ -66,11 +66,17 @@ def to_json(rows: list[dict]) -> str:
     return json.dumps(rows, indent=2, default=str) + "\n"
 
 
+def speedup_note(rows: list[dict]) -> str:
+    """What the speedup figures are measured against (the bases the rows use)."""
+    bases = sorted({r["speedup_basis"] for r in rows if r.get("speedup_basis")})
+    return "speedup vs target-only decoding; basis: " + ("; ".join(bases) if bases else "none (no counterfactual recorded)")
+
+
 def to_table(rows: list[dict], title: str = "specdec-llm report"):
     """A ``rich.table.Table`` (print it with a rich Console)."""
     from rich.table import Table
 
-    table = Table(title=title)
+    table = Table(title=title, caption=speedup_note(rows))
     groups = _groups(rows)
     for g in groups:
         table.add_column(g, no_wrap=True)
@@ -177,8 +183,8 @@ def to_html(rows: list[dict], *, timeline: list[dict], by_day: list[dict], by_pa
         f"<title>specdec-llm report</title><style>{_CSS}</style></head><body>"
         "<h1>specdec-llm report</h1>"
         f'<p class="meta">Generated {datetime.now().astimezone():%Y-%m-%d %H:%M %Z}. '
-        f"{escape(meta or 'All data')}. Times in UTC; speedup is measured tokens/s over the "
-        "target-only baseline for the same pair, device kind and dtype.</p>"
+        f"{escape(meta or 'All data')}. Times in UTC; {escape(speedup_note(rows))} (each request's "
+        "output tokens at the target-only step cost its worker measured at the same batch size).</p>"
         f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
         f'<div class="charts">{"".join(charts)}</div></body></html>\n'
     )

@@ -2,8 +2,15 @@
 
 ``summary()`` groups successful requests' telemetry (and counts failed requests) by any
 of ``GROUP_FIELDS`` and returns, per group: request counts, tokens, tokens/s (mean, p50,
-p95), latency and time-to-first-token percentiles, acceptance, measured speedup over the
-target-only baseline, device time and cost. All aggregation, percentiles included, runs
+p95), latency and time-to-first-token percentiles, acceptance, measured speedup over
+target-only decoding (and its basis, ``speedup_basis``), device time and cost.
+
+Speedup: the group's summed target-only counterfactual seconds over its summed wall
+seconds. Each request's counterfactual (``telemetry.baseline_s``, engine Stats) is measured
+like for like by the process that ran it: its output tokens at the target-only step cost
+that process measured at the same batch size (``SPEEDUP_BASIS``). Rows recorded before
+that column existed fall back to their tokens/s over the pair's start-up calibration
+baseline (``LEGACY_BASIS``), only in a group with no newer row. All aggregation, percentiles included, runs
 in the database: ``percentile_cont`` on PostgreSQL, the ``specdec_percentiles`` aggregate
 (registered on each connection, see ``db.py``) on SQLite. All times are UTC.
 
@@ -28,7 +35,7 @@ METRICS = (
     "requests", "ok", "failed", "prompt_tokens", "output_tokens",
     "tokens_per_s_mean", "tokens_per_s_p50", "tokens_per_s_p95",
     "latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s",
-    "acceptance_rate", "mean_accepted_length", "speedup",
+    "acceptance_rate", "mean_accepted_length", "speedup", "speedup_basis",
     "device_seconds", "cost_usd", "cost_per_1m_output_tokens",
 )
 # percentile columns: name in the row -> telemetry column
@@ -37,6 +44,10 @@ _PERCENTILES = {
     "latency": Telemetry.wall_time_s,
     "ttft": Telemetry.time_to_first_token_s,
 }
+
+
+SPEEDUP_BASIS = "same-process target-only step cost at the same batch size"  # = engine.SPEEDUP_BASIS
+LEGACY_BASIS = "start-up calibration run (legacy rows)"
 
 
 class ReportInputError(StoreError, ValueError):
@@ -234,7 +245,10 @@ def _telemetry_query(dialect, groups, where, prices):
             (cast(func.sum(T.draft_tokens_accepted), Float)
              / func.nullif(func.sum(T.draft_tokens_proposed), 0)).label("acceptance_rate"),
             func.avg(T.mean_accepted_length).label("mean_accepted_length"),
-            func.avg(T.tokens_per_s / func.nullif(B.tokens_per_s, 0)).label("speedup"),
+            (func.sum(T.baseline_s)
+             / func.nullif(func.sum(case((T.baseline_s.isnot(None), T.wall_time_s))), 0)).label("speedup"),
+            func.avg(case((T.baseline_s.is_(None), T.tokens_per_s / func.nullif(B.tokens_per_s, 0))))
+            .label("speedup_legacy"),
             func.sum(T.wall_time_s).label("device_seconds"),
             func.sum(_row_cost(prices)).label("cost_usd"),
         )
@@ -329,11 +343,14 @@ def _finish(raw: dict, groups: tuple[str, ...], failed: int) -> dict:
         row[f"{name}_p95_s"] = _num(raw.get(f"{name}_p95"))
     for name in ("acceptance_rate", "mean_accepted_length", "speedup", "device_seconds", "cost_usd"):
         row[name] = _num(raw.get(name))
+    row["speedup_basis"] = SPEEDUP_BASIS if row["speedup"] is not None else None
+    if row["speedup"] is None and raw.get("speedup_legacy") is not None:
+        row["speedup"], row["speedup_basis"] = float(raw["speedup_legacy"]), LEGACY_BASIS
     if row["device_seconds"] is None:
         row["device_seconds"] = 0.0
     cost, out = row["cost_usd"], row["output_tokens"]
     row["cost_per_1m_output_tokens"] = cost / out * 1e6 if cost is not None and out else None
-    return row
+    return {**{g: row[g] for g in groups}, **{m: row[m] for m in METRICS}}
 
 
 def _num(v) -> float | None:
