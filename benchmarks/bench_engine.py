@@ -91,7 +91,8 @@ def main() -> None:
 
     rows = read_prompts(Path(args.prompts), args.per_category)
     cats = sorted({r["category"] for r in rows})
-    blank = lambda: {"tokens": 0, "seconds": 0.0, "matched": 0, "prompts": 0, "proposed": 0, "accepted": 0, "forwards": 0}  # noqa: E731
+    blank = lambda: {"tokens": 0, "seconds": 0.0, "matched": 0, "prompts": 0, "proposed": 0, "accepted": 0, "forwards": 0,  # noqa: E731
+                     "baseline_s": 0.0, "wall_s": 0.0}
     totals = {m: defaultdict(blank) for m in methods}
     print(f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.pair} "
           f"{pair.spec.dtype}; {len(rows)} prompts, {n} new tokens, greedy", flush=True)  # fmt: skip
@@ -115,6 +116,8 @@ def main() -> None:
                     tot["proposed"] += stats.draft_tokens_proposed
                     tot["accepted"] += stats.draft_tokens_accepted
                     tot["forwards"] += stats.target_forwards
+                    tot["baseline_s"] += stats.baseline_s
+                    tot["wall_s"] += stats.wall_time_s
         bad = [name for name in methods if outputs[name] != outputs[BASE]]
         for name in methods:
             for key in (row["category"], "all"):
@@ -127,7 +130,9 @@ def main() -> None:
     table.add_column("method")
     for c in [*cats, "all"]:
         table.add_column(c, justify="right")
-    for col in ("accept", "tok/fwd", "match"):
+    # "reported": the speedup an engine method reports about itself (Stats.baseline_s over its
+    # time), to compare with "vs k=0": its tok/s over the engine's k = 0 tok/s, side by side
+    for col in ("accept", "tok/fwd", "reported", "vs k=0", "match"):
         table.add_column(col, justify="right")
     report = {"cpu": cpu_info(), "threads": torch.get_num_threads(), "max_new_tokens": n, "methods": {}}
     for m in methods:
@@ -135,11 +140,15 @@ def main() -> None:
         t = totals[m]["all"]
         acc = t["accepted"] / t["proposed"] if t["proposed"] else None
         per_fwd = t["tokens"] / t["forwards"] if t["forwards"] else None
+        reported = t["baseline_s"] / t["wall_s"] if t["wall_s"] else None
+        vs_k0 = rate[m]["all"] / rate["engine k=0"]["all"] if reported is not None and "engine k=0" in rate else None
         table.add_row(m, *cells, "-" if acc is None else f"{acc:.2f}", "-" if per_fwd is None else f"{per_fwd:.2f}",
+                      "-" if reported is None else f"{reported:.2f}x", "-" if vs_k0 is None else f"{vs_k0:.2f}x",
                       f"{t['matched']}/{t['prompts']}")  # fmt: skip
         report["methods"][m] = {
             "tokens_per_s": rate[m], "speedup": {c: rate[m][c] / rate[BASE][c] for c in rate[m]},
-            "acceptance": acc, "tokens_per_target_forward": per_fwd, "matched": t["matched"], "prompts": t["prompts"],
+            "acceptance": acc, "tokens_per_target_forward": per_fwd, "reported_speedup": reported,
+            "speedup_vs_engine_k0": vs_k0, "matched": t["matched"], "prompts": t["prompts"],
         }  # fmt: skip
     Console(width=200).print(table)
     if args.json:

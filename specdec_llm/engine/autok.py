@@ -26,8 +26,10 @@ class CostModel:
     measured on this device.
 
     A calibration measures the shape (verify time at every k, made non-decreasing in k, and
-    each model drafter's step); live iterations only rescale it (EMA of observed / predicted),
-    so load on a shared machine moves every k's cost together and no stale point can mislead.
+    each model drafter's step); live iterations only rescale it (observed / predicted: the
+    mean of the first ``1 / EMA`` observations, then an EMA), so load on a shared machine
+    moves every k's cost together, no stale point can mislead, and a calibration (or a cached
+    figure) measured under other load is corrected from the first iteration on.
     Free drafters (prompt lookup, suffix index) cost no forward: only their verification.
     """
 
@@ -39,6 +41,7 @@ class CostModel:
     # what a plain (k = 0) iteration costs besides its forward (accepting, streaming text...):
     # an EMA over observed k = 0 iterations; None until one was seen (or loaded)
     plain_overhead_s: float | None = None
+    seen: dict[str, int] = field(default_factory=dict)  # live observations per scale since calibration
 
     @property
     def calibrated(self) -> bool:
@@ -68,7 +71,7 @@ class CostModel:
         self.verify_s = {int(k): float(v) for k, v in data["verify_s"].items() if int(k) <= self.max_k}
         self.draft_s = {n: float(v) for n, v in data.get("draft_s", {}).items()}
         self.plain_overhead_s = data.get("plain_overhead_s")
-        self.verify_scale, self.draft_scale = 1.0, {}
+        self.verify_scale, self.draft_scale, self.seen = 1.0, {}, {}
 
     def _calibrated_verify(self, k: int) -> float:
         pts = sorted(self.verify_s)
@@ -89,17 +92,21 @@ class CostModel:
     def draft(self, name: str = "model") -> float:
         return self.draft_scale.get(name, 1.0) * self.draft_s.get(name, float("inf"))
 
+    def _weight(self, scale: str) -> float:
+        n = self.seen[scale] = self.seen.get(scale, 0) + 1
+        return max(EMA, 1.0 / n)
+
     def observe_verify(self, k: int, seconds: float) -> None:
         if not self.calibrated:
             return
-        ratio = seconds / self._calibrated_verify(k)
-        self.verify_scale = (1 - EMA) * self.verify_scale + EMA * ratio
+        ratio, w = seconds / self._calibrated_verify(k), self._weight("verify")
+        self.verify_scale = (1 - w) * self.verify_scale + w * ratio
 
     def observe_draft(self, name: str, seconds: float) -> None:
         if name not in self.draft_s:
             return
-        ratio = seconds / self.draft_s[name]
-        self.draft_scale[name] = (1 - EMA) * self.draft_scale.get(name, 1.0) + EMA * ratio
+        ratio, w = seconds / self.draft_s[name], self._weight(name)
+        self.draft_scale[name] = (1 - w) * self.draft_scale.get(name, 1.0) + w * ratio
 
     def best_k(self, acceptance: float | list[float], drafter: str = "model") -> int:
         """The k with the most expected tokens per second when every row drafts with the model
@@ -203,6 +210,7 @@ def calibrate(cost: CostModel, time_verify, time_draft=None, points=None, repeat
         cost.draft_s[name] = min(fn() for _ in range(repeats))
     cost.verify_scale = 1.0
     cost.draft_scale = {}
+    cost.seen = {}
 
 
 class AcceptanceTracker:

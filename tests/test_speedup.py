@@ -1,0 +1,115 @@
+"""The speedup figure and its basis: each request's target-only counterfactual is its tokens
+at the target-only step cost the same process measured at the same batch size (not one
+start-up run), and the measured costs are cached on disk so a later call spends no time
+calibrating and no request's figures include a calibration."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from conftest import perturbed, tiny_llama
+from typer.testing import CliRunner
+
+from specdec_llm.engine import GenerationRequest
+from specdec_llm.engine.decoder import SpeculativeDecoder
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(0, vocab=256, layers=2)
+    return target, perturbed(target, 0.05, 1)
+
+
+def slow_startup(dec, rows: int, factor: float = 10.0) -> None:
+    """The calibration of ``rows`` as a loaded machine at start-up would measure it."""
+    dec.ensure_calibrated(rows)
+    cost = dec.costs[rows]
+    cost.verify_s = {k: v * factor for k, v in cost.verify_s.items()}
+    cost.draft_s = {k: v * factor for k, v in cost.draft_s.items()}
+
+
+def total(results) -> float:
+    return sum(r.stats.baseline_s for r in results) / sum(r.stats.wall_time_s for r in results)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_job_at_plain_speed_reports_no_speedup_after_a_slow_startup(models, batch):
+    dec = SpeculativeDecoder(*models)
+    for rows in {1, batch}:
+        slow_startup(dec, rows)  # every calibrated figure 10x too slow
+    requests = [GenerationRequest(prompt=[1, 2, 3, i], max_new_tokens=48, k=0) for i in range(8)]
+    results = dec.generate_many(requests, max_batch=batch)
+    assert all(r.stats.draft_tokens_proposed == 0 for r in results)  # plain speed
+    assert total(results) == pytest.approx(1.0, abs=0.1)
+    assert all(r.stats.speedup == pytest.approx(1.0, abs=0.1) for r in results)
+
+
+def test_drafting_iterations_use_the_live_step_cost_not_the_startup_one(models):
+    """With a fixed k every iteration drafts: the counterfactual comes from the cost model,
+    which live iterations rescale from the first one on; a plain job run beside it measures
+    what target-only really costs here."""
+    dec = SpeculativeDecoder(*models)
+    slow_startup(dec, 1)
+    spec = [dec.generate(GenerationRequest(prompt=[1, 2, 3, i], max_new_tokens=48, k=2)) for i in range(4)]
+    assert all(0 not in r.stats.k_values[:-1] for r in spec)  # (the last iteration may have no room)
+    plain = [dec.generate(GenerationRequest(prompt=[1, 2, 3, i], max_new_tokens=48, k=0)) for i in range(4)]
+    side_by_side = (sum(r.stats.wall_time_s for r in plain) / sum(r.stats.output_tokens for r in plain)) / (
+        sum(r.stats.wall_time_s for r in spec) / sum(r.stats.output_tokens for r in spec))
+    assert total(spec) < 1.5  # not the ~10x the start-up figures would give
+    assert total(spec) == pytest.approx(side_by_side, rel=0.5)  # (tiny models: sub-ms steps, noisy side by side)
+
+
+def test_calibration_is_before_the_clock_and_cached_on_disk(models, tmp_path, monkeypatch):
+    calls = []
+    real = SpeculativeDecoder.calibrate
+
+    def slow_calibration(self, rows=1, context=64):
+        calls.append(rows)
+        time.sleep(0.5)
+        real(self, rows, context)
+
+    monkeypatch.setattr(SpeculativeDecoder, "calibrate", slow_calibration)
+    first = SpeculativeDecoder(*models, kernel_cache=tmp_path / "kernels.json")
+    res = first.generate(GenerationRequest(prompt=[1, 2, 3], max_new_tokens=16))
+    assert calls == [1]
+    assert res.stats.time_to_first_token_s < 0.4 and res.stats.wall_time_s < 0.4  # the calibration is not in them
+    entries = json.loads((tmp_path / "costs.json").read_text())
+    (key,) = entries
+    assert "|rows 1" in key and "max_k 8" in key and "model " in key
+    assert {"verify_s", "draft_s", "plain_overhead_s", "updated_at"} <= set(entries[key])
+    # another process (a new decoder) on this machine: no calibration at all
+    second = SpeculativeDecoder(*models, kernel_cache=tmp_path / "kernels.json")
+    second.generate(GenerationRequest(prompt=[1, 2, 3], max_new_tokens=16))
+    second.generate_many([GenerationRequest(prompt=[4, 5], max_new_tokens=8)], max_batch=1)
+    assert calls == [1]
+    assert second.costs[1].verify(0) > 0
+    # other weights are another pair: measured for themselves
+    other = SpeculativeDecoder(tiny_llama(5, vocab=256, layers=2), models[1], kernel_cache=tmp_path / "kernels.json")
+    other.generate(GenerationRequest(prompt=[1, 2, 3], max_new_tokens=4))
+    assert calls == [1, 1] and len(json.loads((tmp_path / "costs.json").read_text())) == 2
+
+
+def test_a_second_cli_generate_spends_no_time_calibrating(pairs_file, tmp_path, monkeypatch):
+    from specdec_llm.cli import app
+    from specdec_llm.settings import reload_settings
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    reload_settings()
+    calls = []
+    real = SpeculativeDecoder.calibrate
+    monkeypatch.setattr(SpeculativeDecoder, "calibrate", lambda self, *a, **kw: (calls.append(a), real(self, *a, **kw)))
+    runs = []
+    for _ in range(2):
+        r = CliRunner().invoke(app, ["generate", "The quick brown fox", "--pair", "tiny", "--max-new-tokens", "12",
+                                     "--json"])  # fmt: skip
+        assert r.exit_code == 0, r.output
+        runs.append(json.loads(r.stdout)["stats"])
+    assert len(calls) == 1  # the first call measured (before its clock started), the second read the cache
+    assert (tmp_path / "cache" / "costs.json").is_file()
+    for st in runs:
+        assert st["baseline_s"] > 0 and st["speedup"] == pytest.approx(st["baseline_s"] / st["wall_time_s"])
+        assert st["speedup_basis"] == "same-process target-only step cost at the same batch size"
+    monkeypatch.delenv("SPECDEC_CACHE_DIR")
+    reload_settings()
