@@ -106,6 +106,10 @@ def register(app: typer.Typer) -> None:
         max_wait_ms: Annotated[Optional[float], typer.Option(
             "--max-wait-ms", help="An idle worker waits this long for more requests to start a batch with "
                                   "(default: SPECDEC_MAX_WAIT_MS or 20)")] = None,  # fmt: skip
+        metrics_port: Annotated[Optional[int], typer.Option(
+            "--metrics-port", help="Serve Prometheus metrics of every pool process on http://0.0.0.0:PORT/metrics "
+                                   "(prometheus_client multiprocess mode; folder: PROMETHEUS_MULTIPROC_DIR or a "
+                                   "temporary one)")] = None,  # fmt: skip
         loglevel: str = "INFO",
     ) -> None:
         """Start a worker: one pair on one device, consuming the pair's queue.
@@ -127,15 +131,27 @@ def register(app: typer.Typer) -> None:
         _batching(max_batch, concurrency)
         if max_wait_ms < 0:
             _fail("max-wait-ms: use 0 or more")
+        if metrics_port is not None and not 0 < metrics_port < 65536:
+            _fail(f"metrics-port: {metrics_port} is not a TCP port; use 1-65535")
         device = _device(device) or spec.device
         threads = None
         if device == "cpu" and concurrency > 1 and not get_settings().threads:
             threads = max(1, (os.cpu_count() or 1) // concurrency)  # share the cores, don't oversubscribe
         quiet_loading()
         options = runtime.WorkerOptions(spec.name, device=device, price_per_hour=price_per_hour, threads=threads,
-                                        calibrate=calibrate, max_batch=max_batch, max_wait_ms=max_wait_ms)  # fmt: skip
+                                        calibrate=calibrate, max_batch=max_batch, max_wait_ms=max_wait_ms,
+                                        metrics_port=metrics_port)  # fmt: skip
         runtime.configure(options)
         queue_list = queues or queue_name(spec.name)
+        if metrics_port is not None:  # before the pool forks: its processes write where this one reads
+            from . import metrics
+
+            try:
+                folder = metrics.serve(metrics_port, spec.name, queue_name(spec.name))
+            except OSError as e:
+                _fail(f"metrics-port: cannot serve on port {metrics_port}: {e.strerror or e}")
+            print(f"specdec worker: Prometheus metrics on http://0.0.0.0:{metrics_port}/metrics "
+                  f"(multiprocess folder {folder})", file=sys.stderr)  # fmt: skip
         if options.pool == "threads":  # one process, B task threads feeding one batch
             shape, pool_size = f"batches of up to {max_batch} (threads pool, max wait {max_wait_ms:g} ms)", max_batch
         else:

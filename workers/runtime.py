@@ -9,7 +9,9 @@ for its Future, whatever the pool:
   ``worker_process_init`` and keeps it for every task; its server never has more than one
   row (a child runs one task at a time). Child 0 also runs a short calibration
   (target-only and speculative tokens/s), logs it and stores the target-only figure as the
-  pair's baseline.
+  pair's baseline (reports read it only for rows recorded before 0005: a request's speedup
+  is its own counterfactual, Stats.baseline_s). The decoder's cost model comes from the
+  on-disk cache when this machine has measured it before (``engine/costcache.py``).
 - threads (``--max-batch B`` > 1): one process, no fork, B task threads. The pair is
   loaded and calibrated once in ``celeryd_after_setup`` (logging is set up, the pool and
   the consumer not started yet), so no message is taken before the pair is ready; the B
@@ -28,11 +30,13 @@ import signal
 import threading
 from dataclasses import dataclass
 
-from celery.signals import celeryd_after_setup, worker_process_init
+from celery.signals import celeryd_after_setup, worker_process_init, worker_process_shutdown
 
 from specdec_llm import store
 from specdec_llm.engine import GenerationRequest, RequestError
 from specdec_llm.settings import get_settings
+
+from . import metrics
 
 log = logging.getLogger("specdec.worker")
 
@@ -49,6 +53,7 @@ class WorkerOptions:
     calibration_tokens: int = 32
     max_batch: int = 1  # rows decoded together; > 1: the threads pool, one process per device
     max_wait_ms: float = 20.0  # an idle server waits this long for a burst to start as one batch
+    metrics_port: int | None = None  # Prometheus metrics on this port (workers/metrics.py)
 
     @property
     def pool(self) -> str:
@@ -148,6 +153,7 @@ def load(options: WorkerOptions) -> Runtime:
         store.upsert_worker(rt.worker)
     except store.StoreError as e:  # tasks retry their own writes; don't die over bookkeeping
         log.warning("could not register the pair and worker in the store: %s", e)
+    metrics.watch(spec.name, rt.server)  # (a no-op without --metrics-port)
     return rt
 
 
@@ -240,6 +246,11 @@ def _load_after_fork(**_) -> None:
         return
     if _options.calibrate and _process_index() == 0:
         calibrate(rt, _options.calibration_tokens)
+
+
+@worker_process_shutdown.connect
+def _metrics_process_exit(pid=None, **_) -> None:
+    metrics.process_exit(pid)
 
 
 @celeryd_after_setup.connect

@@ -44,7 +44,7 @@ from specdec_llm.engine import GenerationRequest, RequestError
 from specdec_llm.settings import get_settings
 from specdec_llm.store import jobs
 
-from . import runtime
+from . import metrics, runtime
 from .app import TASK, queue_name
 from .client import StreamWriter
 from .leases import MAX_ATTEMPTS
@@ -116,12 +116,15 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
         try:
             req = build_request(row, rt.loaded.tokenizer)
             # on_text (the stream) is called from the server's thread
-            future = rt.server.submit(req, on_text=stream, deadline=clock + limit if limit else None)
-            result = future.result().to_dict()
+            with metrics.running(pair):
+                future = rt.server.submit(req, on_text=stream, deadline=clock + limit if limit else None)
+                result = future.result().to_dict()
         except RequestError as e:
+            metrics.failed(pair, "bad_input")
             store.mark_request(request_id, "failed", error=str(e))
             return {"request_id": request_id, "status": "failed", "error": str(e)}
         except (SoftTimeLimitExceeded, TimeoutError):  # prefork's signal, or the server's deadline
+            metrics.failed(pair, "timeout")
             error = f"timed out: generation took longer than the {limit} s limit"
             store.mark_request(request_id, "failed", error=error)
             return {"request_id": request_id, "status": "failed", "error": error}
@@ -130,6 +133,7 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
                 stream.close()
         result["job_id"] = row["job_id"]
         result["queue_wait_s"] = started - enqueued_at if enqueued_at else None
+        metrics.record(pair, result["stats"], result["queue_wait_s"])
     rt = runtime.get(pair)
     try:
         store.record_result(

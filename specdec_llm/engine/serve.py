@@ -12,6 +12,8 @@ memory...) fails the rows of that batch and the loop goes on with a fresh one. A
 request whose ``deadline`` (time.monotonic()) passes leaves the batch with TimeoutError.
 ``cancel(future)`` withdraws a request: not started yet, it never joins; in the batch, it
 leaves before the next step (its Future raises CancelledError); the other rows go on.
+The decoder's measured costs are written to its on-disk cache (costcache.py) when the
+server goes idle (at most every ``SAVE_EVERY_S``) and when it closes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .decoder import Batch, SpeculativeDecoder, TextCallback
 from .types import GenerationRequest, RequestError
 
 log = logging.getLogger("specdec.engine")
+SAVE_EVERY_S = 30.0  # an idle server writes its live decoding costs to the cache at most this often
 
 
 class BatchServer:
@@ -37,6 +40,8 @@ class BatchServer:
         self.closed = threading.Event()
         self.cancelled: set[Future] = set()  # futures of rows to drop at the next step (server thread reads)
         self._cancel_lock = threading.Lock()
+        self.rows = 0  # rows in the batch at its latest step (for monitoring)
+        self._saved = time.monotonic()
         self.thread = threading.Thread(target=self._loop, name="specdec-batch", daemon=True)
         self.thread.start()
 
@@ -46,6 +51,11 @@ class BatchServer:
         fut: Future = Future()
         self.inbox.put((request, on_text, deadline, fut))
         return fut
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted that have not joined the batch yet."""
+        return self.inbox.qsize()
 
     def cancel(self, fut: Future) -> bool:
         """Withdraw the request behind ``fut`` (from ``submit``). False when it has already
@@ -98,6 +108,7 @@ class BatchServer:
                 if item is not None:
                     self._join(batch, item)
             self._expire(batch)
+            self.rows = len(batch.rows)
             if not batch.rows:
                 continue
             try:
@@ -108,10 +119,21 @@ class BatchServer:
                     row.tag[0].set_exception(e)
                 batch = Batch(self.decoder)
                 continue
+            self.rows = len(batch.rows)
             for row in done:
                 row.tag[0].set_result(row.result)
+            if not batch.rows and time.monotonic() - self._saved > SAVE_EVERY_S:
+                self._save_costs()  # idle: what the batches learnt about the costs, for the next process
         for row in batch.rows:
             row.tag[0].set_exception(RuntimeError("BatchServer closed"))
+        self._save_costs()
+
+    def _save_costs(self) -> None:
+        self._saved = time.monotonic()
+        try:
+            self.decoder.save_costs()
+        except Exception:  # noqa: BLE001 - a cache, never a reason to stop serving
+            log.exception("could not save the decoding costs")
 
     def _join(self, batch: Batch, item) -> None:
         request, on_text, deadline, fut = item
