@@ -4,8 +4,9 @@
                               [--generate N] [--pair NAME] [--max-new-tokens N] [--json]
 
 ``summary`` returns plain dicts, one per group: requests, tokens, tokens/s (mean, p50, p95),
-latency and time to first token, acceptance rate, mean accepted length, speedup over the
-pair's target-only baseline, device time and cost. LangChain traffic shows up under its
+latency and time to first token, acceptance rate, mean accepted length, speedup over
+target-only decoding and its basis (each request's tokens at the target-only step cost its
+worker measured at the same batch size), device time and cost. LangChain traffic shows up under its
 job (``job_name``, default "langchain"). On a fresh machine the store is empty: then (or
 with ``--generate N``) a few prompts go through ``SpecDecLLM`` first, as job
 "example-report", so there is something to report.
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         cost = "unknown (give --price-per-hour)" if r["cost_usd"] is None else f"${r['cost_usd']:.6f}"
         tps = "-" if r["tokens_per_s_mean"] is None else f"{r['tokens_per_s_mean']:.1f}"
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}"
-        speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x (basis: {r['speedup_basis']})"
         print(f"{label}: {r['ok']} ok / {r['failed']} failed, {r['output_tokens']} tokens, {tps} tok/s, "
               f"acceptance {acc}, speedup {speed}, cost {cost}")  # fmt: skip
     return 0

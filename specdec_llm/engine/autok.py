@@ -105,7 +105,7 @@ class CostModel:
     def observe_draft(self, name: str, seconds: float) -> None:
         if name not in self.draft_s:
             return
-        ratio, w = seconds / self.draft_s[name], self._weight(name)
+        ratio, w = seconds / self.draft_s[name], self._weight(f"draft:{name}")
         self.draft_scale[name] = (1 - w) * self.draft_scale.get(name, 1.0) + w * ratio
 
     def best_k(self, acceptance: float | list[float], drafter: str = "model") -> int:

@@ -479,7 +479,7 @@ class Batch:
         self.merge()
         dec, rows = self.dec, self.rows
         cost = dec.costs[len(rows)]
-        if not cost.calibrated and any(r.drafters for r in rows):
+        if not cost.calibrated and any(r.drafters and r.k != 0 for r in rows):
             dec.ensure_calibrated(len(rows))  # outside the iteration's clock
         t_start = time.perf_counter()
         picks = self.choose()
