@@ -41,6 +41,9 @@ class CostModel:
     # what a plain (k = 0) iteration costs besides its forward (accepting, streaming text...):
     # an EMA over observed k = 0 iterations; None until one was seen (or loaded)
     plain_overhead_s: float | None = None
+    # a k = 0 forward observed / as the scaled shape predicts it: corrects the shape's k = 0
+    # point where real contexts differ from the calibration's (1 until a k = 0 iteration is seen)
+    zero_ratio: float = 1.0
     seen: dict[str, int] = field(default_factory=dict)  # live observations per scale since calibration
 
     @property
@@ -49,14 +52,18 @@ class CostModel:
 
     def plain_step(self) -> float:
         """Seconds of one target-only iteration at this batch size, as this process measures it
-        now: the calibrated k = 0 forward at the live scale, plus the observed overhead."""
-        return self.verify(0) + (self.plain_overhead_s or 0.0)
+        now: the k = 0 forward (the calibrated shape at the live scale, corrected by what k = 0
+        iterations observed), plus the observed overhead of a plain iteration."""
+        return self.verify(0) * self.zero_ratio + (self.plain_overhead_s or 0.0)
 
     def observe_plain(self, seconds: float, forward_s: float) -> None:
         """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward."""
-        extra = max(0.0, seconds - forward_s)
+        w = self._weight("plain")
         old = self.plain_overhead_s
-        self.plain_overhead_s = extra if old is None else (1 - EMA) * old + EMA * extra
+        extra = max(0.0, seconds - forward_s)
+        self.plain_overhead_s = extra if old is None else (1 - w) * old + w * extra
+        if self.calibrated:
+            self.zero_ratio = (1 - w) * self.zero_ratio + w * forward_s / self.verify(0)
 
     def to_dict(self) -> dict:
         """The costs as measured now (live scales folded in), for the on-disk cache."""
@@ -64,6 +71,7 @@ class CostModel:
             "verify_s": {str(k): v * self.verify_scale for k, v in sorted(self.verify_s.items())},
             "draft_s": {n: v * self.draft_scale.get(n, 1.0) for n, v in sorted(self.draft_s.items())},
             "plain_overhead_s": self.plain_overhead_s,
+            "zero_ratio": self.zero_ratio,
         }
 
     def load(self, data: dict) -> None:
@@ -71,6 +79,7 @@ class CostModel:
         self.verify_s = {int(k): float(v) for k, v in data["verify_s"].items() if int(k) <= self.max_k}
         self.draft_s = {n: float(v) for n, v in data.get("draft_s", {}).items()}
         self.plain_overhead_s = data.get("plain_overhead_s")
+        self.zero_ratio = float(data.get("zero_ratio") or 1.0)
         self.verify_scale, self.draft_scale, self.seen = 1.0, {}, {}
 
     def _calibrated_verify(self, k: int) -> float:
@@ -211,6 +220,7 @@ def calibrate(cost: CostModel, time_verify, time_draft=None, points=None, repeat
     cost.verify_scale = 1.0
     cost.draft_scale = {}
     cost.seen = {}
+    cost.zero_ratio = 1.0
 
 
 class AcceptanceTracker:
