@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from specdec_llm.engine import GenerationRequest
 from specdec_llm.engine.decoder import SpeculativeDecoder
+from specdec_llm.store.reports import SPEEDUP_BASIS  # the reports' label: the engine's, word for word
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +108,6 @@ def test_a_second_cli_generate_spends_no_time_calibrating(pairs_file, tmp_path, 
     assert (tmp_path / "cache" / "costs.json").is_file()
     for st in runs:
         assert st["baseline_s"] > 0 and st["speedup"] == pytest.approx(st["baseline_s"] / st["wall_time_s"])
-        assert st["speedup_basis"] == "same-process target-only step cost at the same batch size"
+        assert st["speedup_basis"] == "same-process target-only step cost at the same batch size" == SPEEDUP_BASIS
     monkeypatch.delenv("SPECDEC_CACHE_DIR")
     reload_settings()
