@@ -32,7 +32,8 @@ from .autok import AcceptanceTracker, Timer
 from .ragged import RaggedCache
 from .sampling import probs, sample
 
-KNOWN = ("lookup", "suffix", "model")  # drafter names a pair can list (``drafters = [...]``)
+KNOWN = ("lookup", "suffix", "model", "quantized")  # drafter names a pair can list (``drafters = [...]``)
+MODELS = ("model", "quantized")  # drafters that run the pair's draft: a separate model, or the target's quantized copy (quant.py)
 
 
 @dataclass
@@ -408,17 +409,18 @@ def prefill(model, prompt: list[int], st, clock: str) -> RaggedCache:
 
 
 def build(names: list[str], draft_model=None, vocab_size: int | None = None) -> list:
-    """Drafters by name, in order (the order a fixed k tries them in)."""
+    """Drafters by name, in order (the order a fixed k tries them in). "model" and "quantized"
+    are the same drafter class over the pair's draft model (a pair has one draft)."""
     out = []
     for name in names:
         if name == "lookup":
             out.append(Lookup())
         elif name == "suffix":
             out.append(Suffix())
-        elif name == "model":
+        elif name in MODELS:
             if draft_model is None:
-                raise ValueError("drafter 'model' needs a draft model: set the pair's draft, or drop 'model' from drafters")
-            out.append(ModelDrafter(draft_model, vocab_size))
+                raise ValueError(f"drafter {name!r} needs a draft model: set the pair's draft, or drop {name!r} from drafters")
+            out.append(ModelDrafter(draft_model, vocab_size, name))
         else:
             raise ValueError(f"unknown drafter {name!r}; known drafters: {', '.join(KNOWN)}")
     if len({d.name for d in out}) != len(out):
