@@ -26,7 +26,7 @@ import torch
 
 GROUP = 32
 SCHEMES = ("int4", "int8")  # draft = "quantized:SCHEME"
-HEADS = ("target", "int4")  # the draft's LM head: the target's own (shared) or an int4 copy
+HEADS = ("auto", "target", "bf16", "int4")  # the draft's LM head (see quantized_copy)
 
 
 @dataclass
@@ -101,18 +101,65 @@ class Int8Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Bf16Head(torch.nn.Module):
+    """A copy of an LM head in bf16: half the bytes to stream, fp32 logits out. Its matmul is a
+    ``linear_method``, so kernels.tune gives it the fastest bf16 kernel of the machine."""
+
+    linear_method = "bf16_logits"
+
+    def __init__(self, full: torch.nn.Module):
+        super().__init__()
+        self.weight = torch.nn.Parameter(full.weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False)
+
+    def bf16_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bf16_logits(x.to(torch.bfloat16)).to(x.dtype)
+
+
+def faster_head(head: torch.nn.Module, repeats: int = 20) -> str:
+    """"bf16" where a bf16 copy of ``head`` multiplies one row clearly faster than the head
+    itself on this machine (bf16 hardware: AMX, avx512_bf16), else "target". Measured, not
+    assumed: without bf16 hardware a bf16 matmul is slower than fp32."""
+    import time
+
+    if head.weight.dtype != torch.float32 or head.weight.device.type != "cpu":
+        return "target"
+    w = head.weight.detach()
+    x = torch.randn(1, w.shape[1])
+    packed = {"target": w.contiguous(), "bf16": w.to(torch.bfloat16)}
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        packed["bf16"] = torch.ops.mkldnn._reorder_linear_weight(packed["bf16"], None)
+        fns = {"target": lambda: torch.nn.functional.linear(x, packed["target"]),
+               "bf16": lambda: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed["bf16"], None, "none", [], "")}  # fmt: skip
+    else:
+        fns = {k: (lambda k=k: torch.nn.functional.linear(x.to(packed[k].dtype), packed[k])) for k in packed}
+    best = {}
+    for kind, fn in fns.items():
+        fn()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        best[kind] = sorted(times)[len(times) // 2]
+    return "bf16" if best["bf16"] < 0.8 * best["target"] else "target"
+
+
 def _quantized(linear: torch.nn.Linear, scheme: str, blocks: Blocks | None) -> torch.nn.Module:
     if scheme == "int8":
         return Int8Linear(linear.weight, linear.bias)
-    if linear.in_features % GROUP:
-        return linear  # too narrow for groups of GROUP: stays in floating point
+    if linear.in_features % GROUP or linear.out_features % 16:
+        return linear  # the int4 kernels' shape rules (groups of GROUP columns, rows in 16s): stays as it is
     return Int4Linear(blocks or quantize4(linear.weight), linear.bias, linear.weight.device)
 
 
-def quantized_copy(target, scheme: str = "int4", head: str = "target", blocks: dict | None = None):
+def quantized_copy(target, scheme: str = "int4", head: str = "auto", blocks: dict | None = None):
     """A draft: the target's structure and norms, every Linear of its layers quantized
-    (``scheme``), the embedding shared; the LM head the target's own (``head="target"``) or
-    an int4 copy. ``blocks``: {parameter name (``model.layers.0.mlp.up_proj.weight``): Blocks}
+    (``scheme``), the embedding shared. Its LM head: the target's own (``"target"``, shared),
+    a bf16 copy (``"bf16"``), an int4 copy (``"int4"``: fastest, but it agrees less), or
+    ``"auto"``: bf16 where this machine multiplies bf16 clearly faster, else the target's. ``blocks``: {parameter name (``model.layers.0.mlp.up_proj.weight``): Blocks}
     to use as they are (the GGUF target's own quantized weights). The target is unchanged."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization {scheme!r}; known: {', '.join(SCHEMES)}")
@@ -136,15 +183,20 @@ def quantized_copy(target, scheme: str = "int4", head: str = "target", blocks: d
                 full = f"{name}.{child_name}" if name else child_name
                 if isinstance(child, torch.nn.Linear) and child is not head_module:
                     setattr(module, child_name, _quantized(child, scheme, blocks.get(f"{full}.weight")))
+        if head == "auto":
+            head = faster_head(head_module)
         if head == "int4":
             draft.set_output_embeddings(_quantized(head_module, "int4", blocks.get("lm_head.weight")))
+        elif head == "bf16":
+            draft.set_output_embeddings(Bf16Head(head_module))
     for p in draft.parameters():
         p.requires_grad_(False)
+    draft.quantization = {"scheme": scheme, "head": head, "gguf_blocks": len(blocks)}
     return draft.eval()
 
 
-def packed_bytes(model) -> int:
-    """Bytes of a quantized draft's own tensors (buffers and parameters it does not share)."""
-    return sum(b.numel() * b.element_size() for b in model.buffers()) + sum(
-        p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n
-    )
+def own_bytes(draft, target) -> int:
+    """Bytes of the draft's own tensors (what it adds to the target in memory)."""
+    shared = {t.data_ptr() for t in (*target.parameters(), *target.buffers())}
+    own = {t.data_ptr(): t for t in (*draft.parameters(), *draft.buffers()) if t.data_ptr() not in shared}
+    return sum(t.numel() * t.element_size() for t in own.values())
