@@ -20,7 +20,7 @@
 #
 # OUT defaults to a new temporary folder; the logs end up in $OUT/logs.tar.gz (a device call
 # returns at most 8 files) unless --keep-logs. Budgets (seconds) can be changed with
-# GPU_CHECK_BUDGETS="setup=90,fidelity=120,speed=180,worker=90". Python: $PYTHON or python3.
+# GPU_CHECK_BUDGETS="setup=90,fidelity=150,speed=160,worker=80" (the CUDA defaults). Python: $PYTHON or python3.
 # Preparing the bundle and the device calls: scripts/gpu_prepare.sh and the README's "GPU check".
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -51,7 +51,7 @@ if [ "${1:-}" != "--_stage" ]; then  # -----------------------------------------
     BUDGETS="setup=180,fidelity=300,speed=300,worker=240"
   else
     FID_DTYPES=bfloat16,float16,float32 SPEED_DTYPES=bfloat16,float16 WORKER_DTYPE=bfloat16
-    BUDGETS="setup=90,fidelity=120,speed=180,worker=90"
+    BUDGETS="setup=90,fidelity=150,speed=160,worker=80"
   fi
   BUDGETS="${GPU_CHECK_BUDGETS:-$BUDGETS}"
   export REPO DEVICE QUICK BUNDLE THREADS OUT WORK PY FID_DTYPES SPEED_DTYPES WORKER_DTYPE LOGS="$OUT/logs"
@@ -188,8 +188,8 @@ stage_fidelity() {
 }
 
 stage_speed() {
-  local engine=(--per-category 1 --max-new-tokens 64) batch=(--prompts 32 --single-prompts 8 --batch-sizes 1,8,32 --max-new-tokens 64)
-  local forward=(--repeats 20) fails=0 files=()
+  local engine=(--per-category 1 --max-new-tokens 48) forward=(--repeats 20) fails=0
+  local batch=(--prompts 32 --single-prompts 4 --batch-sizes 1,8,32 --max-new-tokens 48)
   if [ "$QUICK" = 1 ]; then
     printf '%s\n' '{"prompt": "Name three colors.", "category": "qa"}' \
       '{"prompt": "Count from one to five.", "category": "writing"}' > "$WORK/bench_prompts.jsonl"
@@ -200,19 +200,18 @@ stage_speed() {
   local threads=(); [ -n "$THREADS" ] && threads=(--threads "$THREADS")
   for dtype in ${SPEED_DTYPES//,/ }; do
     export SPECDEC_DEVICE="$DEVICE" SPECDEC_DTYPE="$dtype"
-    echo "=== $dtype: bench_engine (at ${SECONDS} s)"
-    "$PY" benchmarks/bench_engine.py "${engine[@]}" "${threads[@]}" --json "$LOGS/bench_engine_$dtype.json" || fails=$((fails + 1))
-    echo "=== $dtype: bench_batch (at ${SECONDS} s)"
-    "$PY" benchmarks/bench_batch.py "${batch[@]}" "${threads[@]}" --json "$LOGS/bench_batch_$dtype.json" || fails=$((fails + 1))
-    echo "=== $dtype: bench_forward (at ${SECONDS} s)"
-    if "$PY" benchmarks/bench_forward.py --json "${forward[@]}" "${threads[@]}" > "$WORK/forward.out"; then
-      tail -n 1 "$WORK/forward.out" > "$LOGS/bench_forward_$dtype.json"; cat "$LOGS/bench_forward_$dtype.json"
-    else
-      fails=$((fails + 1))
-    fi
-    files+=("$LOGS/bench_engine_$dtype.json" "$LOGS/bench_batch_$dtype.json" "$LOGS/bench_forward_$dtype.json")
+    for bench in engine batch forward; do
+      echo "=== $dtype: bench_$bench (at ${SECONDS} s)"
+      local out="$LOGS/bench_${bench}_$dtype.json"
+      case $bench in
+        engine) "$PY" benchmarks/bench_engine.py "${engine[@]}" "${threads[@]}" --json "$out" ;;
+        batch) "$PY" benchmarks/bench_batch.py "${batch[@]}" "${threads[@]}" --json "$out" ;;
+        forward) "$PY" benchmarks/bench_forward.py --json "${forward[@]}" "${threads[@]}" > "$WORK/forward.out" \
+                   && tail -n 1 "$WORK/forward.out" | tee "$out" ;;
+      esac || fails=$((fails + 1))
+      json_merge "$LOGS/speed.json" "$out"  # after each run: a stage out of time keeps what it finished
+    done
   done
-  json_merge "$LOGS/speed.json" "${files[@]}"
   [ "$fails" = 0 ] || { echo "$fails benchmark runs failed"; return 1; }
 }
 

