@@ -11,8 +11,8 @@
 #               and point the demo pair at it (a pairs file, SPECDEC_CONFIG_FILE), check every
 #               requirement, load the pair once (converts the GGUF into the cache)
 #   2 fidelity  scripts/gpu_fidelity.py: greedy = transformers generate, batched = one at a
-#               time, same batch twice = identical, sampled distribution; bf16, fp16, fp32
-#               (fp32 only with --device cpu)
+#               time, same batch twice = identical, sampled distribution (bf16, fp16 and
+#               fp32 on CUDA; fp32 on CPU)
 #   3 speed     benchmarks/bench_engine.py, bench_batch.py, bench_forward.py per dtype (bf16,
 #               fp16 on CUDA; fp32 on CPU), JSON figures
 #   4 worker    `specdec-llm run` of a 20-row job on --device through the embedded broker
@@ -20,7 +20,8 @@
 #
 # OUT defaults to a new temporary folder; the logs end up in $OUT/logs.tar.gz (a device call
 # returns at most 8 files) unless --keep-logs. Budgets (seconds) can be changed with
-# GPU_CHECK_BUDGETS="setup=90,fidelity=150,speed=160,worker=80" (the CUDA defaults). Python: $PYTHON or python3.
+# GPU_CHECK_BUDGETS="setup=90,fidelity=150,speed=160,worker=80" (the CUDA defaults).
+# Python: $PYTHON or python3.
 # Preparing the bundle and the device calls: scripts/gpu_prepare.sh and the README's "GPU check".
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -37,7 +38,7 @@ if [ "${1:-}" != "--_stage" ]; then  # -----------------------------------------
       --bundle) BUNDLE="$2"; shift 2 ;;
       --threads) THREADS="$2"; shift 2 ;;
       --keep-logs) KEEP=--keep-logs; shift ;;
-      -h|--help) sed -n 2,27p "$0"; exit 0 ;;
+      -h|--help) sed -n 2,23p "$0"; exit 0 ;;
       *) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
   done

@@ -24,7 +24,7 @@ while [ $# -gt 0 ]; do
     --python-version) PYVER="$2"; shift 2 ;;
     --budget-mib) BUDGET="$2"; shift 2 ;;
     --no-wheels) WHEELS=0; shift ;;
-    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
     *) echo "gpu_prepare: unknown option $1" >&2; exit 2 ;;
   esac
 done
