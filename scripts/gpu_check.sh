@@ -38,7 +38,7 @@ if [ "${1:-}" != "--_stage" ]; then  # -----------------------------------------
       --bundle) BUNDLE="$2"; shift 2 ;;
       --threads) THREADS="$2"; shift 2 ;;
       --keep-logs) KEEP=--keep-logs; shift ;;
-      -h|--help) sed -n 2,23p "$0"; exit 0 ;;
+      -h|--help) sed -n 2,25p "$0"; exit 0 ;;
       *) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
   done
