@@ -70,6 +70,7 @@ class Int4Linear(torch.nn.Module):
         sz = torch.stack([blocks.scale, zero], -1).transpose(0, 1).contiguous()  # [K/G, N, 2]
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", sz.to(device=device, dtype=torch.bfloat16))
+        self.blocks = blocks  # kept until quantized_copy has fused siblings, then dropped
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,6 +148,47 @@ def faster_head(head: torch.nn.Module, repeats: int = 20) -> str:
     return "bf16" if best["bf16"] < 0.8 * best["target"] else "target"
 
 
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # sibling projections of one input
+
+
+class _Fused(torch.nn.Module):
+    """Sibling projections of one input (a layer's q, k, v; its gate and up) as one int4
+    matmul: the first sibling called with an input computes all of them, the others read
+    their slice of that result (half the kernel calls and casts of a step)."""
+
+    def __init__(self, linear: Int4Linear):
+        super().__init__()
+        self.linear, self.x, self.y = linear, None, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.x is not x:  # a reference is kept, so a new input is never mistaken for it
+            self.x, self.y = x, self.linear(x)
+        return self.y
+
+
+class Slice(torch.nn.Module):
+    def __init__(self, fused: _Fused, start: int, stop: int):
+        super().__init__()
+        self.fused, self.start, self.stop = fused, start, stop
+        self.in_features, self.out_features = fused.linear.in_features, stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start : self.stop]
+
+
+def _fuse(module: torch.nn.Module, names: tuple[str, ...]) -> None:
+    parts = [getattr(module, n, None) for n in names]
+    if not all(isinstance(p, Int4Linear) for p in parts) or any(p.bias is not None for p in parts):
+        return
+    blocks = [p.blocks for p in parts]
+    merged = Blocks(*(torch.cat([getattr(b, f) for b in blocks]) for f in ("q", "scale", "low")))
+    fused = _Fused(Int4Linear(merged, None, parts[0].packed.device))
+    start = 0
+    for name, part in zip(names, parts):
+        setattr(module, name, Slice(fused, start, start + part.out_features))
+        start += part.out_features
+
+
 def _quantized(linear: torch.nn.Linear, scheme: str, blocks: Blocks | None) -> torch.nn.Module:
     if scheme == "int8":
         return Int8Linear(linear.weight, linear.bias)
@@ -155,12 +197,14 @@ def _quantized(linear: torch.nn.Linear, scheme: str, blocks: Blocks | None) -> t
     return Int4Linear(blocks or quantize4(linear.weight), linear.bias, linear.weight.device)
 
 
-def quantized_copy(target, scheme: str = "int4", head: str = "auto", blocks: dict | None = None):
+def quantized_copy(target, scheme: str = "int4", head: str = "auto", blocks: dict | None = None, fuse: bool = True):
     """A draft: the target's structure and norms, every Linear of its layers quantized
     (``scheme``), the embedding shared. Its LM head: the target's own (``"target"``, shared),
     a bf16 copy (``"bf16"``), an int4 copy (``"int4"``: fastest, but it agrees less), or
     ``"auto"``: bf16 where this machine multiplies bf16 clearly faster, else the target's. ``blocks``: {parameter name (``model.layers.0.mlp.up_proj.weight``): Blocks}
-    to use as they are (the GGUF target's own quantized weights). The target is unchanged."""
+    to use as they are (the GGUF target's own quantized weights). ``fuse``: each layer's
+    q/k/v and gate/up projections run as one int4 matmul (``FUSED`` names them). The target
+    is unchanged."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization {scheme!r}; known: {', '.join(SCHEMES)}")
     if head not in HEADS:
@@ -183,6 +227,13 @@ def quantized_copy(target, scheme: str = "int4", head: str = "auto", blocks: dic
                 full = f"{name}.{child_name}" if name else child_name
                 if isinstance(child, torch.nn.Linear) and child is not head_module:
                     setattr(module, child_name, _quantized(child, scheme, blocks.get(f"{full}.weight")))
+        for module in draft.modules():
+            for names in FUSED:
+                if fuse:
+                    _fuse(module, names)
+        for module in draft.modules():
+            if isinstance(module, Int4Linear):
+                module.blocks = None
         if head == "auto":
             head = faster_head(head_module)
         if head == "int4":
@@ -191,7 +242,7 @@ def quantized_copy(target, scheme: str = "int4", head: str = "auto", blocks: dic
             draft.set_output_embeddings(Bf16Head(head_module))
     for p in draft.parameters():
         p.requires_grad_(False)
-    draft.quantization = {"scheme": scheme, "head": head, "gguf_blocks": len(blocks)}
+    draft.quantization = {"scheme": scheme, "head": head, "gguf_blocks": len(blocks), "fused": fuse}
     return draft.eval()
 
 
