@@ -389,7 +389,7 @@ def draft_dir(ref: str) -> Path:
 def quantized_draft(spec: PairSpec, target):
     """The target's own weights quantized (``draft = "quantized:SCHEME"``); for a GGUF target
     at int4, built from the file's own Q4_0/Q4_1 blocks, so its weights are the target's."""
-    from .engine.quant import SCHEMES, own_bytes, quantized_copy
+    from .engine.quant import SCHEMES, model_bytes, quantized_copy
 
     scheme = spec.draft.removeprefix(QUANTIZED)
     if scheme not in SCHEMES:
@@ -400,8 +400,8 @@ def quantized_draft(spec: PairSpec, target):
     if scheme == "int4" and ref.endswith(".gguf"):
         blocks = gguf_blocks(Path(ref).expanduser(), target)
     draft = quantized_copy(target, scheme, blocks=blocks)
-    info = {"kind": "quantized", **draft.quantization, "draft_bytes": own_bytes(draft, target),
-            "target_bytes": sum(t.numel() * t.element_size() for t in target.state_dict().values())}  # fmt: skip
+    info = {"kind": "quantized", **draft.quantization, "draft_bytes": model_bytes(draft, target),
+            "target_bytes": model_bytes(target)}
     return draft, info
 
 
