@@ -46,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--pair", default="smollm2-135m")
     ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompts-file", default=str(SPEC_BENCH), help="JSONL with prompt (or turns) and category")
     ap.add_argument("--single-prompts", type=int, default=16)
     ap.add_argument("--batch-sizes", default="1,4,8,16")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -58,7 +59,7 @@ def main() -> None:
     pair = load_pair(args.pair)
     dec = pair.decoder()
     n = args.max_new_tokens
-    rows = spread(read_prompts(SPEC_BENCH), args.prompts)
+    rows = spread(read_prompts(Path(args.prompts_file)), args.prompts)
     ids = [dec.encode(GenerationRequest(prompt=r["prompt"], chat=True)) for r in rows]
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     eos = dec.eos_token_ids
@@ -84,7 +85,7 @@ def main() -> None:
     sub = ids[: args.single_prompts]
     single, t_single = [], 0.0
     for p in sub:
-        x = torch.tensor([p])
+        x = torch.tensor([p], device=pair.target.device)
         t0 = time.perf_counter()
         out = pair.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
         t_single += time.perf_counter() - t0

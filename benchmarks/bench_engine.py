@@ -62,7 +62,7 @@ def main() -> None:
 
     def hf(**kw):
         def run(ids):
-            x = torch.tensor([ids])
+            x = torch.tensor([ids], device=pair.target.device)
             out = pair.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, **kw)
             return out[0, len(ids) :].tolist(), None
 

@@ -40,11 +40,14 @@ def cpu_info() -> str:
 
 
 def median_ms(fn, repeats: int) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)  # GPU work is asynchronous
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
@@ -65,10 +68,10 @@ def engine_path(model, rows: int, context: list[int], w: int, repeats: int) -> f
 @torch.inference_mode()
 def plain_path(model, rows: int, context: list[int], w: int, repeats: int) -> float:
     cache = hf.new_cache(model)
-    ids = torch.tensor([context] * rows)
+    ids = torch.tensor([context] * rows, device=model.device)
     model(input_ids=ids, **{hf._cache_kwarg(type(model)): cache}, use_cache=True, logits_to_keep=1)
     n = len(context)
-    new = torch.tensor([context[:w]] * rows)
+    new = torch.tensor([context[:w]] * rows, device=model.device)
 
     def run():
         model(input_ids=new, **{hf._cache_kwarg(type(model)): cache}, use_cache=True, logits_to_keep=w)

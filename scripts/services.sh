@@ -33,4 +33,19 @@ fi
 if ! (command -v pg_isready >/dev/null && pg_isready -q -h 127.0.0.1 -p 5432); then
   echo "services: PostgreSQL is not reachable on 127.0.0.1:5432 (apt install postgresql, trust auth for 127.0.0.1); PostgreSQL tests will skip"
 fi
+
+# Headless Chromium draws the HTML report in tests/test_report_render.py (a screenshot).
+# Debian's package (~110 MB, ~20 s here); installed when this runs as root with apt-get, as
+# on CI. Without it that test skips and says why (under CI=true it fails).
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "services: installing chromium (apt-get) for the HTML report screenshot test"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; } \
+      || true
+  fi
+  command -v chromium >/dev/null \
+    || echo "services: chromium is not installed (apt install chromium); the HTML report screenshot test will skip"
+fi
 exit 0

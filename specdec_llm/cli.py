@@ -230,8 +230,8 @@ def eval_pair(
     limit: Annotated[Optional[int], typer.Option(help="First N prompts of each category")] = None,
     max_new_tokens: int = 128,
     k: Annotated[int, typer.Option("--k", help="Fixed draft length")] = 4,
-    drafter: Annotated[str, typer.Option(help="The drafter measured (default: the draft model if the pair "
-                                              "has one, else auto)")] = "",
+    drafter: Annotated[str, typer.Option(help="The drafter measured (default: the draft model, distilled or "
+                                              "quantized, if the pair has one, else auto)")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Greedy acceptance rate, mean accepted length and per-position acceptance of a pair's drafter."""
@@ -251,7 +251,7 @@ def eval_pair(
         except (ValueError, UnicodeDecodeError) as e:
             fail(f"prompts: {e}")
         spec = get_spec(pair or get_settings().default_pair)
-        drafter = drafter or ("model" if "model" in spec.drafter_names() else "auto")
+        drafter = drafter or next((d for d in spec.drafter_names() if d in ("model", "quantized")), "auto")
         spec.check_drafter(drafter)
         _threads()
         decoder = load_pair(spec).decoder()

@@ -34,6 +34,7 @@ DRAFT_META = "specdec_draft.json"
 SHARED_TENSORS = ["model.embed_tokens", "model.norm", "lm_head", "model.rotary_emb"]
 VOCAB_SUBSET = "vocab_subset"  # in draft.safetensors: token ids of a SubsetHead draft
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZED = "quantized:"  # draft = "quantized:int4": the target's own weights quantized (engine/quant.py)
 
 
 class PairError(ValueError):
@@ -56,11 +57,16 @@ class PairSpec:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def quantized(self) -> bool:
+        """The draft is the target's own weights, quantized (``draft = "quantized:int4"``)."""
+        return bool(self.draft) and self.draft.startswith(QUANTIZED)
+
     def drafter_names(self) -> list[str]:
-        """Its ``drafters`` list, else lookup, suffix and (with a draft) model."""
+        """Its ``drafters`` list, else lookup, suffix and (with a draft) model or quantized."""
         if self.drafters is not None:
             return list(self.drafters)
-        return ["lookup", "suffix"] + (["model"] if self.draft else [])
+        return ["lookup", "suffix"] + ([("quantized" if self.quantized else "model")] if self.draft else [])
 
     def check_drafter(self, drafter: str) -> None:
         if drafter != "auto" and drafter not in self.drafter_names():
@@ -82,6 +88,13 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
         k = fields.get("k", "auto")
         if k != "auto" and not (isinstance(k, int) and k >= 0):
             raise PairError(f"{source}: pair {name!r}: k must be \"auto\" or an integer >= 0, not {k!r}")
+        draft = fields.get("draft")
+        if isinstance(draft, str) and draft.startswith(QUANTIZED):
+            from .engine.quant import SCHEMES
+
+            if draft.removeprefix(QUANTIZED) not in SCHEMES:
+                raise PairError(f"{source}: pair {name!r}: unknown quantization {draft!r}; known: "
+                                + ", ".join(QUANTIZED + s for s in SCHEMES))  # fmt: skip
         drafters = fields.get("drafters")
         if drafters is not None:
             from .engine.drafters import KNOWN
@@ -91,8 +104,11 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
             bad = [d for d in drafters if d not in KNOWN]
             if bad:
                 raise PairError(f"{source}: pair {name!r}: unknown drafter {bad[0]!r}; known drafters: {', '.join(KNOWN)}")
-            if "model" in drafters and not fields.get("draft"):
-                raise PairError(f"{source}: pair {name!r}: drafter 'model' needs a draft; set draft = ... or drop 'model'")
+            quantized = isinstance(draft, str) and draft.startswith(QUANTIZED)
+            if "model" in drafters and (not draft or quantized):
+                raise PairError(f"{source}: pair {name!r}: drafter 'model' needs a draft model; set draft = ... or drop 'model'")
+            if "quantized" in drafters and not quantized:
+                raise PairError(f"{source}: pair {name!r}: drafter 'quantized' needs draft = \"quantized:int4\" (or int8)")
         out[name] = PairSpec(name=name, source=source, **fields)
     return out
 
@@ -338,6 +354,8 @@ def load_pair(name_or_spec: str | PairSpec) -> Pair:
     draft, info = None, {}
     if spec.draft is None:
         info = {"kind": "none"}
+    elif spec.quantized:
+        draft, info = quantized_draft(spec, target)
     elif spec.draft.startswith("layers:"):
         layers = [int(x) for x in spec.draft.removeprefix("layers:").split(",")]
         draft = shared_draft(target, layers)
@@ -365,3 +383,73 @@ def draft_dir(ref: str) -> Path:
     if not (path / DRAFT_META).exists():
         raise PairError(f"{ref}: no distilled draft at {path}")
     return path
+
+
+# -- quantized self-drafts ---------------------------------------------------------------
+def quantized_draft(spec: PairSpec, target):
+    """The target's own weights quantized (``draft = "quantized:SCHEME"``); for a GGUF target
+    at int4, built from the file's own Q4_0/Q4_1 blocks, so its weights are the target's."""
+    from .engine.quant import SCHEMES, model_bytes, quantized_copy
+
+    scheme = spec.draft.removeprefix(QUANTIZED)
+    if scheme not in SCHEMES:
+        raise PairError(f"pair {spec.name}: unknown quantization {spec.draft!r}; known: "
+                        + ", ".join(QUANTIZED + s for s in SCHEMES))  # fmt: skip
+    blocks = {}
+    ref = str(_package_file(spec.target)) if spec.target.startswith("pkg:") else spec.target
+    if scheme == "int4" and ref.endswith(".gguf"):
+        blocks = gguf_blocks(Path(ref).expanduser(), target)
+    draft = quantized_copy(target, scheme, blocks=blocks)
+    info = {"kind": "quantized", **draft.quantization, "draft_bytes": model_bytes(draft, target),
+            "target_bytes": model_bytes(target)}
+    return draft, info
+
+
+GGUF_INT4 = {"Q4_0": 18, "Q4_1": 20}  # block bytes (32 weights each)
+
+
+def gguf_blocks(path: Path, target) -> dict:
+    """{parameter name: quant.Blocks} for every Linear weight of ``target`` stored in
+    ``path`` as Q4_0 or Q4_1, exactly as the file has it (``scale * q + low``).
+
+    A GGUF tensor is matched to the target's weight by value: its dequantized rows equal
+    the weight's rows, up to the row order the loader changed (query and key heads are
+    permuted in llama.cpp's files); a tensor that matches nothing is left out."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from .engine.quant import GROUP, Blocks
+
+    candidates: dict[tuple, list[Blocks]] = {}
+    for t in GGUFReader(str(path)).tensors:
+        kind = t.tensor_type.name
+        if kind not in GGUF_INT4 or len(t.shape) != 2:
+            continue
+        k, n = (int(x) for x in t.shape)  # GGUF lists the fastest dimension first
+        raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, GGUF_INT4[kind])
+        d = torch.from_numpy(raw[:, :2].copy().view(np.float16)).float().view(n, k // GROUP)
+        if kind == "Q4_1":
+            low, qs = torch.from_numpy(raw[:, 2:4].copy().view(np.float16)).float().view(n, k // GROUP), raw[:, 4:]
+        else:  # Q4_0: w = d * (q - 8)
+            low, qs = -8 * d, raw[:, 2:]
+        qs = torch.from_numpy(qs.copy())
+        q = torch.cat([qs & 0x0F, qs >> 4], 1).view(n, k)  # low nibbles hold a block's first 16 weights
+        b = Blocks(q, d, low)
+        deq = b.dequantize()
+        candidates.setdefault((n, k), []).append((b, deq, deq.double().sum()))
+    out = {}
+    for name, module in target.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module is target.get_output_embeddings():
+            continue
+        w = module.weight.detach().float().contiguous()
+        total = w.double().sum()
+        for b, deq, b_total in candidates.get(tuple(w.shape), []):
+            if not torch.isclose(total, b_total, rtol=1e-9, atol=1e-6):  # the sum ignores row order: a cheap first test
+                continue
+            rows = {r.numpy().tobytes(): i for i, r in enumerate(deq)}
+            order = [rows.get(r.numpy().tobytes()) for r in w]
+            if None not in order:
+                idx = torch.tensor(order)
+                out[f"{name}.weight"] = Blocks(b.q[idx], b.scale[idx], b.low[idx])
+                break
+    return out

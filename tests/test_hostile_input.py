@@ -108,8 +108,23 @@ row_objects = st.fixed_dictionaries(
 )  # fmt: skip
 good_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
                                                 "content": weird_text}), min_size=1, max_size=3)  # fmt: skip
+openai_messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]) | values,
+     "content": weird_text | st.lists(st.fixed_dictionaries({"type": st.just("text") | values, "text": weird_text}),
+                                      max_size=2) | values},
+    optional={"name": values, "tool_calls": values}), max_size=3) | values  # fmt: skip
+openai_lines = st.fixed_dictionaries(  # OpenAI Batch input lines (workers/openai_batch.py)
+    {"custom_id": weird_text | values, "url": st.sampled_from(["/v1/chat/completions", "/v1/completions"]) | values,
+     "body": st.fixed_dictionaries({}, optional={
+         "messages": openai_messages, "prompt": prompts, "model": values, "max_tokens": plausible("max_new_tokens"),
+         "max_completion_tokens": plausible("max_new_tokens"), "temperature": plausible("temperature"),
+         "top_p": plausible("top_p"), "seed": plausible("seed"), "stop": plausible("stop") | weird_text,
+         "n": st.sampled_from([1, 2, True]) | values, "logprobs": values, "tools": values}) | values},
+    optional={"method": st.sampled_from(["POST", "GET"]) | values, "bogus": values},
+)  # fmt: skip
 raw_lines = st.one_of(
     row_objects.map(lambda o: json.dumps(o, ensure_ascii=False)),
+    openai_lines.map(lambda o: json.dumps(o, ensure_ascii=False)),
     st.fixed_dictionaries({"messages": good_messages}).map(json.dumps),
     weird_text.map(lambda t: t.replace("\n", " ").replace("\r", " ")),
     st.binary(max_size=40).map(lambda b: b.replace(b"\n", b" ").decode("latin-1")),

@@ -31,7 +31,7 @@ StopOpt = Annotated[Optional[List[str]], typer.Option(help="Stop string (repeata
 ModeOpt = Annotated[Optional[str], typer.Option(help="speculative | baseline (target only)")]
 PriceOpt = Annotated[List[str], typer.Option("--price-per-hour", help="USD per device-hour: 2.5, or cuda=2.5 (repeat)")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: the pair's device)")]
-FormatOpt = Annotated[str, typer.Option("--format", "-f", help="jsonl or csv")]
+FormatOpt = Annotated[str, typer.Option("--format", "-f", help="jsonl, csv or openai (OpenAI Batch output lines)")]
 MaxBatchOpt = Annotated[Optional[int], typer.Option(
     "--max-batch", help="Requests decoded together as one batch (default: SPECDEC_MAX_BATCH or 1); "
                         "> 1 runs one process with that many task threads (threads pool)")]  # fmt: skip
@@ -172,7 +172,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def submit(
-        file: Annotated[Path, typer.Argument(help="JSONL, CSV (a prompt column) or text (one prompt per line)")],
+        file: Annotated[Path, typer.Argument(help="JSONL (our rows or OpenAI Batch lines), CSV (a prompt column) "
+                                                   "or text (one prompt per line)")],
         pair: PairOpt = None, name: NameOpt = None, chat: ChatOpt = False, max_new_tokens: MaxNewOpt = None,
         temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None,
         k: KOpt = None, stop: StopOpt = None, mode: ModeOpt = None,
@@ -225,7 +226,8 @@ def register(app: typer.Typer) -> None:
         fmt: FormatOpt = "jsonl",
         out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write here instead of stdout")] = None,
     ) -> None:
-        """Export a job's rows in input order: id, text, finish reason, error, key stats."""
+        """Export a job's rows in input order: id, text, finish reason, error, key stats
+        (--format openai: OpenAI Batch output lines, telemetry under response.body.specdec)."""
         from . import client
 
         with _errors():
@@ -253,7 +255,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def run(
-        file: Annotated[Path, typer.Argument(help="JSONL, CSV (a prompt column) or text (one prompt per line)")],
+        file: Annotated[Path, typer.Argument(help="JSONL (our rows or OpenAI Batch lines), CSV (a prompt column) "
+                                                   "or text (one prompt per line)")],
         pair: PairOpt = None,
         out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results file (default: FILE's stem + .results.jsonl)")] = None,
         fmt: FormatOpt = "jsonl", name: NameOpt = None, chat: ChatOpt = False, max_new_tokens: MaxNewOpt = None,
@@ -280,7 +283,7 @@ def register(app: typer.Typer) -> None:
         pair = pair or get_settings().default_pair
         device = _device(device)
         _batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
-        out = out or Path(f"{file.stem}.results.{fmt}")
+        out = out or Path(f"{file.stem}.results.{'csv' if fmt == 'csv' else 'jsonl'}")
         _check_output(fmt, out)  # before generating anything, not after
         t0 = time.time()
         procs = []
@@ -340,8 +343,10 @@ def register(app: typer.Typer) -> None:
 
 def _check_output(fmt: str, out: Path) -> None:
     """Refuse a format or an output file that cannot work, before a job runs."""
-    if fmt not in ("jsonl", "csv"):
-        _fail(f"format: {fmt!r} unknown; use --format jsonl or --format csv")
+    from .client import FORMATS
+
+    if fmt not in FORMATS:
+        _fail(f"format: {fmt!r} unknown; use --format {', '.join(FORMATS)}")
     if out.is_dir():
         _fail(f"out: {out} is a folder; give a file name, e.g. --out {out / 'results.jsonl'}")
     folder = out.parent
@@ -354,8 +359,8 @@ def _check_output(fmt: str, out: Path) -> None:
 def _export(items: list[dict], fmt: str, out: Path | None, job: str | None = None) -> None:
     from . import client
 
-    if fmt not in ("jsonl", "csv"):
-        _fail(f"format: {fmt!r} unknown; use jsonl or csv")
+    if fmt not in client.FORMATS:
+        _fail(f"format: {fmt!r} unknown; use {', '.join(client.FORMATS)}")
     if out is None:
         client.write_results(items, fmt, sys.stdout)
         return

@@ -112,9 +112,10 @@ def job_requests(job_id: str, *, outputs: bool = True) -> list[dict]:
     q = select(*columns).outerjoin(Pair, Pair.id == Request.pair_id).where(Request.job_id == job_id)
     if outputs:
         q = (
-            q.add_columns(Output.text, Output.finish_reason, Output.prompt_tokens, Output.output_tokens,
-                          Telemetry.tokens_per_s, Telemetry.acceptance_rate, Telemetry.mean_accepted_length,
-                          Telemetry.wall_time_s)
+            q.add_columns(Request.finished_at, Output.text, Output.finish_reason, Output.prompt_tokens,
+                          Output.output_tokens, Telemetry.tokens_per_s, Telemetry.acceptance_rate,
+                          Telemetry.mean_accepted_length, Telemetry.wall_time_s, Telemetry.time_to_first_token_s,
+                          Telemetry.draft_tokens_proposed, Telemetry.draft_tokens_accepted, Telemetry.drafter)
             .outerjoin(Output, Output.request_id == Request.id)
             .outerjoin(Telemetry, Telemetry.request_id == Request.id)
         )  # fmt: skip
@@ -168,32 +169,48 @@ def status(job_id: str, price_per_hour=None) -> dict:
 
 
 def results(job_id: str) -> list[dict]:
-    """One dict per row, in input order: the row's id, outcome and key stats."""
+    """One dict per row, in input order: the row's id, outcome and key stats (``RESULT_FIELDS``,
+    what the jsonl and csv formats write), and what the openai format adds: ``request_id``,
+    ``pair``, ``endpoint`` (an OpenAI Batch line's url), ``chat``, ``refused`` (bad input,
+    failed at submit), ``finished_at`` and more telemetry (``openai_batch.TELEMETRY``)."""
+    from .openai_batch import TELEMETRY
+
     get_job(job_id)
     out = []
     for r in job_requests(job_id):
         params = r["params"] or {}
-        item = {k: r.get(k) for k in RESULT_FIELDS}
+        item = {k: r.get(k) for k in (*RESULT_FIELDS, *TELEMETRY)}
         item["id"] = params.get("_id", r["id"])
         item["metadata"] = params.get("_metadata")
+        item.update(request_id=r["id"], pair=r["pair"], endpoint=params.get("_endpoint"), chat=params.get("chat"),
+                    refused=bool(params.get("_input_error")), finished_at=r["finished_at"])  # fmt: skip
         out.append(item)
     return out
 
 
+FORMATS = ("jsonl", "csv", "openai")
+
+
 def write_results(items: list[dict], fmt: str, out) -> None:
-    """``jsonl``: one object per line; ``csv``: one row per result, metadata as JSON text."""
+    """``jsonl``: one object per line (``RESULT_FIELDS``); ``csv``: one row per result,
+    metadata as JSON text; ``openai``: OpenAI Batch output lines (``openai_batch.output_line``)."""
     if fmt == "jsonl":
         for item in items:
-            out.write(json.dumps(item, ensure_ascii=False) + "\n")
+            out.write(json.dumps({k: item[k] for k in RESULT_FIELDS}, ensure_ascii=False) + "\n")
     elif fmt == "csv":
         import csv
 
-        writer = csv.DictWriter(out, fieldnames=RESULT_FIELDS, lineterminator="\n")
+        writer = csv.DictWriter(out, fieldnames=RESULT_FIELDS, lineterminator="\n", extrasaction="ignore")
         writer.writeheader()
         for item in items:
             writer.writerow({**item, "metadata": None if item["metadata"] is None else json.dumps(item["metadata"])})
+    elif fmt == "openai":
+        from .openai_batch import output_line
+
+        for item in items:
+            out.write(json.dumps(output_line(item), ensure_ascii=False) + "\n")
     else:
-        raise ValueError(f"format: {fmt!r} unknown; use jsonl or csv")
+        raise ValueError(f"format: {fmt!r} unknown; use {', '.join(FORMATS)}")
 
 
 # -- retry and cancel --------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Formats (by file suffix):
 - ``.jsonl`` / ``.ndjson`` / ``.json``: one object per line:
   ``{"id"?, "prompt" | "messages", "params"?, "metadata"?, "category"?}`` where generation
-  parameters may also sit at the top level (``"max_new_tokens": 64``);
+  parameters may also sit at the top level (``"max_new_tokens": 64``); or an OpenAI Batch
+  input line ``{"custom_id", "method", "url", "body"}`` for ``/v1/chat/completions`` or
+  ``/v1/completions`` (see ``openai_batch``; a file may mix both kinds of line);
 - ``.csv``: a header with a ``prompt`` column; ``id`` and ``category`` columns are used,
   any other column becomes metadata;
 - anything else: plain text, one prompt per line.
@@ -30,6 +32,8 @@ from typing import Any
 from specdec_llm.checks import check_messages, check_seed, check_text
 from specdec_llm.engine import GenerationRequest, RequestError
 
+from . import openai_batch
+
 PARAMS = tuple(f.name for f in fields(GenerationRequest) if f.name != "prompt")
 ROW_KEYS = ("id", "prompt", "messages", "params", "metadata", "category")
 
@@ -49,6 +53,7 @@ class Row:
     metadata: Any = None
     category: str | None = None
     error: str | None = None
+    endpoint: str | None = None  # an OpenAI Batch line's url (its results can be written in that format)
 
 
 MAX_LINE_BYTES = 8 * 2**20  # a longer line fails its row unread (memory stays bounded whatever the file)
@@ -150,9 +155,11 @@ def _jsonl(lines) -> list[Row]:
         if not isinstance(obj, dict):
             row.prompt, row.error = line[:PREVIEW_CHARS], f"expected a JSON object, got {type(obj).__name__}"
             continue
-        if obj.get("id") is not None:
-            row.id = obj["id"] if isinstance(obj["id"], str) else _dumps_safe(obj["id"])
-        row.error = _fill(row, obj) or _unstorable(obj)
+        key = "custom_id" if openai_batch.is_batch_line(obj) else "id"
+        if obj.get(key) is not None:
+            row.id = obj[key] if isinstance(obj[key], str) else _dumps_safe(obj[key])
+        fill = openai_batch.fill if key == "custom_id" else _fill
+        row.error = fill(row, obj) or _unstorable(obj)
     return rows
 
 
@@ -333,6 +340,8 @@ def to_request(job_id: str, row: Row, job_params: dict) -> dict:
     """The ``store.create_job`` item for ``row``. A bad row is stored as it came, made safe to
     store (NaN as text, unpaired surrogates replaced), with its error."""
     params = {**job_params, **row.params, "_row": row.index, "_id": row.id}
+    if row.endpoint is not None:
+        params["_endpoint"] = row.endpoint
     if row.metadata is not None:
         params["_metadata"] = row.metadata
     if row.error is not None:

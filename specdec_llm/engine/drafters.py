@@ -32,7 +32,8 @@ from .autok import AcceptanceTracker, Timer
 from .ragged import RaggedCache
 from .sampling import probs, sample
 
-KNOWN = ("lookup", "suffix", "model")  # drafter names a pair can list (``drafters = [...]``)
+KNOWN = ("lookup", "suffix", "model", "quantized")  # drafter names a pair can list (``drafters = [...]``)
+MODELS = ("model", "quantized")  # drafters that run the pair's draft: a separate model, or the target's quantized copy (quant.py)
 
 
 @dataclass
@@ -246,9 +247,9 @@ class ModelDrafter:
 
     free, shared = False, False
 
-    def __init__(self, model, vocab_size: int, name: str = "model"):
+    def __init__(self, model, vocab_size: int, name: str = "model", prior: float = 0.5):
         self.model, self.vocab_size, self.name = model, vocab_size, name
-        self.prior = 0.5  # running acceptance estimate over finished rows
+        self.prior = prior  # running acceptance estimate over finished rows
 
     def session(self, batch):
         return _ModelSession(self, batch)
@@ -408,17 +409,21 @@ def prefill(model, prompt: list[int], st, clock: str) -> RaggedCache:
 
 
 def build(names: list[str], draft_model=None, vocab_size: int | None = None) -> list:
-    """Drafters by name, in order (the order a fixed k tries them in)."""
+    """Drafters by name, in order (the order a fixed k tries them in). "model" and "quantized"
+    are the same drafter class over the pair's draft model (a pair has one draft)."""
     out = []
     for name in names:
         if name == "lookup":
             out.append(Lookup())
         elif name == "suffix":
             out.append(Suffix())
-        elif name == "model":
+        elif name in MODELS:
             if draft_model is None:
-                raise ValueError("drafter 'model' needs a draft model: set the pair's draft, or drop 'model' from drafters")
-            out.append(ModelDrafter(draft_model, vocab_size))
+                raise ValueError(f"drafter {name!r} needs a draft model: set the pair's draft, or drop {name!r} from drafters")
+            # the target's own weights in 4 bits agree with it on ~0.99 of greedy tokens (README):
+            # start there, so the schedule tries it from the first row; rows then correct it
+            prior = 0.9 if getattr(draft_model, "quantization", None) else 0.5
+            out.append(ModelDrafter(draft_model, vocab_size, name, prior))
         else:
             raise ValueError(f"unknown drafter {name!r}; known drafters: {', '.join(KNOWN)}")
     if len({d.name for d in out}) != len(out):

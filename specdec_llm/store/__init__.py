@@ -38,7 +38,7 @@ function takes ``url=`` to use another database. Times are naive UTC.
             price_per_hour=None, url=None) -> list[dict]
     GROUP_FIELDS, METRICS, ReportInputError
 
-``render``: to_table / table_text / to_csv / to_json / to_html, and
+``render``: to_tables (fitted to a width) / to_table / table_text / to_csv / to_json / to_html, and
     report(fmt, **summary filters) -> str   # query + render, "table"|"csv"|"json"|"html"
 
 ``cli.register(app)`` adds ``db upgrade|downgrade|current`` and ``report`` to a Typer app.

@@ -69,12 +69,16 @@ def register(app: typer.Typer) -> None:
         pair: Optional[str] = typer.Option(None, help="Only this pair (name)."),
         job: Optional[str] = typer.Option(None, help="Only this job (id)."),
         fmt: str = typer.Option("table", "--format", "-f", help="table, csv, json or html."),
+        columns: List[str] = typer.Option(
+            [], "--columns", "-c", help="Metrics to show, in order (comma-separate or repeat; 'all': every one), "
+                                        "e.g. requests,tokens_per_s_p95,cost_usd. Default: the key figures first; "
+                                        "a table wider than the terminal folds into more tables."),
         out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write here instead of stdout."),
         price_per_hour: List[str] = typer.Option(
             [], "--price-per-hour", help="USD per device-hour: 2.5 for all, or per device kind: cuda=2.5 (repeat)."),
     ) -> None:
         """Speed, acceptance, speedup and cost per pair/day/hour/job/worker/category."""
-        from .render import report_rows, to_table
+        from .render import report_rows, speedup_note, to_tables
         from .reports import summary
 
         filters = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in (("since", since), ("until", until),
@@ -83,16 +87,22 @@ def register(app: typer.Typer) -> None:
         try:
             kw = dict(since=since, until=until, group_by=group_by, pair=pair, job=job,
                       price_per_hour=price_per_hour or None)
-            if fmt == "table" and out is None:
+            if fmt == "table" and out is None:  # to the terminal (or a pipe: 80 columns), in its width
                 from rich.console import Console
 
+                from .render import parse_columns
+
+                parse_columns(columns)
                 rows = summary(**kw)
                 if not rows:
                     typer.echo(no_data, err=True)
                     return
-                Console().print(to_table(rows))
+                console = Console()
+                for table in to_tables(rows, console.width, columns):
+                    console.print(table)
+                console.print(speedup_note(rows))
                 return
-            text, n = report_rows(fmt, **kw)
+            text, n = report_rows(fmt, columns=columns, **kw)
         except StoreError as e:
             _fail(e)
         if not n:

@@ -1,0 +1,127 @@
+"""The quantized self-draft (engine/quant.py): the target's own weights in 4 or 8 bits.
+
+Greedy output stays token-identical with it, alone and mixed with the free drafters in one
+batch (caches checked after every step); the sampled distribution stays the target's; a
+GGUF target's draft is built from the file's own Q4_1 blocks, equal to the target's weights
+bit for bit; a pair naming an unknown quantization is refused with the known ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import check_caches, greedy_reference, tiny_llama
+from typer.testing import CliRunner
+
+from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
+from specdec_llm.engine.decoder import Batch
+from specdec_llm.engine.quant import Int4Linear, Int8Linear, quantize4, quantized_copy
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9], [30, 31, 32, 30, 31], [100, 3, 100, 3, 100], [7]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+def test_int4_blocks_round_trip_and_the_kernel_multiplies_by_them():
+    torch.manual_seed(0)
+    w = torch.randn(96, 64)
+    b = quantize4(w)
+    assert b.q.max() <= 15 and (b.dequantize() - w).abs().max() <= (b.scale.max() / 2) * 1.001
+    lin = Int4Linear(b, None, torch.device("cpu"))
+    x = torch.randn(3, 5, 64)
+    ref = x @ b.dequantize().t()
+    y = lin(x)
+    assert y.shape == (3, 5, 96) and y.dtype == x.dtype
+    assert (y - ref).abs().max() < 0.05 * ref.abs().max()  # bf16 activations and scales inside the kernel
+    lin8 = Int8Linear(w, None)
+    assert (lin8(x) - x @ w.t()).abs().max() < 0.02 * (x @ w.t()).abs().max()
+
+
+@pytest.mark.parametrize("scheme,head", [("int4", "target"), ("int4", "int4"), ("int8", "target")])
+def test_quantized_drafter_alone_and_mixed_is_greedy_identical(target, scheme, head):
+    draft = quantized_copy(target, scheme, head)
+    assert not any(isinstance(m, torch.nn.Linear) for n, m in draft.model.layers.named_modules())
+    assert draft.model.embed_tokens is target.model.embed_tokens  # shared, not copied
+    dec = SpeculativeDecoder(target, draft, drafters=["lookup", "suffix", "quantized"])
+    reqs = [GenerationRequest(prompt=p, max_new_tokens=n, k=k, drafter=d)
+            for p, n, k, d in zip(PROMPTS * 3, (30, 12, 25, 40, 9) * 3, (3, "auto", 5, 2) * 4,
+                                  ("quantized", "quantized", "auto", "lookup", "quantized") * 3)]  # fmt: skip
+    for max_batch in (1, 4):
+        out = dec.generate_many(reqs, max_batch=max_batch)
+        for req, res in zip(reqs, out):
+            assert res.token_ids == greedy_reference(target, req.prompt, req.max_new_tokens), (req, max_batch)
+    q = [r.stats.drafter_tokens["quantized"] for req, r in zip(reqs, out) if req.drafter == "quantized" and req.k != "auto"]
+    proposed, accepted = sum(c["proposed"] for c in q), sum(c["accepted"] for c in q)
+    assert accepted > 0.6 * proposed, (accepted, proposed)  # a faithful copy of the target agrees with it
+
+
+def test_quantized_rows_join_and_leave_caches_exact(target):
+    dec = SpeculativeDecoder(target, quantized_copy(target), drafters=["lookup", "quantized"])
+    batch = Batch(dec)
+    rows = [batch.add(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=25, k=3, drafter="quantized"))]
+    for step in range(60):
+        if step in (1, 5):
+            rows.append(batch.add(GenerationRequest(prompt=PROMPTS[step % 5], max_new_tokens=15, k=4, drafter="quantized")))
+            rows.append(batch.add(GenerationRequest(prompt=PROMPTS[(step + 2) % 5], max_new_tokens=18)))
+        if not batch.rows:
+            break
+        batch.step()
+        check_caches(batch)
+    for row in rows:
+        assert row.result.token_ids == greedy_reference(target, row.prompt, row.req.max_new_tokens)
+
+
+def test_sampling_with_the_quantized_drafter_keeps_the_target_distribution():
+    """As test_engine's sampled test (same bound and N), the draft being the target's int4 copy
+    (its head stays the target's: 8 rows are too few for the int4 kernel)."""
+    from test_engine import exact_two_token_distribution
+
+    V, N, prompt = 8, 20_000, [1, 2, 3]
+    target = tiny_llama(11, vocab=V, hidden=32)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(40)
+    draft = quantized_copy(target, "int4", "int4")  # the head stays fp32 (8 rows)
+    exact = exact_two_token_distribution(target, prompt, 1.0, 0, 1.0)
+    dec = SpeculativeDecoder(target, draft, drafters=["quantized"])
+    reqs = [GenerationRequest(prompt=prompt, max_new_tokens=2, k=1 + i % 2, seed=i, temperature=1.0) for i in range(N)]
+    out = dec.generate_many(reqs, max_batch=256)
+    counts = torch.zeros(V, V)
+    for res in out:
+        counts[res.token_ids[0], res.token_ids[1]] += 1
+    tv = 0.5 * (counts / N - exact).abs().sum()
+    assert tv < 0.035, f"TV {tv:.4f}"
+    assert sum(r.stats.draft_tokens_accepted for r in out) > N * 0.3
+
+
+def test_gguf_draft_weights_equal_the_targets_bit_for_bit(smollm2):
+    """Every Linear weight of the demo target is a Q4_1 block in its GGUF: the draft takes
+    those blocks as they are (scale, minimum, nibbles), and they dequantize to exactly the
+    target's fp32 weights (the loader's row permutation of query and key heads included)."""
+    from specdec_llm.pairs import _package_file, get_spec, gguf_blocks
+
+    target = smollm2.target
+    blocks = gguf_blocks(_package_file(get_spec("smollm2-135m").target), target)
+    linears = [n for n, m in target.model.layers.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert len(blocks) == len(linears) == 7 * target.config.num_hidden_layers
+    params = dict(target.named_parameters())
+    for name, b in blocks.items():
+        assert torch.equal(b.dequantize(), params[name].detach().float()), name
+
+
+def test_unknown_quantization_exits_2_naming_the_known_ones(tmp_path, monkeypatch, tiny_pair_dir):
+    from specdec_llm.cli import app
+    from specdec_llm.settings import reload_settings
+
+    path = tmp_path / "pairs.toml"
+    path.write_text(f'[pairs.q]\ntarget = "{tiny_pair_dir}/target"\ndraft = "quantized:int3"\n')
+    monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(path))
+    reload_settings()
+    try:
+        res = CliRunner().invoke(app, ["generate", "hello", "--pair", "q", "--max-new-tokens", "2"])
+        assert res.exit_code == 2
+        assert "unknown quantization 'quantized:int3'; known: quantized:int4, quantized:int8" in res.output
+    finally:
+        monkeypatch.delenv("SPECDEC_CONFIG_FILE")
+        reload_settings()

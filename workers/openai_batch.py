@@ -1,0 +1,202 @@
+"""OpenAI Batch files in and out: a reader and a writer at the edge of bulk jobs.
+
+In: a JSONL line ``{"custom_id", "method": "POST", "url", "body"}`` for ``/v1/chat/completions``
+(``body.messages``) or ``/v1/completions`` (``body.prompt``) becomes an ordinary job row
+(``rows.Row``): ``custom_id`` is its id, ``max_tokens`` / ``max_completion_tokens`` its
+``max_new_tokens``, and ``temperature``, ``top_p``, ``seed``, ``stop`` keep their names.
+``model`` is ignored (the job's pair generates every row). A body field we cannot honour
+(``tools``, ``n`` > 1, ``logprobs``, ``response_format`` other than text, ...) fails that row
+alone, with an error naming the field.
+
+Out: ``results --format openai`` writes one OpenAI Batch output line per row, in input
+order: ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``.
+A finished row's body is a ``chat.completion`` or ``text_completion`` object (``choices``,
+``usage``), plus our telemetry under ``specdec``. A failed row has ``error`` = ``{"code",
+"message", "param"}`` and, when it was refused for its input, a 400 response whose body
+holds the same error as the OpenAI API would return it.
+"""
+
+from __future__ import annotations
+
+import calendar
+import dataclasses
+import json
+
+from specdec_llm.checks import check_seed, check_text
+from specdec_llm.engine import GenerationRequest, RequestError
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+LINE_KEYS = ("custom_id", "method", "url", "body")
+# body field -> GenerationRequest field
+PARAMS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
+          "top_p": "top_p", "seed": "seed", "stop": "stop"}  # fmt: skip
+IGNORED = ("model", "user", "metadata", "store", "service_tier")  # no effect on the text we generate
+# fields we do not support, accepted at the value that asks for nothing (null is always accepted)
+NEUTRAL = {"n": 1, "best_of": 1, "stream": False, "logprobs": False, "top_logprobs": 0, "echo": False,
+           "presence_penalty": 0, "frequency_penalty": 0, "response_format": {"type": "text"}}  # fmt: skip
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+# what the ``specdec`` field of a response body carries (``client.results`` keys; finish_reason
+# is ours: eos, stop, length or context, where OpenAI's says stop or length)
+TELEMETRY = ("finish_reason", "tokens_per_s", "acceptance_rate", "mean_accepted_length", "draft_tokens_proposed",
+             "draft_tokens_accepted", "drafter", "wall_time_s", "time_to_first_token_s")  # fmt: skip
+
+
+def is_batch_line(obj: dict) -> bool:
+    """An OpenAI Batch input line (our own rows have no ``custom_id``)."""
+    return "custom_id" in obj
+
+
+def fill(row, obj: dict) -> str | None:
+    """Copy an OpenAI Batch input line into ``row`` (a ``rows.Row``; its id is already the
+    ``custom_id``); the first problem as text (naming the field as the line spells it), else None."""
+    unknown = [k for k in obj if k not in LINE_KEYS]
+    if unknown:
+        return f"unknown field {unknown[0]!r} in an OpenAI Batch line; use {', '.join(LINE_KEYS)}"
+    if not isinstance(obj["custom_id"], str) or not obj["custom_id"]:
+        return "custom_id: must be non-empty text"
+    if str(obj.get("method", "POST")).upper() != "POST":
+        return f"method: {obj['method']!r} is not supported; use POST"
+    url = obj.get("url")
+    if url not in (CHAT, COMPLETIONS):
+        return f"url: {url!r} is not supported; use {CHAT} or {COMPLETIONS}"
+    row.endpoint = url
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return "body: must be an object (the request's JSON body)"
+    wanted = "messages" if url == CHAT else "prompt"
+    problem = _messages(row, body.get("messages")) if url == CHAT else _prompt(row, body.get("prompt"))
+    if problem:
+        return problem
+    for name, value in body.items():
+        if value is None or name in PARAMS or name in IGNORED or name == wanted:
+            continue
+        neutral = NEUTRAL.get(name, ...)
+        if value == neutral and isinstance(value, bool) == isinstance(neutral, bool):  # (n: true is not 1)
+            continue
+        if name in ("messages", "prompt"):
+            return f"body.{name}: not a field of {url}; use body.{wanted}"
+        if name in NEUTRAL:
+            return (f"body.{name}: {json.dumps(value)[:40]} is not supported by specdec-llm; use "
+                    f"{json.dumps(neutral)} or leave it out")  # fmt: skip
+        return f"body.{name}: not supported by specdec-llm; remove it (supported: {wanted}, {', '.join(PARAMS)})"
+    params, source = {}, {}
+    for name in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop"):  # the last wins
+        if body.get(name) is not None:
+            params[PARAMS[name]], source[PARAMS[name]] = body[name], name
+    if isinstance(params.get("stop"), str):
+        params["stop"] = [params["stop"]]
+    if url == COMPLETIONS:
+        params["chat"] = False  # a completion continues the raw text, whatever the job's --chat says
+    try:
+        GenerationRequest(prompt="x", **params).validate()
+        check_seed(params.get("seed"))
+    except RequestError as e:
+        return f"body.{source.get(e.field, e.field)}: {str(e).split(': ', 1)[1]}"
+    row.params = params
+    return None
+
+
+def _messages(row, messages) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return "body.messages: must be a non-empty list of {\"role\", \"content\"}"
+    turns = []
+    for i, m in enumerate(messages):
+        where = f"body.messages[{i}]"
+        if not isinstance(m, dict):
+            return f"{where}: must be an object with \"role\" and \"content\""
+        extra = [k for k in m if k not in ("role", "content", "name") and m[k] is not None]
+        if extra:
+            return f"{where}.{extra[0]}: not supported by specdec-llm (text turns only)"
+        if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
+            return f"{where}.role: {m.get('role')!r} is not supported; use one of {', '.join(ROLES)}"
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    return f"{where}.content[{j}]: {kind!r} parts are not supported (text only)"
+            content = "\n".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            return f"{where}.content: must be text or a list of text parts"
+        try:
+            check_text(content, f"{where}.content")
+        except RequestError as e:
+            return str(e)
+        turns.append({"role": ROLES[m["role"]], "content": content})
+    row.messages = turns
+    return None
+
+
+def _prompt(row, prompt) -> str | None:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        return (f"body.prompt: a list of {len(prompt)} prompts is not supported; put each prompt on a line of "
+                "its own" if all(isinstance(p, str) for p in prompt) else "body.prompt: must be text")  # fmt: skip
+    if not isinstance(prompt, str) or not prompt.strip():
+        return "body.prompt: must be non-empty text"
+    try:
+        check_text(prompt, "body.prompt")
+    except RequestError as e:
+        return str(e)
+    row.prompt = prompt
+    return None
+
+
+# -- out ---------------------------------------------------------------------------------------------
+def output_line(item: dict) -> dict:
+    """One OpenAI Batch output line for one ``client.results`` item."""
+    rid, endpoint = item["request_id"], item.get("endpoint") or (CHAT if item.get("chat") else COMPLETIONS)
+    line = {"id": f"batch_req_{rid}", "custom_id": item["id"], "response": None, "error": None}
+    if item["status"] != "ok":
+        message = item["error"] or f"not finished: the row is {item['status']}"
+        param, at = _param(message)
+        invalid = item.get("refused") or param is not None  # bad input (found at submit, or by the worker)
+        code = {"failed": "invalid_request" if invalid else "generation_failed",
+                "cancelled": "batch_cancelled"}.get(item["status"], "not_finished")  # fmt: skip
+        line["error"] = {"code": code, "message": message, "param": param, "line": at}
+        if item["status"] == "failed":
+            status = 400 if invalid else 500
+            kind = "invalid_request_error" if status == 400 else "server_error"
+            line["response"] = {"status_code": status, "request_id": rid,
+                                "body": {"error": {"message": message, "type": kind, "param": param, "code": code}}}
+        return line
+    finish = FINISH.get(item["finish_reason"], "stop")
+    text = item["text"] or ""
+    if endpoint == CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                  "logprobs": None, "finish_reason": finish}  # fmt: skip
+        kind, prefix = "chat.completion", "chatcmpl"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        kind, prefix = "text_completion", "cmpl"
+    prompt, output = item["prompt_tokens"] or 0, item["output_tokens"] or 0
+    body = {
+        "id": f"{prefix}-{rid}", "object": kind,
+        "created": calendar.timegm(item["finished_at"].timetuple()) if item.get("finished_at") else 0,
+        "model": item.get("pair"), "choices": [choice],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output},
+        "specdec": {k: item.get(k) for k in TELEMETRY},
+    }  # fmt: skip
+    line["response"] = {"status_code": 200, "request_id": rid, "body": body}
+    return line
+
+
+def _param(message: str) -> tuple[str | None, int | None]:
+    """The field an error names and the input line it gives ("line 3: body.tools: ..." ->
+    ("tools", 3); a worker's "prompt: context is 512 tokens..." -> ("prompt", None)), each
+    None where it names none (a timeout, a crash)."""
+    line = None
+    head, _, rest = message.partition(": ")
+    if head.startswith("line ") and head[5:].isdigit():
+        line, message = int(head[5:]), rest
+    head = message.split(": ", 1)[0] if ": " in message else ""
+    if head.startswith("body."):
+        return head[len("body."):], line
+    if head in LINE_KEYS or head in REQUEST_FIELDS or head.startswith("messages["):
+        return head, line
+    return None, line
+
+
+REQUEST_FIELDS = {f.name for f in dataclasses.fields(GenerationRequest)} | {"messages", "params", "input"}
