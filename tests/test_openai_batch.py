@@ -178,6 +178,7 @@ def test_a_20_row_batch_file_with_2_bad_rows_round_trips(embedded, tmp_path):  #
         assert checked.choices[0].finish_reason in ("stop", "length")
         specdec = checked.model_extra["specdec"]
         assert specdec["tokens_per_s"] > 0 and specdec["wall_time_s"] > 0
+        assert specdec["speedup"] > 0 and specdec["speedup_basis"].startswith("same-process target-only")
     job = got[0]["response"]["request_id"].rsplit("-", 1)[0]
     again = invoke("results", job, "--format", "openai")  # the same lines from the store
     assert again.exit_code == 0 and [json.loads(line) for line in again.stdout.splitlines()] == got

@@ -115,7 +115,8 @@ def job_requests(job_id: str, *, outputs: bool = True) -> list[dict]:
             q.add_columns(Request.finished_at, Output.text, Output.finish_reason, Output.prompt_tokens,
                           Output.output_tokens, Telemetry.tokens_per_s, Telemetry.acceptance_rate,
                           Telemetry.mean_accepted_length, Telemetry.wall_time_s, Telemetry.time_to_first_token_s,
-                          Telemetry.draft_tokens_proposed, Telemetry.draft_tokens_accepted, Telemetry.drafter)
+                          Telemetry.draft_tokens_proposed, Telemetry.draft_tokens_accepted, Telemetry.drafter,
+                          Telemetry.baseline_s)
             .outerjoin(Output, Output.request_id == Request.id)
             .outerjoin(Telemetry, Telemetry.request_id == Request.id)
         )  # fmt: skip
@@ -172,7 +173,8 @@ def results(job_id: str) -> list[dict]:
     """One dict per row, in input order: the row's id, outcome and key stats (``RESULT_FIELDS``,
     what the jsonl and csv formats write), and what the openai format adds: ``request_id``,
     ``pair``, ``endpoint`` (an OpenAI Batch line's url), ``chat``, ``refused`` (bad input,
-    failed at submit), ``finished_at`` and more telemetry (``openai_batch.TELEMETRY``)."""
+    failed at submit), ``finished_at``, more telemetry (``openai_batch.TELEMETRY``) and
+    ``baseline_s`` (the speedup's counterfactual)."""
     from .openai_batch import TELEMETRY
 
     get_job(job_id)
@@ -183,7 +185,8 @@ def results(job_id: str) -> list[dict]:
         item["id"] = params.get("_id", r["id"])
         item["metadata"] = params.get("_metadata")
         item.update(request_id=r["id"], pair=r["pair"], endpoint=params.get("_endpoint"), chat=params.get("chat"),
-                    refused=bool(params.get("_input_error")), finished_at=r["finished_at"])  # fmt: skip
+                    refused=bool(params.get("_input_error")), finished_at=r["finished_at"],
+                    baseline_s=r.get("baseline_s"))  # fmt: skip
         out.append(item)
     return out
 

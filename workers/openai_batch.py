@@ -177,10 +177,20 @@ def output_line(item: dict) -> dict:
         "created": calendar.timegm(item["finished_at"].timetuple()) if item.get("finished_at") else 0,
         "model": item.get("pair"), "choices": [choice],
         "usage": {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output},
-        "specdec": {k: item.get(k) for k in TELEMETRY},
+        "specdec": {**{k: item.get(k) for k in TELEMETRY}, **_speedup(item)},
     }  # fmt: skip
     line["response"] = {"status_code": 200, "request_id": rid, "body": body}
     return line
+
+
+def _speedup(item: dict) -> dict:
+    """The row's speedup over target-only decoding and its basis (None for a row recorded
+    before per-request counterfactuals)."""
+    from specdec_llm.store.reports import SPEEDUP_BASIS
+
+    base, wall = item.get("baseline_s"), item.get("wall_time_s")
+    speedup = base / wall if base and wall else None
+    return {"speedup": speedup, "speedup_basis": SPEEDUP_BASIS if speedup is not None else None}
 
 
 def _param(message: str) -> tuple[str | None, int | None]:
