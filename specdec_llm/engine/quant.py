@@ -121,13 +121,19 @@ class _Fused(torch.nn.Module):
 
 
 class Slice(torch.nn.Module):
-    def __init__(self, fused: _Fused, start: int, stop: int):
+    """One sibling's part of a fused result; the last sibling (called last in the model's own
+    order) lets the fused module forget the result, so no layer holds a prefill's activations."""
+
+    def __init__(self, fused: _Fused, start: int, stop: int, last: bool):
         super().__init__()
-        self.fused, self.start, self.stop = fused, start, stop
+        self.fused, self.start, self.stop, self.last = fused, start, stop, last
         self.in_features, self.out_features = fused.linear.in_features, stop - start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x)[..., self.start : self.stop]
+        y = self.fused(x)[..., self.start : self.stop]
+        if self.last:
+            self.fused.x = self.fused.y = None
+        return y
 
 
 def _fuse(module: torch.nn.Module, names: tuple[str, ...]) -> None:
@@ -138,8 +144,8 @@ def _fuse(module: torch.nn.Module, names: tuple[str, ...]) -> None:
     merged = Blocks(*(torch.cat([getattr(b, f) for b in blocks]) for f in ("q", "scale", "low")))
     fused = _Fused(Int4Linear(merged, None, parts[0].packed.device))
     start = 0
-    for name, part in zip(names, parts):
-        setattr(module, name, Slice(fused, start, start + part.out_features))
+    for i, (name, part) in enumerate(zip(names, parts)):
+        setattr(module, name, Slice(fused, start, start + part.out_features, last=i == len(names) - 1))
         start += part.out_features
 
 
