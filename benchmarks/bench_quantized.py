@@ -24,7 +24,7 @@ from specdec_llm.engine import hf
 from specdec_llm.engine.quant import model_bytes, quantized_copy
 from specdec_llm.engine.ragged import RaggedCache
 from specdec_llm.evaluate import read_prompts
-from specdec_llm.pairs import _package_file, get_spec, gguf_blocks, load_pair, quiet_loading
+from specdec_llm.pairs import get_spec, gguf_blocks, load_pair, local_ref, quiet_loading
 from specdec_llm.settings import get_settings
 
 SPEC_BENCH = Path(__file__).resolve().parent.parent / "data" / "spec_bench_dev.jsonl"
@@ -45,7 +45,7 @@ def main() -> None:
     spec.draft = None
     pair = load_pair(spec)
     target, tok = pair.target, pair.tokenizer
-    ref = str(_package_file(spec.target)) if spec.target.startswith("pkg:") else spec.target
+    ref = local_ref(spec.target)
     blocks = gguf_blocks(Path(ref), target) if ref.endswith(".gguf") else {}
     variants = {}
     if blocks:

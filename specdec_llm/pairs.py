@@ -89,12 +89,9 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
         if k != "auto" and not (isinstance(k, int) and k >= 0):
             raise PairError(f"{source}: pair {name!r}: k must be \"auto\" or an integer >= 0, not {k!r}")
         draft = fields.get("draft")
-        if isinstance(draft, str) and draft.startswith(QUANTIZED):
-            from .engine.quant import SCHEMES
-
-            if draft.removeprefix(QUANTIZED) not in SCHEMES:
-                raise PairError(f"{source}: pair {name!r}: unknown quantization {draft!r}; known: "
-                                + ", ".join(QUANTIZED + s for s in SCHEMES))  # fmt: skip
+        quantized = isinstance(draft, str) and draft.startswith(QUANTIZED)
+        if quantized:
+            _quantization(draft, f"{source}: pair {name!r}")
         drafters = fields.get("drafters")
         if drafters is not None:
             from .engine.drafters import KNOWN
@@ -104,7 +101,6 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
             bad = [d for d in drafters if d not in KNOWN]
             if bad:
                 raise PairError(f"{source}: pair {name!r}: unknown drafter {bad[0]!r}; known drafters: {', '.join(KNOWN)}")
-            quantized = isinstance(draft, str) and draft.startswith(QUANTIZED)
             if "model" in drafters and (not draft or quantized):
                 raise PairError(f"{source}: pair {name!r}: drafter 'model' needs a draft model; set draft = ... or drop 'model'")
             if "quantized" in drafters and not quantized:
@@ -184,10 +180,14 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
     return out
 
 
+def local_ref(ref: str) -> str:
+    """``ref`` with a ``pkg:DIST/FILE`` reference replaced by the installed file's path."""
+    return str(_package_file(ref)) if ref.startswith("pkg:") else ref
+
+
 def resolve(ref: str, trust_remote_code: bool = False) -> str:
     """A loadable directory or hub id for ``ref``."""
-    if ref.startswith("pkg:"):
-        ref = str(_package_file(ref))
+    ref = local_ref(ref)
     if ref.endswith(".gguf"):
         path = Path(ref).expanduser()
         if not path.is_file():
@@ -389,20 +389,27 @@ def draft_dir(ref: str) -> Path:
 def quantized_draft(spec: PairSpec, target):
     """The target's own weights quantized (``draft = "quantized:SCHEME"``); for a GGUF target
     at int4, built from the file's own Q4_0/Q4_1 blocks, so its weights are the target's."""
-    from .engine.quant import SCHEMES, model_bytes, quantized_copy
+    from .engine.quant import model_bytes, quantized_copy
 
-    scheme = spec.draft.removeprefix(QUANTIZED)
-    if scheme not in SCHEMES:
-        raise PairError(f"pair {spec.name}: unknown quantization {spec.draft!r}; known: "
-                        + ", ".join(QUANTIZED + s for s in SCHEMES))  # fmt: skip
+    scheme = _quantization(spec.draft, f"pair {spec.name}")
     blocks = {}
-    ref = str(_package_file(spec.target)) if spec.target.startswith("pkg:") else spec.target
+    ref = local_ref(spec.target)
     if scheme == "int4" and ref.endswith(".gguf"):
         blocks = gguf_blocks(Path(ref).expanduser(), target)
     draft = quantized_copy(target, scheme, blocks=blocks)
     info = {"kind": "quantized", **draft.quantization, "draft_bytes": model_bytes(draft, target),
             "target_bytes": model_bytes(target)}
     return draft, info
+
+
+def _quantization(draft: str, where: str) -> str:
+    """The scheme of ``draft = "quantized:SCHEME"``; a PairError naming the known ones."""
+    from .engine.quant import SCHEMES
+
+    scheme = draft.removeprefix(QUANTIZED)
+    if scheme not in SCHEMES:
+        raise PairError(f"{where}: unknown quantization {draft!r}; known: " + ", ".join(QUANTIZED + s for s in SCHEMES))
+    return scheme
 
 
 GGUF_INT4 = {"Q4_0": 18, "Q4_1": 20}  # block bytes (32 weights each)

@@ -7,6 +7,8 @@ bit for bit; a pair naming an unknown quantization is refused with the known one
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import check_caches, greedy_reference, tiny_llama
@@ -99,10 +101,10 @@ def test_gguf_draft_weights_equal_the_targets_bit_for_bit(smollm2):
     """Every Linear weight of the demo target is a Q4_1 block in its GGUF: the draft takes
     those blocks as they are (scale, minimum, nibbles), and they dequantize to exactly the
     target's fp32 weights (the loader's row permutation of query and key heads included)."""
-    from specdec_llm.pairs import _package_file, get_spec, gguf_blocks
+    from specdec_llm.pairs import get_spec, gguf_blocks, local_ref
 
     target = smollm2.target
-    blocks = gguf_blocks(_package_file(get_spec("smollm2-135m").target), target)
+    blocks = gguf_blocks(Path(local_ref(get_spec("smollm2-135m").target)), target)
     linears = [n for n, m in target.model.layers.named_modules() if isinstance(m, torch.nn.Linear)]
     assert len(blocks) == len(linears) == 7 * target.config.num_hidden_layers
     params = dict(target.named_parameters())
