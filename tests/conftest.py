@@ -35,7 +35,9 @@ def tiny_llama(seed: int, vocab: int = 256, layers: int = 2, hidden: int = 64, e
 def perturbed(model, scale: float, seed: int):
     """A copy of ``model`` with noise on every weight: a partially aligned draft."""
     torch.manual_seed(seed)
-    out = copy.deepcopy(model)
+    out = type(model)(model.config).eval()  # not a deepcopy: a kernel-tuned model holds oneDNN tensors
+    out.load_state_dict({k: v.contiguous() for k, v in model.state_dict().items()})
+    out.generation_config = copy.deepcopy(model.generation_config)
     with torch.no_grad():
         for p in out.parameters():
             p.add_(torch.randn_like(p) * scale * p.std())

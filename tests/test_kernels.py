@@ -53,3 +53,41 @@ def test_tuned_forward_equals_plain_linear_and_the_cache_is_reused(tmp_path, mon
     kernels.untune(other)
     assert all(getattr(m, "_kernels", None) is None for m in other.modules())
     assert all("forward" not in vars(m) for m in other.modules() if isinstance(m, torch.nn.Linear))
+
+
+@pytest.mark.parametrize("tuned", [False, True])
+def test_lean_forward_equals_transformers(tuned, monkeypatch):
+    """engine/lean.py runs the same operations as transformers' Llama forward: the same logits
+    for one row (causal), a ragged batch with holes and padding (masked), prefill and k-token
+    verification, on plain and kernel-tuned weights; unsupported models fall back."""
+    from specdec_llm.engine import hf, lean
+    from specdec_llm.engine.ragged import RaggedCache
+
+    model = tiny_llama(0)
+    hf.prepare(model, None) if tuned else model.set_attn_implementation(hf.ATTENTION)
+
+    def run(enabled: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(lean, "ENABLED", enabled)
+        out = []
+        one = RaggedCache(model, 1)
+        out.append(one.forward([list(range(3, 40))], 5))  # prefill, no mask
+        out.append(one.forward([[7]], 1))  # one-token step
+        out.append(one.forward([[9, 10, 11, 12, 13]], 5))  # verification over a past
+        batch = RaggedCache(model, 2)
+        out.append(batch.forward([[1, 2, 3, 4, 5, 6], [8, 9]], 1))  # padded rows: masked
+        batch.drop(0, [batch.width - 2])  # a hole
+        out.append(batch.forward([[20, 21, 22], [23]], 3))
+        out.append(batch.forward([[24], [25]], 1))
+        return out
+
+    ref, got = run(False), run(True)
+    assert lean.runner(model) is not None
+    for r, g in zip(ref, got):
+        assert torch.allclose(r, g, atol=1e-5, rtol=0), (r - g).abs().max()
+        assert torch.equal(r.argmax(-1), g.argmax(-1))
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[2], got[2])  # causal: bit for bit
+
+    eager = tiny_llama(0)
+    eager.set_attn_implementation("eager")
+    monkeypatch.setattr(lean, "ENABLED", True)
+    assert lean.runner(eager) is None  # transformers' own forward

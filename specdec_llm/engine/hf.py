@@ -23,6 +23,8 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .lean import runner
+
 _MAJOR = int(transformers.__version__.split(".")[0])
 
 
@@ -187,6 +189,9 @@ def forward_rows(model, ids: torch.Tensor, cache: DynamicCache, keep: int, mask=
     ``mask`` is a boolean [B, 1, W, L + W] (True = may attend), ``positions`` [B, W]; both
     None when every cached column is valid and no row is padded (plain causal attention).
     """
+    lean = runner(model)
+    if lean is not None:  # the same math without transformers' module machinery (lean.py)
+        return lean(ids.to(model.device), cache, keep, mask, positions)
     kwargs = {_cache_kwarg(type(model)): cache}
     if mask is not None:
         if model.config._attn_implementation == "eager":  # eager adds a float mask; sdpa takes booleans
