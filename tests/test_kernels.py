@@ -57,9 +57,11 @@ def test_tuned_forward_equals_plain_linear_and_the_cache_is_reused(tmp_path, mon
 
 @pytest.mark.parametrize("tuned", [False, True])
 def test_lean_forward_equals_transformers(tuned, monkeypatch):
-    """engine/lean.py runs the same operations as transformers' Llama forward: the same logits
-    for one row (causal), a ragged batch with holes and padding (masked), prefill and k-token
-    verification, on plain and kernel-tuned weights; unsupported models fall back."""
+    """engine/lean.py runs the same operations as transformers' Llama forward (q/k/v and
+    gate/up as one matmul each): the same logits up to the last bits a kernel choice moves,
+    and the same argmax, for one row (causal), a ragged batch with holes and padding
+    (masked), prefill and k-token verification, on plain and kernel-tuned weights;
+    unsupported models fall back."""
     from specdec_llm.engine import hf, lean
     from specdec_llm.engine.ragged import RaggedCache
 
@@ -85,7 +87,6 @@ def test_lean_forward_equals_transformers(tuned, monkeypatch):
     for r, g in zip(ref, got):
         assert torch.allclose(r, g, atol=1e-5, rtol=0), (r - g).abs().max()
         assert torch.equal(r.argmax(-1), g.argmax(-1))
-    assert torch.equal(ref[0], got[0]) and torch.equal(ref[2], got[2])  # causal: bit for bit
 
     eager = tiny_llama(0)
     eager.set_attn_implementation("eager")

@@ -140,14 +140,19 @@ def prepare(model, kernel_cache=None) -> dict:
       SubsetHead) calls the matmul kernel measured fastest on this machine for its row
       count (kernels.py): one-token steps and k-token verifications each get theirs.
       ``kernel_cache``: a JSON file keeping those timings per machine. Returns the choice.
+    - A Llama-family model gets its lean forward (lean.py: q/k/v and gate/up fused, tuned too).
     """
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(ATTENTION)
     if model.device.type != "cpu":
         return {}
     from .kernels import tune
+    from .lean import build
 
-    return tune(model, kernel_cache)
+    report = tune(model, kernel_cache)
+    if "_specdec_lean" not in model.__dict__:
+        build(model, kernel_cache)
+    return report
 
 
 @torch.inference_mode()

@@ -1,12 +1,13 @@
 """A Llama forward without transformers' module machinery: the same operations in the same
-order as ``LlamaForCausalLM.forward`` (so the same logits, bit for bit, on the CPU), called
-directly on the model's own tensors and (kernel-tuned, quantized) Linear forwards.
+order as ``LlamaForCausalLM.forward``, called directly on the model's own tensors and
+(kernel-tuned, quantized) Linear forwards, with q/k/v and gate/up each as one matmul.
 
 Why: a 135M-parameter target's one-token step on 2 CPU cores is ~18 ms, of which ~3 ms is
 Python in transformers (module calls, keyword plumbing, mask and cache dispatch). Every
-iteration of every drafter pays it, and so does each draft-model step. Measured on an AMD
-EPYC (avx512_bf16), fp32, 200-token cache: 19.4 -> 16.3 ms at 1 token, 22.9 -> 19.8 ms at 5
-(``benchmarks/bench_forward.py --paths``). transformers' own forward stays the fallback:
+iteration of every drafter pays it, and so does each draft-model step; fusing the sibling
+projections saves ~90 kernel calls more. Measured on an AMD EPYC (avx512_bf16), fp32, a
+200-token cache, through RaggedCache: 19.6 -> 15.0 ms at 1 token, 24.0 -> 18.6 ms at 5
+(``benchmarks/bench_forward.py``: "engine" vs "plain"). transformers' forward stays the fallback:
 ``runner(model)`` returns None for anything but a plain Llama-family decoder on the CPU
 (other architectures, rope types that change with length, eager attention, GPUs: the lean
 path is not yet measured there), and ``hf.forward_rows`` then calls the model itself.
@@ -31,13 +32,23 @@ class LeanLlama:
     """``__call__(ids, cache, keep, mask, positions)`` as ``hf.forward_rows``: ``ids`` [B, W]
     on top of ``cache`` (hf.GrowingLayer layers); float32 logits of the last ``keep`` columns."""
 
-    def __init__(self, model):
+    def __init__(self, model, kernel_cache=None):
         base, cfg = model.model, model.config
         self.embed = base.embed_tokens
-        self.layers = [(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
-                       for layer in base.layers]  # fmt: skip
         self.norm, self.head, self.rotary = base.norm, model.lm_head, base.rotary_emb
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layers = []
+        fused = torch.nn.ModuleList()
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, gate_up = _fuse([attn.q_proj, attn.k_proj, attn.v_proj]), _fuse([mlp.gate_proj, mlp.up_proj])
+            fused.extend(m for m in (qkv, gate_up) if m is not None)
+            self.layers.append((layer.input_layernorm, attn, qkv, layer.post_attention_layernorm, mlp, gate_up))
+        if len(fused) and model.device.type == "cpu":
+            from .kernels import tune
+
+            tune(fused, kernel_cache)  # the fused shapes get their own measured kernels
+        self.fused = fused
 
     @torch.inference_mode()
     def __call__(self, ids, cache, keep: int, mask=None, positions=None) -> torch.Tensor:
@@ -58,18 +69,50 @@ class LeanLlama:
         def rope(x):
             return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-        for i, (norm1, attn, norm2, mlp) in enumerate(self.layers):
+        for i, (norm1, attn, qkv, norm2, mlp, gate_up) in enumerate(self.layers):
             x = _rms(h, norm1.weight, norm1.variance_epsilon)
-            q = rope(attn.q_proj.forward(x).view(shape).transpose(1, 2))
-            k = rope(attn.k_proj.forward(x).view(shape).transpose(1, 2))
-            v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
+            if qkv is not None:
+                q, k, v = qkv.forward(x).split(qkv.sizes, dim=-1)
+            else:
+                q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
+            q = rope(q.reshape(shape).transpose(1, 2))
+            k = rope(k.reshape(shape).transpose(1, 2))
+            v = v.reshape(shape).transpose(1, 2)
             k, v = cache.layers[i].update(k, v)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
             h = h + attn.o_proj.forward(a.transpose(1, 2).reshape(rows, w, -1))
             x = _rms(h, norm2.weight, norm2.variance_epsilon)
-            h = h + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+            if gate_up is not None:
+                g, u = gate_up.forward(x).split(gate_up.sizes, dim=-1)
+            else:
+                g, u = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
+            h = h + mlp.down_proj.forward(F.silu(g) * u)
         h = _rms(h[:, -keep:], self.norm.weight, self.norm.variance_epsilon)
         return self.head(h).float()
+
+
+def _fuse(linears: list) -> torch.nn.Linear | None:
+    """One Linear over sibling Linears that read the same input (q/k/v, gate/up): one matmul
+    instead of several over the same dot products (a kernel may round the last bits
+    differently for another output width, as any two kernels may: kernels.py; on the demo
+    target the logits came out bit-identical). A copy of their weights (the siblings keep
+    theirs for transformers' own forward); None unless all are plain float Linears (a
+    quantized copy fuses its own)."""
+    if not all(type(m) is torch.nn.Linear for m in linears):
+        return None
+    ws = [m.weight.detach() for m in linears]
+    if len({(w.dtype, w.shape[1]) for w in ws}) != 1 or (ws[0].dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return None
+    has_bias = [m.bias is not None for m in linears]
+    fused = torch.nn.Linear(ws[0].shape[1], sum(w.shape[0] for w in ws), bias=any(has_bias),
+                            device=ws[0].device, dtype=ws[0].dtype)  # fmt: skip
+    fused.weight.data = torch.cat([w.contiguous() for w in ws])
+    if any(has_bias):
+        fused.bias.data = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(w.shape[0])
+                                     for m, w in zip(linears, ws)])  # fmt: skip
+    fused.requires_grad_(False)
+    fused.sizes = [w.shape[0] for w in ws]
+    return fused
 
 
 def supported(model) -> bool:
@@ -93,12 +136,17 @@ def supported(model) -> bool:
     )
 
 
+def build(model, kernel_cache=None) -> LeanLlama | None:
+    """Build the model's lean forward now (``hf.prepare`` does, after tuning the kernels:
+    the fused projections are tuned with the same timing cache); None if unsupported."""
+    lean = LeanLlama(model, kernel_cache) if supported(model) else None
+    model.__dict__["_specdec_lean"] = lean
+    return lean
+
+
 def runner(model) -> LeanLlama | None:
     """The model's lean forward (built once, kept on the model), or None: use transformers'."""
     if not ENABLED:
         return None
     lean = model.__dict__.get("_specdec_lean", False)
-    if lean is False:
-        lean = LeanLlama(model) if supported(model) else None
-        model.__dict__["_specdec_lean"] = lean
-    return lean
+    return build(model) if lean is False else lean
