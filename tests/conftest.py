@@ -68,7 +68,7 @@ def check_caches(batch) -> None:
                 from specdec_llm.engine import hf
 
                 fresh = hf.new_cache(model)
-                hf.forward(model, r.seq[:n], fresh, 1)
+                hf.forward_rows(model, torch.tensor([r.seq[:n]]), fresh, 1)
                 for layer, ref in zip(cache.cache.layers, fresh.layers):
                     assert torch.allclose(layer.keys[b][:, cols], ref.keys[0], atol=1e-5)
                     assert torch.allclose(layer.values[b][:, cols], ref.values[0], atol=1e-5)

@@ -1,9 +1,8 @@
-"""The one place for transformers version quirks (forward kwargs, KV-cache cropping).
+"""The one place for transformers version quirks (the forward's cache argument).
 
 Tested with transformers 5.20-5.39 (see pyproject). transformers 5.24 renamed the
-forward argument ``past_key_values=`` to ``cache=`` (old name deprecated until 5.40) and
-``DynamicCache.crop`` takes a negative count of tokens to remove (4.x took the final
-absolute length). Everything else in the engine calls these helpers.
+forward argument ``past_key_values=`` to ``cache=`` (old name deprecated until 5.40).
+Everything else in the engine calls these helpers.
 
 It also holds what the engine changes in transformers' machinery, each measured on this
 CPU: KV-cache layers that grow in place (``GrowingLayer``), an attention function that keeps
@@ -17,15 +16,12 @@ import inspect
 from functools import lru_cache
 
 import torch
-import transformers
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .lean import runner
-
-_MAJOR = int(transformers.__version__.split(".")[0])
 
 
 @lru_cache(maxsize=None)
@@ -150,30 +146,10 @@ def prepare(model, kernel_cache=None) -> dict:
     return tune(model, kernel_cache)
 
 
-@torch.inference_mode()
-def forward(model, token_ids: list[int], cache: DynamicCache, logits_to_keep: int) -> torch.Tensor:
-    """Run ``token_ids`` (one sequence) on top of ``cache``; return float32 logits [logits_to_keep, V]."""
-    ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
-    kwargs = {_cache_kwarg(type(model)): cache}
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
-    return out.logits[0].float()
-
-
 def sync(model) -> None:
     """Wait for queued GPU work (for timings); a no-op on CPU."""
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-
-
-def crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` positions of ``cache`` (rollback after a rejection)."""
-    current = cache.get_seq_length()
-    if length >= current:
-        return
-    if _MAJOR >= 5:
-        cache.crop(length - current)  # negative: tokens to remove
-    else:
-        cache.crop(length)  # 4.x: absolute length
 
 
 # -- batches of rows (engine/ragged.py) -------------------------------------------------------

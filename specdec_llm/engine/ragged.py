@@ -38,10 +38,6 @@ class RaggedCache:
     def width(self) -> int:
         return self.valid.shape[1]
 
-    def lengths(self) -> list[int]:
-        """Valid tokens per row."""
-        return self.valid.sum(1).tolist()
-
     # -- forward ------------------------------------------------------------------------
     def forward(self, inputs: list[list[int]], keep: int) -> torch.Tensor:
         """Append one chunk per row (a row may feed nothing); logits of the last ``keep`` columns [B, keep, V]."""
