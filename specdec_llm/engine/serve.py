@@ -82,7 +82,7 @@ class BatchServer:
             torch.cuda.set_device(device)
         try:
             self.decoder.calibrate_batches(self.max_batch)
-        except Exception:  # noqa: BLE001 - a batch calibrates lazily instead
+        except Exception:  # a batch calibrates lazily instead
             log.exception("could not calibrate the batch sizes up to %d", self.max_batch)
         batch = Batch(self.decoder)
         while not self.closed.is_set():
@@ -113,7 +113,7 @@ class BatchServer:
                 continue
             try:
                 done = batch.step()
-            except Exception as e:  # noqa: BLE001 - fail this batch's rows, keep serving
+            except Exception as e:  # fail this batch's rows, keep serving
                 log.exception("batch step failed; failing its %d rows", len(batch.rows))
                 for row in batch.rows:
                     row.tag[0].set_exception(e)
@@ -132,7 +132,7 @@ class BatchServer:
         self._saved = time.monotonic()
         try:
             self.decoder.save_costs()
-        except Exception:  # noqa: BLE001 - a cache, never a reason to stop serving
+        except Exception:  # a cache, never a reason to stop serving
             log.exception("could not save the decoding costs")
 
     def _join(self, batch: Batch, item) -> None:
@@ -143,7 +143,7 @@ class BatchServer:
             batch.add(request, on_text, tag=(fut, deadline))
         except RequestError as e:
             fut.set_exception(e)
-        except Exception as e:  # noqa: BLE001 - a failed prefill fails this request only
+        except Exception as e:  # a failed prefill fails this request only
             log.exception("could not start a request")
             fut.set_exception(e)
 

@@ -11,9 +11,9 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.engine import make_url

@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from importlib import metadata
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import date, datetime, timedelta, timezone
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from datetime import UTC, date, datetime, timedelta
 
 from sqlalchemy import Float, String, and_, case, cast, func, literal, literal_column, select
 
@@ -106,7 +106,7 @@ def parse_when(value, option: str = "since", *, end: bool = False, now: datetime
             ) from None
     if isinstance(value, datetime):
         if value.tzinfo is not None:
-            value = value.astimezone(timezone.utc).replace(tzinfo=None)
+            value = value.astimezone(UTC).replace(tzinfo=None)
         return value
     if isinstance(value, date):
         return datetime(value.year, value.month, value.day) + timedelta(days=1 if end else 0)
