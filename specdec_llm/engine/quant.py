@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 GROUP = 32
 SCHEMES = ("int4", "int8")  # draft = "quantized:SCHEME"

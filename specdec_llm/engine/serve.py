@@ -25,7 +25,10 @@ import time
 from concurrent.futures import Future
 
 from .decoder import Batch, SpeculativeDecoder, TextCallback
-from .types import GenerationRequest, RequestError
+from .types import GenerationRequest, GenerationResult, RequestError
+
+# a submitted request: (request, on_text, deadline, its future)
+_Item = tuple[GenerationRequest, TextCallback | None, float | None, "Future[GenerationResult]"]
 
 log = logging.getLogger("specdec.engine")
 SAVE_EVERY_S = 30.0  # an idle server writes its live decoding costs to the cache at most this often
@@ -36,19 +39,21 @@ class BatchServer:
         if max_batch < 1:
             raise ValueError("max_batch: use at least 1")
         self.decoder, self.max_batch, self.max_wait = decoder, max_batch, max_wait_ms / 1000
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue[_Item | None] = queue.Queue()
         self.closed = threading.Event()
-        self.cancelled: set[Future] = set()  # futures of rows to drop at the next step (server thread reads)
+        self.cancelled: set[Future[GenerationResult]] = set()  # futures of rows to drop at the next step (server thread reads)
         self._cancel_lock = threading.Lock()
         self.rows = 0  # rows in the batch at its latest step (for monitoring)
         self._saved = time.monotonic()
         self.thread = threading.Thread(target=self._loop, name="specdec-batch", daemon=True)
         self.thread.start()
 
-    def submit(self, request: GenerationRequest, on_text: TextCallback | None = None, deadline: float | None = None) -> Future:
+    def submit(
+        self, request: GenerationRequest, on_text: TextCallback | None = None, deadline: float | None = None
+    ) -> Future[GenerationResult]:
         if self.closed.is_set():
             raise RuntimeError("this BatchServer is closed")
-        fut: Future = Future()
+        fut: Future[GenerationResult] = Future()
         self.inbox.put((request, on_text, deadline, fut))
         return fut
 
@@ -57,7 +62,7 @@ class BatchServer:
         """Requests submitted that have not joined the batch yet."""
         return self.inbox.qsize()
 
-    def cancel(self, fut: Future) -> bool:
+    def cancel(self, fut: Future[GenerationResult]) -> bool:
         """Withdraw the request behind ``fut`` (from ``submit``). False when it has already
         finished; else True: it never starts, or leaves the batch before the next step."""
         if fut.cancel():  # still waiting in the inbox: it will never join
@@ -135,7 +140,7 @@ class BatchServer:
         except Exception:  # a cache, never a reason to stop serving
             log.exception("could not save the decoding costs")
 
-    def _join(self, batch: Batch, item) -> None:
+    def _join(self, batch: Batch, item: _Item) -> None:
         request, on_text, deadline, fut = item
         if not fut.set_running_or_notify_cancel():
             return

@@ -6,13 +6,14 @@ Every failure a person can fix prints one line (``error: ...``) to stderr and ex
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, NoReturn
 
 import typer
 
 from .db import StoreError, current_revision, downgrade, head_revision, mask_url, resolve_url, upgrade
 
 
-def _fail(e: Exception) -> None:
+def _fail(e: object) -> NoReturn:
     typer.echo(f"error: {e}", err=True)
     raise typer.Exit(2)
 
@@ -84,7 +85,7 @@ def register(app: typer.Typer) -> None:
                                                                         ("pair", pair), ("job", job)) if v)  # fmt: skip
         no_data = f"no data: no request finished {'with ' + filters if filters else 'yet'}; widen --since or check the filters"
         try:
-            kw = dict(since=since, until=until, group_by=group_by, pair=pair, job=job,
+            kw: dict[str, Any] = dict(since=since, until=until, group_by=group_by, pair=pair, job=job,
                       price_per_hour=price_per_hour or None)
             if fmt == "table" and out is None:  # to the terminal (or a pipe: 80 columns), in its width
                 from rich.console import Console
