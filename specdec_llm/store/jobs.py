@@ -113,7 +113,7 @@ def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str
 
 def _pair_names(session: Session, ids: Iterable[int | None]) -> dict[int, str]:
     known = [i for i in ids if i is not None]
-    return dict(session.execute(select(Pair.id, Pair.name).where(Pair.id.in_(known))).tuples().all()) if known else {}
+    return dict(session.execute(select(Pair.id, Pair.name).where(Pair.id.in_(known))).all()) if known else {}
 
 
 def counts(job_id: str, *, lease_timeout_s: float | None = None, url: str | None = None) -> dict[str, int]:
@@ -124,7 +124,7 @@ def counts(job_id: str, *, lease_timeout_s: float | None = None, url: str | None
     with session_scope(url) as s:
         by_status = dict(s.execute(
             select(Request.status, func.count()).where(Request.job_id == job_id).group_by(Request.status)
-        ).tuples().all())  # fmt: skip
+        ).all())  # fmt: skip
         out = {k: by_status.get(k, 0) for k in (*PENDING, *FINISHED)}
         pending = Request.job_id == job_id
         out["requeued"] = s.scalar(

@@ -300,7 +300,7 @@ def create_job(
         for chunk in _chunks(keys):
             by_key.update(s.execute(
                 select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))
-            ).tuples().all())
+            ).all())
         ids = [r["id"] for r in rows]
         known_ids: set[str] = set()
         for chunk in _chunks(ids):
@@ -311,7 +311,7 @@ def create_job(
         for chunk in _chunks(keys):  # resolve again: a concurrent caller may have won a key
             by_key.update(s.execute(
                 select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))
-            ).tuples().all())
+            ).all())
         _refresh_job(s, job_id)
     request_ids = [by_key.get(r["idempotency_key"], r["id"]) if r["idempotency_key"] else r["id"] for r in rows]
     return {"job_id": job_id, "request_ids": request_ids, "created": len(new)}

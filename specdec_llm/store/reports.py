@@ -333,7 +333,7 @@ def summary(
         where_failed = _filters(Request, since_dt, until_dt, pair, job)
         ok = s.execute(_telemetry_query(dialect, groups, where_ok, prices)).mappings().all()
         failed = s.execute(_failures_query(dialect, groups, where_failed)).all()
-        pair_names = dict(s.execute(select(Pair.id, Pair.name)).tuples().all())
+        pair_names = dict(s.execute(select(Pair.id, Pair.name)).all())
         workers = {i: f"{host}:{pid}" for i, host, pid in s.execute(select(Worker.id, Worker.host, Worker.pid))}
     # merge the two result sets by group (a group may have only failures)
     failed_by_key = {tuple(r[: len(groups)]): r[-1] for r in failed}
