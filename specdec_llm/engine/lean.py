@@ -14,8 +14,13 @@ path is not yet measured there), and ``hf.forward_rows`` then calls the model it
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
 
 ENABLED = True  # tests and benchmarks compare both paths by flipping this
 
@@ -31,7 +36,7 @@ class LeanLlama:
     """``__call__(ids, cache, keep, mask, positions)`` as ``hf.forward_rows``: ``ids`` [B, W]
     on top of ``cache`` (hf.GrowingLayer layers); float32 logits of the last ``keep`` columns."""
 
-    def __init__(self, model):
+    def __init__(self, model: PreTrainedModel) -> None:
         base, cfg = model.model, model.config
         self.embed = base.embed_tokens
         self.layers = [(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
@@ -40,7 +45,14 @@ class LeanLlama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     @torch.inference_mode()
-    def __call__(self, ids, cache, keep: int, mask=None, positions=None) -> torch.Tensor:
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        cache: DynamicCache,
+        keep: int,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         rows, w = ids.shape
         h = F.embedding(ids, self.embed.weight, self.embed.padding_idx)
         past = cache.layers[0].width
@@ -51,11 +63,11 @@ class LeanLlama:
         freqs = positions[..., None].float() * self.rotary.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         scaling = self.rotary.attention_scaling
-        cos = (emb.cos() * scaling).to(h.dtype).unsqueeze(1)
-        sin = (emb.sin() * scaling).to(h.dtype).unsqueeze(1)
+        cos: torch.Tensor = (emb.cos() * scaling).to(h.dtype).unsqueeze(1)
+        sin: torch.Tensor = (emb.sin() * scaling).to(h.dtype).unsqueeze(1)
         half, shape = self.head_dim // 2, (rows, w, -1, self.head_dim)
 
-        def rope(x):
+        def rope(x: torch.Tensor) -> torch.Tensor:
             return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
         for i, (norm1, attn, norm2, mlp) in enumerate(self.layers):
@@ -72,7 +84,7 @@ class LeanLlama:
         return self.head(h).float()
 
 
-def supported(model) -> bool:
+def supported(model: PreTrainedModel) -> bool:
     """A plain Llama-family decoder on the CPU with sdpa attention and a static rotary table."""
     from transformers.models.llama import modeling_llama as ml
 
@@ -93,7 +105,7 @@ def supported(model) -> bool:
     )
 
 
-def runner(model) -> LeanLlama | None:
+def runner(model: PreTrainedModel) -> LeanLlama | None:
     """The model's lean forward (built once, kept on the model), or None: use transformers'."""
     if not ENABLED:
         return None
