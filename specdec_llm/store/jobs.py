@@ -76,7 +76,7 @@ def renew(request_ids: Iterable[str], owner: str, *, url: str | None = None) -> 
             .where(Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == owner)
             .values(heartbeat_at=utcnow())
             .returning(Request.id)
-        )  # fmt: skip
+        )
         return len(result.all())
 
 
