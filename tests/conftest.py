@@ -50,6 +50,16 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+@torch.inference_mode()
+def prefill(model, token_ids: list[int], cache) -> None:
+    """``token_ids`` (one sequence) into ``cache`` by transformers' own forward: a reference
+    with no engine code on the path (not ``hf.forward_rows``, which may take engine/lean.py)."""
+    from specdec_llm.engine import hf
+
+    ids = torch.tensor([token_ids], device=model.device)
+    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{hf._cache_kwarg(type(model)): cache})
+
+
 def check_caches(batch) -> None:
     """Every row's valid cache columns equal a fresh prefill of exactly its emitted prefix:
     the target holds seq[:-1], each draft model seq[:dlen] (holes and padding are invisible)."""
@@ -68,7 +78,7 @@ def check_caches(batch) -> None:
                 from specdec_llm.engine import hf
 
                 fresh = hf.new_cache(model)
-                hf.forward(model, r.seq[:n], fresh, 1)
+                prefill(model, r.seq[:n], fresh)
                 for layer, ref in zip(cache.cache.layers, fresh.layers):
                     assert torch.allclose(layer.keys[b][:, cols], ref.keys[0], atol=1e-5)
                     assert torch.allclose(layer.values[b][:, cols], ref.values[0], atol=1e-5)

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_llama, tiny_tokenizer
 
 from specdec_llm import distill as D
-from specdec_llm.pairs import PairError, load_draft_dir, fingerprint, shared_draft
+from specdec_llm.pairs import PairError, fingerprint, load_draft_dir, shared_draft
 
 SEEDS = ["Tell me about the quick brown fox.", "Why do dogs sleep?", "Explain decoding.", "Write a short poem."]
 
@@ -102,7 +102,7 @@ def test_warm_start_continues_from_a_trained_draft(distilled, tmp_path):
 def test_draft_refused_against_another_target(distilled):
     _, out, _, _ = distilled
     other = tiny_llama(99, vocab=512, layers=4, hidden=64)
-    with pytest.raises(PairError, match="was distilled for target .*; this target is"):
+    with pytest.raises(PairError, match=r"was distilled for target .*; this target is"):
         load_draft_dir(out, other, fingerprint(other))
 
 

@@ -10,7 +10,6 @@ from conftest import check_caches, greedy_reference, perturbed, tiny_llama
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder, expected_speedup
 from specdec_llm.engine import decoder as decoder_mod
-from specdec_llm.engine import hf
 from specdec_llm.engine.sampling import probs
 
 PROMPTS = [[5, 6, 7], [17, 3, 99, 4, 8, 120, 33, 1, 2, 250, 7, 7], list(range(40, 71))]
@@ -226,7 +225,7 @@ def test_bad_input_names_the_field(target, field, value, message):
 def test_unknown_pair_is_a_clear_error(pairs_file):
     from specdec_llm.pairs import get_spec
 
-    with pytest.raises(RequestError, match="pair: unknown pair 'nope'; known pairs: .*tiny"):
+    with pytest.raises(RequestError, match=r"pair: unknown pair 'nope'; known pairs: .*tiny"):
         get_spec("nope")
 
 

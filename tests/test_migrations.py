@@ -165,7 +165,7 @@ def test_a_newer_schema_is_refused_by_readers_and_writers(tmp_path, newer_code, 
     db.dispose_engine(url)
     monkeypatch.setattr(db, "MIGRATIONS_DIR", SHIPPED_MIGRATIONS)
     for call in (lambda: reports.summary(url=url), lambda: record.upsert_pair("p", url=url)):
-        with pytest.raises(db.SchemaError, match="unknown to this version.*upgrade specdec-llm"):
+        with pytest.raises(db.SchemaError, match=r"unknown to this version.*upgrade specdec-llm"):
             call()
     db.dispose_engine(url)
 

@@ -88,7 +88,7 @@ def test_vocabulary_mismatch_is_refused(tmp_path, tiny_pair_dir):
     tok.train_from_iterator(["zzz yyy xxx www"] * 5, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"]))
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path / "other")
     spec = PairSpec(name="mismatch", target=str(tiny_pair_dir / "target"), draft=str(tmp_path / "other"))
-    with pytest.raises(PairError, match="vocabulary mismatch: target .*target and draft .*other"):
+    with pytest.raises(PairError, match=r"vocabulary mismatch: target .*target and draft .*other"):
         load_pair(spec)
 
 

@@ -1,5 +1,7 @@
 """The engine: pure torch + transformers. Knows nothing of Celery, SQL or LangChain."""
 
+from typing import TYPE_CHECKING, Any
+
 from .types import (
     SPEEDUP_BASIS,
     GenerationRequest,
@@ -10,9 +12,11 @@ from .types import (
     expected_tokens_per_iteration,
 )
 
+if TYPE_CHECKING:
+    from .decoder import SpeculativeDecoder
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     """The decoder (torch, transformers: seconds to import) loads on first use, so a command
     that only reads the store (``specdec-llm status``) starts at once."""
     if name == "SpeculativeDecoder":

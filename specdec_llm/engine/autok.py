@@ -11,9 +11,14 @@ acceptance estimates (``Probes``: about 1% of the time).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from .types import expected_tokens_per_iteration
+
+if TYPE_CHECKING:
+    from .drafters import Proposal
 
 EMA = 0.2  # weight of a new timing sample
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the acceptance prior
@@ -65,7 +70,7 @@ class CostModel:
         if self.calibrated:
             self.zero_ratio = (1 - w) * self.zero_ratio + w * forward_s / self.verify(0)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """The costs as measured now (live scales folded in), for the on-disk cache."""
         return {
             "verify_s": {str(k): v * self.verify_scale for k, v in sorted(self.verify_s.items())},
@@ -74,7 +79,7 @@ class CostModel:
             "zero_ratio": self.zero_ratio,
         }
 
-    def load(self, data: dict) -> None:
+    def load(self, data: dict[str, Any]) -> None:
         """Fill from ``to_dict``'s output (scales reset: the figures are the latest measured)."""
         self.verify_s = {int(k): float(v) for k, v in data["verify_s"].items() if int(k) <= self.max_k}
         self.draft_s = {n: float(v) for n, v in data.get("draft_s", {}).items()}
@@ -130,7 +135,7 @@ class RowOptions:
     """What one auto row can verify this iteration: the free drafters' proposals (made
     already, at most max_k tokens) and, per model drafter, its per-token acceptance estimate."""
 
-    free: list = field(default_factory=list)  # drafters.Proposal
+    free: list[Proposal] = field(default_factory=list)
     models: dict[str, float] = field(default_factory=dict)
     limit: int = 1 << 30  # the most tokens the row may draft (its room left)
 
@@ -149,10 +154,11 @@ def plan(cost: CostModel, rows: list[RowOptions], fixed_rows: int = 0, fixed_wid
     fixed_steps = fixed_steps or {}
     models = sorted({m for r in rows for m in r.models})
 
-    def evaluate(k_max: int, model: str | None):
+    def evaluate(k_max: int, model: str | None) -> tuple[float, list[tuple[str | None, int]]]:
+        picks: list[tuple[str | None, int]]
         tokens, width, steps, picks = float(fixed_rows), fixed_width, dict(fixed_steps), []
         for b, r in enumerate(rows):
-            best = (1.0, None, 0)
+            best: tuple[float, str | None, int] = (1.0, None, 0)
             for p in r.free:
                 k = min(k_max, len(p.tokens))
                 if k and (e := p.expected(k)) > best[0]:
@@ -200,7 +206,13 @@ class BatchCosts:
         return self.models.setdefault(self.bucket(rows), CostModel(max_k=self.max_k))
 
 
-def calibrate(cost: CostModel, time_verify, time_draft=None, points=None, repeats: int = 3) -> None:
+def calibrate(
+    cost: CostModel,
+    time_verify: Callable[[int], float],
+    time_draft: Callable[[], float] | dict[str, Callable[[], float]] | None = None,
+    points: Iterable[int] | None = None,
+    repeats: int = 3,
+) -> None:
     """Fill ``cost`` from timing callbacks: ``time_verify(k)`` and each model drafter's
     ``time_draft()`` (a dict name -> callback, or one callback for "model") return seconds.
 
@@ -270,9 +282,9 @@ class Probes:
 
 
 class Timer:
-    def __enter__(self):
+    def __enter__(self) -> Timer:
         self.t0 = time.perf_counter()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.t0

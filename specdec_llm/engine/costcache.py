@@ -19,25 +19,31 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from .decoder import SpeculativeDecoder
 
 log = logging.getLogger("specdec.engine")
 
 FILE = "costs.json"
 
 
-def weights_fingerprint(model) -> str:
+def weights_fingerprint(model: PreTrainedModel) -> str:
     """Identity of a model's weights: tensor names and shapes plus the embedding's first rows."""
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-    emb = model.get_input_embeddings().weight
+    emb = cast(torch.Tensor, model.get_input_embeddings().weight)
     h.update(emb[: min(512, emb.shape[0])].detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
-def device_key(model) -> str:
+def device_key(model: torch.nn.Module) -> str:
     device = next(model.parameters()).device
     if device.type == "cuda":
         return f"{device.type}|{torch.cuda.get_device_name(device)}"
@@ -46,7 +52,7 @@ def device_key(model) -> str:
     return f"{device.type}|{machine_key()}"
 
 
-def decoder_key(dec) -> str:
+def decoder_key(dec: SpeculativeDecoder) -> str:
     """Everything a decoder's costs depend on, except the batch size."""
     target = dec.target
     parts = [device_key(target), str(next(target.parameters()).dtype).removeprefix("torch."),
@@ -57,7 +63,7 @@ def decoder_key(dec) -> str:
     return "|".join(parts)
 
 
-def load(path: Path | None) -> dict:
+def load(path: Path | None) -> dict[str, Any]:
     if path is None or not path.is_file():
         return {}
     try:
@@ -67,7 +73,7 @@ def load(path: Path | None) -> dict:
         return {}
 
 
-def save(path: Path | None, entries: dict[str, dict]) -> None:
+def save(path: Path | None, entries: dict[str, dict[str, Any]]) -> None:
     """Merge ``entries`` into the file (another process's entries are kept)."""
     if path is None or not entries:
         return

@@ -23,16 +23,22 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import costcache
 from . import drafters as drafting
 from . import hf
-from .autok import BatchCosts, Probes, RowOptions, Timer, calibrate, plan
+from .autok import BatchCosts, CostModel, Probes, RowOptions, Timer, calibrate, plan
 from .ragged import RaggedCache
 from .sampling import accept_greedy, accept_sampled, probs
-from .types import GenerationRequest, GenerationResult, RequestError, Stats
+from .types import FinishReason, GenerationRequest, GenerationResult, RequestError, Stats
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .drafters import Drafter, Session
 
 TextCallback = Callable[[str], None]
 
@@ -55,22 +61,22 @@ class SpeculativeDecoder:
 
     def __init__(
         self,
-        target,
-        draft=None,
-        tokenizer=None,
+        target: PreTrainedModel,
+        draft: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         *,
-        drafters: list | None = None,
+        drafters: list[str | Drafter] | None = None,
         vocab_size: int | None = None,
         eos_token_ids: list[int] | None = None,
         max_k: int = 8,
         default_k: int | str = "auto",
         seeded_k: int = 4,
         context_length: int | None = None,
-        kernel_cache=None,
-        cost_cache=None,
-    ):
+        kernel_cache: Path | None = None,
+        cost_cache: Path | str | None = None,
+    ) -> None:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
-        self.kernels = {}  # the matmul kernel chosen per weight shape and row count (CPU)
+        self.kernels: dict[str, Any] = {}  # the matmul kernel chosen per weight shape and row count (CPU)
         for model in (target, draft):
             if model is not None:
                 self.kernels.update(hf.prepare(model, kernel_cache))
@@ -80,7 +86,7 @@ class SpeculativeDecoder:
             drafters = ["model"] if draft is not None else []
         names = [d for d in drafters if isinstance(d, str)]
         built = iter(drafting.build(names, draft, self.vocab_size))
-        self.drafters = [next(built) if isinstance(d, str) else d for d in drafters]
+        self.drafters: list[Drafter] = [next(built) if isinstance(d, str) else d for d in drafters]
         if eos_token_ids is None:  # the generation config's, plus the tokenizer's (chat end-of-turn)
             eos = target.generation_config.eos_token_id if target.generation_config else None
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -97,7 +103,7 @@ class SpeculativeDecoder:
         self._cost_key: str | None = None
 
     @property
-    def cost(self):
+    def cost(self) -> CostModel:
         """The cost model of single-request decoding."""
         return self.costs[1]
 
@@ -105,7 +111,7 @@ class SpeculativeDecoder:
     def drafter_names(self) -> list[str]:
         return [d.name for d in self.drafters]
 
-    def drafter(self, name: str):
+    def drafter(self, name: str) -> Drafter:
         return next(d for d in self.drafters if d.name == name)
 
     # -- public -----------------------------------------------------------------------
@@ -158,7 +164,7 @@ class SpeculativeDecoder:
         finished row's place goes to the next request at once. A bad request's entry is its
         RequestError; the others are unaffected. Results in request order."""
         pending = deque(enumerate(requests))
-        results: list = [None] * len(pending)
+        results: list[Any] = [None] * len(pending)
         self.calibrate_batches(min(max_batch, len(pending)))
         batch = Batch(self)
         while pending or batch.rows:
@@ -175,7 +181,7 @@ class SpeculativeDecoder:
         return results
 
     # -- speed model ------------------------------------------------------------------
-    def row_drafters(self, request: GenerationRequest) -> list:
+    def row_drafters(self, request: GenerationRequest) -> list[Drafter]:
         """The drafters a request may use, in order. A seeded sampled row skips drafters that
         learn from other requests: its text must depend on its seed alone."""
         if request.mode == "baseline":
@@ -261,7 +267,9 @@ class SpeculativeDecoder:
 class Row:
     """One request while it decodes (and its result once finished)."""
 
-    def __init__(self, dec: SpeculativeDecoder, req: GenerationRequest, prompt: list[int], on_text, tag):
+    def __init__(
+        self, dec: SpeculativeDecoder, req: GenerationRequest, prompt: list[int], on_text: TextCallback | None, tag: Any
+    ) -> None:
         self.dec, self.req, self.on_text, self.tag = dec, req, on_text, tag
         self.prompt = prompt
         self.seq = list(prompt)
@@ -270,13 +278,13 @@ class Row:
         self.gen = torch.Generator().manual_seed(seed)
         self.drafters = [d.name for d in dec.row_drafters(req)]
         self.k = dec.fixed_k(req)  # None: the batch's plan chooses
-        self.state: dict = {}  # per drafter: that drafter's state for this row
+        self.state: dict[str, Any] = {}  # per drafter: that drafter's state for this row
         self.stats = Stats(prompt_tokens=len(prompt))
         self.pos_proposed: list[int] = []
         self.pos_accepted: list[int] = []
         self.text = ""
         self.emitted_chars = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.result: GenerationResult | None = None
         self.t0 = time.perf_counter()
         self.rows_seen = 0  # sum over iterations of the batch's size
@@ -403,15 +411,17 @@ class Batch:
     """Rows decoding together. ``add`` a request (prefilled alone, then merged), ``step``
     until ``rows`` is empty; ``step`` returns the rows that finished in it."""
 
+    offers: dict[int, dict[str, drafting.Proposal]]  # the free drafters' proposals of this iteration
+
     def __init__(self, dec: SpeculativeDecoder):
         self.dec = dec
         self.rows: list[Row] = []
         self.tcache = RaggedCache(dec.target)
-        self.sessions = {d.name: d.session(self) for d in dec.drafters}
+        self.sessions: dict[str, Session] = {d.name: d.session(self) for d in dec.drafters}
         self.probes = Probes()
         self.joining: list[RaggedCache] = []  # the target caches of rows that joined since the last step
 
-    def add(self, request: GenerationRequest, on_text: TextCallback | None = None, tag=None) -> Row:
+    def add(self, request: GenerationRequest, on_text: TextCallback | None = None, tag: Any = None) -> Row:
         """Join the batch (validates first: a RequestError leaves the batch untouched). The
         row is prefilled alone now and merged into the batch's caches at the next step, with
         every other row that joined meanwhile (one copy for a burst of joins)."""
@@ -444,7 +454,8 @@ class Batch:
             for b, prop in s.propose(rows, {b: k for b, k in ks.items() if k > 0}).items():
                 offers[b][s.name] = prop
         self.offers = offers
-        picks: list = [(None, 0)] * len(rows)
+        picks: list[tuple[str | None, int]] = [(None, 0)] * len(rows)
+        fixed_steps: dict[str, int]
         fixed_width, fixed_steps, n_fixed = 0, {}, 0
         for b, r in enumerate(rows):
             if r.k is not None:
@@ -460,7 +471,7 @@ class Batch:
         auto = [b for b, r in enumerate(rows) if r.k is None and r.room() > 1]
         if auto:
             cost = dec.costs[len(rows)]  # calibrated by step()
-            options = []
+            options: list[RowOptions] = []
             for b in auto:
                 r = rows[b]
                 models = {d: dec.drafter(d).tracker(r).rate for d in r.drafters if not self.sessions[d].free}

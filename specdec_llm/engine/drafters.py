@@ -23,7 +23,9 @@ steps for the whole batch (its cost is measured, autok.CostModel).
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +33,12 @@ from . import hf
 from .autok import AcceptanceTracker, Timer
 from .ragged import RaggedCache
 from .sampling import probs, sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from .decoder import Batch, Row
+    from .types import Stats
 
 KNOWN = ("lookup", "suffix", "model", "quantized")  # drafter names a pair can list (``drafters = [...]``)
 MODELS = ("model", "quantized")  # drafters that run the pair's draft: a separate model, or the target's quantized copy (quant.py)
@@ -42,7 +50,7 @@ class Proposal:
     tokens: list[int]
     q: list[torch.Tensor] | None = None  # draft distributions (None: deterministic)
     accept: list[float] = field(default_factory=list)  # estimated P(token i accepted | tokens before it were)
-    features: list = field(default_factory=list)  # the drafter's acceptance bucket of each token
+    features: list[Any] = field(default_factory=list)  # the drafter's acceptance bucket of each token
 
     def expected(self, k: int) -> float:
         """Expected tokens from one verification of the first ``k`` tokens (the target's own one included)."""
@@ -64,13 +72,13 @@ class Acceptance:
 
     def __init__(self, prior: float, weight: float = 2.0):
         self.prior, self.weight = prior, weight
-        self.counts: dict = defaultdict(lambda: [0.0, 0.0])  # bucket -> [accepted, examined]
+        self.counts: dict[Hashable, list[float]] = defaultdict(lambda: [0.0, 0.0])  # bucket -> [accepted, examined]
 
-    def rate(self, bucket) -> float:
+    def rate(self, bucket: Hashable) -> float:
         acc, seen = self.counts.get(bucket, (0.0, 0.0))
         return (acc + self.weight * self.prior) / (seen + self.weight)
 
-    def update(self, buckets: list, n: int) -> None:
+    def update(self, buckets: list[Any], n: int) -> None:
         """Tokens up to the first rejection were examined; the first ``n`` were accepted."""
         for i, bucket in enumerate(buckets[: n + 1]):
             c = self.counts[bucket]
@@ -82,14 +90,16 @@ class _Free:
     """A drafter that reads token ids only (no model): proposals cost no forward."""
 
     free, shared = True, False
+    name: str
+    continuation: Callable[[Row, int], tuple[list[int], list[Any]]]  # (tokens, their buckets)
 
     def __init__(self, prior: float):
         self.acceptance = Acceptance(prior)
 
-    def session(self, batch):
+    def session(self, batch: Batch) -> _Free:
         return self
 
-    def add(self, row) -> None:
+    def add(self, row: Row) -> None:
         pass
 
     def merge(self) -> None:
@@ -98,8 +108,8 @@ class _Free:
     def keep(self, order: list[int]) -> None:
         pass
 
-    def propose(self, rows, ks: dict[int, int]) -> dict[int, Proposal]:
-        out = {}
+    def propose(self, rows: list[Row], ks: dict[int, int]) -> dict[int, Proposal]:
+        out: dict[int, Proposal] = {}
         for b, k in ks.items():
             row = rows[b]
             tokens, feats = self.continuation(row, k)
@@ -108,16 +118,18 @@ class _Free:
                 out[b] = Proposal(self.name, tokens, None, [self.acceptance.rate(f) for f in feats], feats)
         return out
 
-    def commit(self, b: int, row, prop: Proposal, n: int) -> None:
+    def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:
         self.acceptance.update(prop.features, n)
 
-    def finish(self, row) -> None:
+    def finish(self, row: Row) -> None:
         pass
 
 
 class _RowNgrams:
     """For one growing sequence: the end of the most recent occurrence of every n-gram
     (n <= max_n) that has a continuation, updated incrementally as tokens arrive."""
+
+    last: dict[tuple[int, ...], int]
 
     def __init__(self, max_n: int):
         self.max_n, self.seen, self.last = max_n, 1, {}
@@ -141,7 +153,7 @@ class Lookup(_Free):
         super().__init__(prior)
         self.max_n, self.min_n = max_n, min_n
 
-    def continuation(self, row, k: int):
+    def continuation(self, row: Row, k: int) -> tuple[list[int], list[Any]]:
         index = row.state.get(self.name)
         if index is None:
             index = row.state[self.name] = _RowNgrams(self.max_n)
@@ -163,12 +175,12 @@ class SuffixIndex:
 
     def __init__(self, max_tokens: int = 200_000, orders: tuple[int, ...] = (2, 3, 4, 6, 8)):
         self.max_tokens, self.orders = max_tokens, orders
-        self.docs: OrderedDict = OrderedDict()  # (scope, serial) -> tokens, oldest first
-        self.counts: dict = {}  # scope -> {context tuple: {next token: count}}
+        self.docs: OrderedDict[tuple[Hashable, int], list[int]] = OrderedDict()  # (scope, serial) -> tokens, oldest first
+        self.counts: dict[Hashable, _Counts] = {}  # scope -> {context tuple: {next token: count}}
         self.tokens = 0
         self.serial = 0
 
-    def add(self, scope, tokens: list[int]) -> None:
+    def add(self, scope: Hashable, tokens: list[int]) -> None:
         tokens = list(tokens)[-self.max_tokens :]
         self.serial += 1
         self.docs[(scope, self.serial)] = tokens
@@ -181,7 +193,7 @@ class SuffixIndex:
             if not self.counts[old_scope]:
                 del self.counts[old_scope]
 
-    def _count(self, table: dict, tokens: list[int], sign: int) -> None:
+    def _count(self, table: _Counts, tokens: list[int], sign: int) -> None:
         for n in self.orders:
             for e in range(n, len(tokens)):
                 ctx = tuple(tokens[e - n : e])
@@ -194,7 +206,7 @@ class SuffixIndex:
                     if not nxt:
                         del table[ctx]
 
-    def walk(self, scope, seq: list[int], k: int, min_prob: float):
+    def walk(self, scope: Hashable, seq: list[int], k: int, min_prob: float) -> tuple[list[int], list[Any]]:
         """Up to ``k`` tokens following ``seq``: at each step the most frequent next token of
         the longest context seen; stop when the path's frequency product drops below ``min_prob``."""
         table = self.counts.get(scope)
@@ -233,10 +245,10 @@ class Suffix(_Free):
         self.index = SuffixIndex(max_tokens)
         self.min_prob = min_prob
 
-    def continuation(self, row, k: int):
+    def continuation(self, row: Row, k: int) -> tuple[list[int], list[Any]]:
         return self.index.walk(row.req.scope, row.seq, k, self.min_prob)
 
-    def finish(self, row) -> None:
+    def finish(self, row: Row) -> None:
         self.index.add(row.req.scope, row.seq)
 
 
@@ -247,25 +259,25 @@ class ModelDrafter:
 
     free, shared = False, False
 
-    def __init__(self, model, vocab_size: int, name: str = "model", prior: float = 0.5):
+    def __init__(self, model: PreTrainedModel, vocab_size: int, name: str = "model", prior: float = 0.5):
         self.model, self.vocab_size, self.name = model, vocab_size, name
         self.prior = prior  # running acceptance estimate over finished rows
 
-    def session(self, batch):
+    def session(self, batch: Batch) -> _ModelSession:
         return _ModelSession(self, batch)
 
-    def tracker(self, row) -> AcceptanceTracker:
-        st = row.state.get(self.name)
+    def tracker(self, row: Row) -> AcceptanceTracker:
+        st: _ModelRow | None = row.state.get(self.name)
         if st is None:
             st = row.state[self.name] = _ModelRow(AcceptanceTracker(self.prior))
         return st.tracker
 
-    def finish(self, row) -> None:
-        st = row.state.get(self.name)
+    def finish(self, row: Row) -> None:
+        st: _ModelRow | None = row.state.get(self.name)
         if st is not None and st.used:
             self.prior = 0.7 * self.prior + 0.3 * st.tracker.rate
 
-    def time_step(self, rows: int, ids: list[int]):
+    def time_step(self, rows: int, ids: list[int]) -> Callable[[], float]:
         """A timing callback for calibration: one draft step of ``rows`` rows on ``ids``."""
         cache = RaggedCache(self.model, rows)
         cache.forward([ids] * rows, 1)
@@ -291,13 +303,13 @@ class _ModelRow:
 class _ModelSession:
     free = False
 
-    def __init__(self, drafter: ModelDrafter, batch):
+    def __init__(self, drafter: ModelDrafter, batch: Batch):
         self.d, self.batch = drafter, batch
         self.cache = RaggedCache(drafter.model)
         self.joining: list[RaggedCache] = []
         self.columns: list[int] = []  # the cache column fed at each draft step of this iteration
 
-    def add(self, row) -> None:
+    def add(self, row: Row) -> None:
         """A fixed k > 0 drafts at once: prefill now; an auto row's cache is filled the first
         time it drafts with this model (never, while other drafters or k = 0 win)."""
         self.d.tracker(row)
@@ -316,10 +328,10 @@ class _ModelSession:
             self.cache.keep_rows(order)
         self.cache.tidy()
 
-    def behind(self, row) -> int:
+    def behind(self, row: Row) -> int:
         return len(row.seq) - row.state[self.d.name].dlen
 
-    def catch_up(self, rows, ks: dict[int, int]) -> None:
+    def catch_up(self, rows: list[Row], ks: dict[int, int]) -> None:
         """Bring the draft cache of every drafting row up to ``seq[:-1]``'s last token.
 
         The first draft step feeds each row what it missed, padded to the longest: B x W
@@ -338,7 +350,7 @@ class _ModelSession:
                 self.cache.fill_row(b, prefill(self.d.model, r.seq, r.stats, "draft_time_s"))
                 r.state[self.d.name].dlen = len(r.seq) - 1
 
-    def propose(self, rows, ks: dict[int, int]) -> dict[int, Proposal]:
+    def propose(self, rows: list[Row], ks: dict[int, int]) -> dict[int, Proposal]:
         self.merge()
         ks = {b: k for b, k in ks.items() if k > 0}
         if not ks:
@@ -346,10 +358,10 @@ class _ModelSession:
         self.catch_up(rows, ks)
         dec, name = self.batch.dec, self.d.name
         drafts: dict[int, list[int]] = {b: [] for b in ks}
-        qs: dict[int, list] = {b: [] for b in ks}
+        qs: dict[int, list[torch.Tensor]] = {b: [] for b in ks}
         self.columns = []
         for j in range(max(ks.values())):
-            inputs = [[] for _ in rows]
+            inputs: list[list[int]] = [[] for _ in rows]
             for b, k in ks.items():
                 if k > j:
                     st = rows[b].state[name]
@@ -371,7 +383,7 @@ class _ModelSession:
                         qs[b].append(q)
             if j:  # one-token steps: the steady-state draft cost
                 dec.costs[sum(1 for x in inputs if x)].observe_draft(name, t.seconds)
-        out = {}
+        out: dict[int, Proposal] = {}
         for b, k in ks.items():
             st = rows[b].state[name]
             st.used = True
@@ -379,7 +391,7 @@ class _ModelSession:
             out[b] = Proposal(name, drafts[b], q, [st.tracker.rate] * k, [None] * k)
         return out
 
-    def commit(self, b: int, row, prop: Proposal, n: int) -> None:
+    def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:
         """The draft keeps the drafts it was fed (d_0..d_{k-2}, at steps 1..k-1) that were accepted."""
         k = len(prop.tokens)
         st = row.state[self.d.name]
@@ -389,7 +401,7 @@ class _ModelSession:
             st.dlen -= k - 1 - n
 
 
-def pick(row, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+def pick(row: Row, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     """A draft token from a draft model's logits (and its processed distribution when sampling)."""
     req = row.req
     if req.greedy:
@@ -398,7 +410,7 @@ def pick(row, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     return sample(q, row.gen), q
 
 
-def prefill(model, prompt: list[int], st, clock: str) -> RaggedCache:
+def prefill(model: PreTrainedModel, prompt: list[int], st: Stats, clock: str) -> RaggedCache:
     """A one-row cache holding ``prompt[:-1]`` (the last token is fed by the first step)."""
     own = RaggedCache(model, 1)
     if len(prompt) > 1:
@@ -408,10 +420,10 @@ def prefill(model, prompt: list[int], st, clock: str) -> RaggedCache:
     return own
 
 
-def build(names: list[str], draft_model=None, vocab_size: int | None = None) -> list:
+def build(names: list[str], draft_model: PreTrainedModel | None = None, vocab_size: int | None = None) -> list[Drafter]:
     """Drafters by name, in order (the order a fixed k tries them in). "model" and "quantized"
     are the same drafter class over the pair's draft model (a pair has one draft)."""
-    out = []
+    out: list[Drafter] = []
     for name in names:
         if name == "lookup":
             out.append(Lookup())
@@ -429,3 +441,9 @@ def build(names: list[str], draft_model=None, vocab_size: int | None = None) -> 
     if len({d.name for d in out}) != len(out):
         raise ValueError(f"drafters {names} name one drafter twice")
     return out
+
+
+if TYPE_CHECKING:
+    _Counts = dict[tuple[int, ...], dict[int, int]]  # context -> {next token: count}
+    Drafter = Lookup | Suffix | ModelDrafter
+    Session = _Free | _ModelSession

@@ -1,9 +1,8 @@
-"""The one place for transformers version quirks (forward kwargs, KV-cache cropping).
+"""The one place for transformers version quirks (the forward's cache argument).
 
 Tested with transformers 5.20-5.39 (see pyproject). transformers 5.24 renamed the
-forward argument ``past_key_values=`` to ``cache=`` (old name deprecated until 5.40) and
-``DynamicCache.crop`` takes a negative count of tokens to remove (4.x took the final
-absolute length). Everything else in the engine calls these helpers.
+forward argument ``past_key_values=`` to ``cache=`` (old name deprecated until 5.40).
+Everything else in the engine calls these helpers.
 
 It also holds what the engine changes in transformers' machinery, each measured on this
 CPU: KV-cache layers that grow in place (``GrowingLayer``), an attention function that keeps
@@ -14,24 +13,26 @@ kernels.py).
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
+from pathlib import Path
+from typing import Any, cast
 
 import torch
-import transformers
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .lean import runner
 
-_MAJOR = int(transformers.__version__.split(".")[0])
+_CACHE_KWARG: dict[type[torch.nn.Module], str] = {}
 
 
-@lru_cache(maxsize=None)
-def _cache_kwarg(model_cls: type) -> str:
-    params = inspect.signature(model_cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+def _cache_kwarg(model_cls: type[torch.nn.Module]) -> str:
+    """The forward's name for the KV cache argument, per model class."""
+    if model_cls not in _CACHE_KWARG:
+        params = inspect.signature(model_cls.forward).parameters
+        _CACHE_KWARG[model_cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KWARG[model_cls]
 
 
 class GrowingLayer(DynamicLayer):
@@ -46,6 +47,15 @@ class GrowingLayer(DynamicLayer):
 
     kbuf: torch.Tensor | None = None
     vbuf: torch.Tensor | None = None
+    # views of kbuf / vbuf once reserved (read them only then; transformers' base says "| None")
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def bufs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reserved buffers (``kbuf``, ``vbuf``)."""
+        assert self.kbuf is not None and self.vbuf is not None
+        return self.kbuf, self.vbuf
 
     @property
     def rows(self) -> int:
@@ -56,15 +66,18 @@ class GrowingLayer(DynamicLayer):
         return self.keys.shape[2] if self.kbuf is not None else 0
 
     def view(self, rows: int, width: int) -> None:
-        self.keys, self.values = self.kbuf[:rows, :, :width], self.vbuf[:rows, :, :width]
+        kbuf, vbuf = self.bufs
+        self.keys, self.values = kbuf[:rows, :, :width], vbuf[:rows, :, :width]
 
-    def reserve(self, rows: int, width: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
-        """Room for ``rows`` x ``width`` (columns grow by half); the live region is kept."""
+    def reserve(
+        self, rows: int, width: int, like_k: torch.Tensor, like_v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for ``rows`` x ``width`` (columns grow by half); the live region is kept. Returns the buffers."""
         if not self.is_initialized:
             self.lazy_initialization(like_k, like_v)
         old = self.kbuf
         if old is not None and rows <= old.shape[0] and width <= old.shape[2]:
-            return
+            return self.bufs
         r = max(rows, old.shape[0] if old is not None else 0)
         w = max(width + max(64, width // 2), old.shape[2] if old is not None else 0)
         kbuf = like_k.new_zeros(r, like_k.shape[1], w, like_k.shape[3])
@@ -75,13 +88,16 @@ class GrowingLayer(DynamicLayer):
             vbuf[:live_r, :, :live_w] = self.values
         self.kbuf, self.vbuf = kbuf, vbuf
         self.view(live_r, live_w)
+        return kbuf, vbuf
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, n = key_states.shape[0], self.width
         m = n + key_states.shape[2]
-        self.reserve(rows, m, key_states, value_states)
-        self.kbuf[:rows, :, n:m] = key_states
-        self.vbuf[:rows, :, n:m] = value_states
+        kbuf, vbuf = self.reserve(rows, m, key_states, value_states)
+        kbuf[:rows, :, n:m] = key_states
+        vbuf[:rows, :, n:m] = value_states
         self.view(rows, m)
         return self.keys, self.values
 
@@ -94,13 +110,13 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
-def new_cache(model) -> DynamicCache:
+def new_cache(model: PreTrainedModel) -> DynamicCache:
     """A DynamicCache of ``GrowingLayer``s (models whose layers all use full attention)."""
     cache = DynamicCache(config=model.config)
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
             raise NotImplementedError(f"this engine needs full-attention cache layers, not {type(layer).__name__}")
-    cache.layers = [GrowingLayer() for _ in cache.layers]
+    cache.layers = [GrowingLayer() for _ in cache.layers]  # type: ignore[no-untyped-call]  # transformers' __init__
     return cache
 
 
@@ -108,7 +124,16 @@ def new_cache(model) -> DynamicCache:
 ATTENTION = "specdec_sdpa"
 
 
-def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def _attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' sdpa, except that on CPU a masked multi-token query (a verification or a
     ragged chunk) keeps grouped KV heads in the kernel (``enable_gqa``) instead of copying them
     per query head (``repeat_kv``): 6x less time in attention at batch 16 here, same values."""
@@ -132,7 +157,7 @@ AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 @torch.no_grad()
-def prepare(model, kernel_cache=None) -> dict:
+def prepare(model: PreTrainedModel, kernel_cache: Path | None = None) -> dict[str, Any]:
     """Tune a loaded model for this engine (idempotent; the same math, faster kernels).
 
     - sdpa attention becomes ``_attention`` (grouped KV heads stay grouped on CPU).
@@ -155,40 +180,27 @@ def prepare(model, kernel_cache=None) -> dict:
     return report
 
 
-@torch.inference_mode()
-def forward(model, token_ids: list[int], cache: DynamicCache, logits_to_keep: int) -> torch.Tensor:
-    """Run ``token_ids`` (one sequence) on top of ``cache``; return float32 logits [logits_to_keep, V]."""
-    ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
-    kwargs = {_cache_kwarg(type(model)): cache}
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
-    return out.logits[0].float()
-
-
-def sync(model) -> None:
+def sync(model: PreTrainedModel) -> None:
     """Wait for queued GPU work (for timings); a no-op on CPU."""
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
 
 
-def crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` positions of ``cache`` (rollback after a rejection)."""
-    current = cache.get_seq_length()
-    if length >= current:
-        return
-    if _MAJOR >= 5:
-        cache.crop(length - current)  # negative: tokens to remove
-    else:
-        cache.crop(length)  # 4.x: absolute length
-
-
 # -- batches of rows (engine/ragged.py) -------------------------------------------------------
 def layers(cache: DynamicCache) -> list[GrowingLayer]:
     """The cache's per-layer buffers (``new_cache`` made them)."""
-    return cache.layers
+    return cast(list[GrowingLayer], cache.layers)
 
 
 @torch.inference_mode()
-def forward_rows(model, ids: torch.Tensor, cache: DynamicCache, keep: int, mask=None, positions=None) -> torch.Tensor:
+def forward_rows(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    cache: DynamicCache,
+    keep: int,
+    mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Run ``ids`` [B, W] on top of ``cache``; float32 logits of the last ``keep`` columns [B, keep, V].
 
     ``mask`` is a boolean [B, 1, W, L + W] (True = may attend), ``positions`` [B, W]; both
@@ -197,10 +209,11 @@ def forward_rows(model, ids: torch.Tensor, cache: DynamicCache, keep: int, mask=
     lean = runner(model)
     if lean is not None:  # the same math without transformers' module machinery (lean.py)
         return lean(ids.to(model.device), cache, keep, mask, positions)
-    kwargs = {_cache_kwarg(type(model)): cache}
+    kwargs: dict[str, Any] = {_cache_kwarg(type(model)): cache}
     if mask is not None:
         if model.config._attn_implementation == "eager":  # eager adds a float mask; sdpa takes booleans
             mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, torch.finfo(model.dtype).min)
         kwargs.update(attention_mask=mask, position_ids=positions)
     out = model(input_ids=ids.to(model.device), use_cache=True, logits_to_keep=keep, **kwargs)
-    return out.logits.float()
+    logits: torch.Tensor = out.logits
+    return logits.float()

@@ -32,7 +32,9 @@ import os
 import platform
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -53,11 +55,14 @@ def _copy(kind: str, w: torch.Tensor) -> torch.Tensor:
     if kind == "col":
         return w.t().contiguous().t()
     if kind == "onednn":
-        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+        return cast(torch.Tensor, torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None))
     raise ValueError(kind)
 
 
-def _fn(kind: str):
+Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _fn(kind: str) -> Kernel:
     """y2d = fn(x2d, copy)."""
     if kind == "onednn":
         return lambda x, p: torch.ops.mkldnn._linear_pointwise(x.contiguous(), p, None, "none", [], "")
@@ -87,7 +92,7 @@ def machine_key() -> str:
     return f"{model}|flags {digest}|torch {torch.__version__}|threads {torch.get_num_threads()}"
 
 
-def _time(fn, weights, x, repeats: int = 3) -> float:
+def _time(fn: Kernel, weights: list[torch.Tensor], x: torch.Tensor, repeats: int = 3) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -100,7 +105,7 @@ def _time(fn, weights, x, repeats: int = 3) -> float:
 @torch.inference_mode()
 def measure(weights: list[torch.Tensor], kinds_: list[str]) -> dict[str, list[float]]:
     """Seconds per kernel to multiply POINTS rows by every matrix in ``weights`` (one shape)."""
-    out = {}
+    out: dict[str, list[float]] = {}
     for kind in kinds_:
         try:
             copies, fn = [_copy(kind, w) for w in weights], _fn(kind)
@@ -138,16 +143,17 @@ def table(choice: list[str]) -> list[str]:
     return out
 
 
-def untune(model) -> None:
+def untune(model: torch.nn.Module) -> None:
     """Undo ``tune``: every Linear back to its own forward and a row-major weight."""
     for m in model.modules():
         if getattr(m, "_kernels", None) is not None:
             m.__dict__.pop(getattr(m, "linear_method", None) or "forward", None)
-            m.weight.data = m.weight.data.contiguous()
-            m._kernels = m._kernel_weights = None
+            weight = cast(torch.Tensor, m.weight)
+            weight.data = weight.data.contiguous()
+            vars(m).update(_kernels=None, _kernel_weights=None)  # plain attributes, as _install set them
 
 
-def _linears(model) -> list[torch.nn.Module]:
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Modules that multiply by a 2-D ``weight``: nn.Linear, and modules that declare
     ``linear_method`` (the draft's SubsetHead: its ``subset_logits``)."""
     out = []
@@ -159,13 +165,12 @@ def _linears(model) -> list[torch.nn.Module]:
     return out
 
 
-def _install(module, table_: list[str], copies: dict) -> None:
-    module._kernels = table_
-    module._kernel_weights = copies
+def _install(module: torch.nn.Module, table_: list[str], copies: dict[str, torch.Tensor]) -> None:
+    vars(module).update(_kernels=table_, _kernel_weights=copies)  # plain attributes (not buffers: no state_dict)
     fns = {kind: _fn(kind) for kind in copies}
     bias = getattr(module, "bias", None)
 
-    def linear(self, x):
+    def linear(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         m = x.numel() // x.shape[-1] if x.dim() else 1
         kind = table_[m] if m < TABLE else table_[-1]
         y = fns[kind](x.reshape(-1, x.shape[-1]), copies[kind])
@@ -176,16 +181,17 @@ def _install(module, table_: list[str], copies: dict) -> None:
     setattr(module, getattr(module, "linear_method", None) or "forward", types.MethodType(linear, module))
 
 
-def _load(cache_file: Path | None) -> dict:
+def _load(cache_file: Path | None) -> dict[str, Any]:
     if cache_file is None or not cache_file.is_file():
         return {}
     try:
-        return json.loads(cache_file.read_text())
+        data: dict[str, Any] = json.loads(cache_file.read_text())
+        return data
     except (OSError, ValueError):
         return {}
 
 
-def _save(cache_file: Path | None, data: dict) -> None:
+def _save(cache_file: Path | None, data: dict[str, Any]) -> None:
     if cache_file is None:
         return
     try:
@@ -198,21 +204,23 @@ def _save(cache_file: Path | None, data: dict) -> None:
 
 
 @torch.no_grad()
-def tune(model, cache_file: Path | None = None, force: str | None = None) -> dict[str, dict]:
+def tune(model: torch.nn.Module, cache_file: Path | None = None, force: str | None = None) -> dict[str, Any]:
     """Give every Linear of ``model`` (on CPU) the fastest kernel per row count; returns
     {shape: {"choice": {rows: kernel}, "ms": {kernel: [ms at POINTS]}}}. Idempotent.
     ``force``: one kernel for every row count, unmeasured (benchmarks compare them)."""
-    groups: dict[tuple, list] = {}
+    groups: dict[tuple[tuple[int, ...], torch.dtype], list[torch.nn.Module]] = {}
     for m in _linears(model):
-        groups.setdefault((tuple(m.weight.shape), m.weight.dtype), []).append(m)
+        w = cast(torch.Tensor, m.weight)
+        groups.setdefault((tuple(w.shape), w.dtype), []).append(m)
     if not groups:
         return {}
     machine = machine_key()
     cached = _load(cache_file)
-    report, dirty = {}, False
+    report: dict[str, Any] = {}
+    dirty = False
     for (shape, dtype), mods in groups.items():
         # one matrix per module (a tied LM head shares the embedding's tensor: counted once)
-        weights = list({m.weight.data_ptr(): m.weight.detach() for m in mods}.values())
+        weights = list({w.data_ptr(): w.detach() for w in (cast(torch.Tensor, m.weight) for m in mods)}.values())
         key = f"{machine}|{str(dtype).removeprefix('torch.')}|{shape[0]}x{shape[1]}x{len(weights)}"
         entry = cached.get(key)
         if force is not None:
@@ -226,7 +234,7 @@ def tune(model, cache_file: Path | None = None, force: str | None = None) -> dic
         tab = table(choice)
         used = sorted(set(choice))
         for m in mods:
-            w = m.weight.detach()
+            w = cast(torch.Tensor, m.weight).detach()
             copies = {kind: (w if kind == "row" and w.is_contiguous() else _copy(kind, w)) for kind in used}
             if "row" not in copies and "col" in copies:  # one layout only: the parameter takes it (no copy kept)
                 m.weight.data = copies["col"]

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 GROUP = 32
 SCHEMES = ("int4", "int8")  # draft = "quantized:SCHEME"
@@ -57,6 +61,10 @@ def quantize4(w: torch.Tensor) -> Blocks:
 class Int4Linear(torch.nn.Module):
     """y = x @ W.T (+ b) with W held as int4 groups; x in any float dtype, y in x's dtype."""
 
+    packed: torch.Tensor  # buffers
+    scales_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, blocks: Blocks, bias: torch.Tensor | None, device: torch.device):
         super().__init__()
         n, k = blocks.q.shape
@@ -70,13 +78,13 @@ class Int4Linear(torch.nn.Module):
         sz = torch.stack([blocks.scale, zero], -1).transpose(0, 1).contiguous()  # [K/G, N, 2]
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", sz.to(device=device, dtype=torch.bfloat16))
-        self.blocks = blocks  # kept until quantized_copy has fused siblings, then dropped
+        self.blocks: Blocks | None = blocks  # kept until quantized_copy has fused siblings, then dropped
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if flat.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+            y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP, self.scales_zeros)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -85,6 +93,10 @@ class Int4Linear(torch.nn.Module):
 
 class Int8Linear(torch.nn.Module):
     """Symmetric per-row int8 weights (``aten._weight_int8pack_mm``); x's dtype kept."""
+
+    q: torch.Tensor  # buffers
+    scale: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -97,7 +109,7 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale.to(flat.dtype))
+        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale.to(flat.dtype))
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -112,11 +124,15 @@ class _Fused(torch.nn.Module):
 
     def __init__(self, linear: Int4Linear):
         super().__init__()
-        self.linear, self.x, self.y = linear, None, None
+        self.linear = linear
+        self.x: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.x is not x:  # a reference is kept, so a new input is never mistaken for it
-            self.x, self.y = x, self.linear(x)
+        if self.x is not x or self.y is None:  # a reference is kept, so a new input is never mistaken for it
+            y: torch.Tensor = self.linear(x)
+            self.x, self.y = x, y
+            return y
         return self.y
 
 
@@ -137,8 +153,8 @@ class Slice(torch.nn.Module):
 
 
 def _fuse(module: torch.nn.Module, names: tuple[str, ...]) -> None:
-    parts = [getattr(module, n, None) for n in names]
-    if not all(isinstance(p, Int4Linear) for p in parts) or any(p.bias is not None for p in parts):
+    parts = [p for n in names if isinstance(p := getattr(module, n, None), Int4Linear)]
+    if len(parts) < len(names) or any(p.bias is not None for p in parts):
         return
     blocks = [p.blocks for p in parts]
     merged = Blocks(*(torch.cat([getattr(b, f) for b in blocks]) for f in ("q", "scale", "low")))
@@ -157,7 +173,13 @@ def _quantized(linear: torch.nn.Linear, scheme: str, blocks: Blocks | None) -> t
     return Int4Linear(blocks or quantize4(linear.weight), linear.bias, linear.weight.device)
 
 
-def quantized_copy(target, scheme: str = "int4", head: str = "target", blocks: dict | None = None, fuse: bool = True):
+def quantized_copy(
+    target: PreTrainedModel,
+    scheme: str = "int4",
+    head: str = "target",
+    blocks: dict[str, Blocks] | None = None,
+    fuse: bool = True,
+) -> PreTrainedModel:
     """A draft: the target's structure and norms, every Linear of its layers quantized
     (``scheme``), the embedding shared. Its LM head: the target's own (``"target"``, shared:
     0.99 greedy agreement on the demo pair) or an int4 copy (``"int4"``: 2 ms less per step
@@ -171,7 +193,7 @@ def quantized_copy(target, scheme: str = "int4", head: str = "target", blocks: d
         raise ValueError(f"unknown draft head {head!r}; known: {', '.join(HEADS)}")
     blocks = blocks or {}
     with torch.device("meta"):
-        draft = type(target)(copy.deepcopy(target.config))
+        draft: PreTrainedModel = type(target)(copy.deepcopy(target.config))
     draft.load_state_dict(target.state_dict(), assign=True)  # the same tensors, not copies
     modules = dict(draft.named_modules())
     for name, buf in target.named_buffers():  # non-persistent buffers (rotary frequencies) too
@@ -198,11 +220,12 @@ def quantized_copy(target, scheme: str = "int4", head: str = "target", blocks: d
             draft.set_output_embeddings(_quantized(head_module, "int4", blocks.get("lm_head.weight")))
     for p in draft.parameters():
         p.requires_grad_(False)
-    draft.quantization = {"scheme": scheme, "head": head, "gguf_blocks": len(blocks), "fused": fuse}
-    return draft.eval()
+    vars(draft)["quantization"] = {"scheme": scheme, "head": head, "gguf_blocks": len(blocks), "fused": fuse}
+    draft.eval()
+    return draft
 
 
-def model_bytes(model, without=None) -> int:
+def model_bytes(model: torch.nn.Module, without: torch.nn.Module | None = None) -> int:
     """Bytes of a model's tensors, each counted once (a tied head is the embedding), less
     those it shares with ``without`` (a draft's own bytes: ``model_bytes(draft, target)``)."""
     shared = {t.data_ptr() for t in (*without.parameters(), *without.buffers())} if without is not None else set()

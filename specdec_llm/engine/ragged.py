@@ -19,13 +19,16 @@ With one row and no holes (single-request decoding) the forward is the plain cau
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+from transformers import PreTrainedModel
 
 from . import hf
 
 
 class RaggedCache:
-    def __init__(self, model, rows: int = 0):
+    def __init__(self, model: PreTrainedModel, rows: int = 0) -> None:
         self.model = model
         self.cache = hf.new_cache(model)
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
@@ -37,10 +40,6 @@ class RaggedCache:
     @property
     def width(self) -> int:
         return self.valid.shape[1]
-
-    def lengths(self) -> list[int]:
-        """Valid tokens per row."""
-        return self.valid.sum(1).tolist()
 
     # -- forward ------------------------------------------------------------------------
     def forward(self, inputs: list[list[int]], keep: int) -> torch.Tensor:
@@ -64,7 +63,7 @@ class RaggedCache:
         return logits
 
     # -- rollback and housekeeping ------------------------------------------------------------
-    def drop(self, row: int, columns) -> None:
+    def drop(self, row: int, columns: Iterable[int]) -> None:
         """Make ``columns`` (absolute indices) holes for ``row``."""
         self.valid[row, list(columns)] = False
 
@@ -74,9 +73,10 @@ class RaggedCache:
         moved = [(dst, src) for dst, src in enumerate(index) if dst != src]
         for layer in self._live_layers():
             if moved:
-                dst = torch.tensor([d for d, _ in moved], device=layer.kbuf.device)
-                src = torch.tensor([s for _, s in moved], device=layer.kbuf.device)
-                for buf in (layer.kbuf, layer.vbuf):
+                bufs = layer.bufs
+                dst = torch.tensor([d for d, _ in moved], device=bufs[0].device)
+                src = torch.tensor([s for _, s in moved], device=bufs[0].device)
+                for buf in bufs:
                     region = buf[:, :, : self.width]
                     region.index_copy_(0, dst, region.index_select(0, src))  # the source is read first
             layer.view(len(index), self.width)
@@ -107,8 +107,9 @@ class RaggedCache:
             k, v = layer.keys, layer.values
             idx = order.to(k.device)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
             k, v = k.gather(2, idx), v.gather(2, idx)
-            layer.kbuf[: self.rows, :, :longest] = k
-            layer.vbuf[: self.rows, :, :longest] = v
+            kbuf, vbuf = layer.bufs
+            kbuf[: self.rows, :, :longest] = k
+            vbuf[: self.rows, :, :longest] = v
             layer.view(self.rows, longest)
         self.valid = torch.arange(longest)[None, :] < self.valid.sum(1, keepdim=True)
 
@@ -121,18 +122,21 @@ class RaggedCache:
         width = max(self.width, *(o.width for o in others))
         for i, layer in enumerate(hf.layers(self.cache)):
             theirs = [hf.layers(o.cache)[i] for o in others]
-            ref = next((x for x in [layer, *theirs] if x.kbuf is not None), None)
-            if ref is None:
+            like = next((x.bufs for x in [layer, *theirs] if x.kbuf is not None), None)
+            if like is None:
                 continue
-            layer.reserve(rows, width, ref.kbuf, ref.vbuf)
+            kbuf, vbuf = layer.reserve(rows, width, *like)
             r = self.rows
             for other, x in zip(others, theirs):
                 if x.kbuf is not None and other.width:
-                    layer.kbuf[r : r + other.rows, :, : other.width] = x.keys
-                    layer.vbuf[r : r + other.rows, :, : other.width] = x.values
+                    kbuf[r : r + other.rows, :, : other.width] = x.keys
+                    vbuf[r : r + other.rows, :, : other.width] = x.values
                 r += other.rows
             layer.view(rows, width)
-        pad = lambda v: torch.cat([v, torch.zeros(v.shape[0], width - v.shape[1], dtype=torch.bool)], 1)  # noqa: E731
+
+        def pad(v: torch.Tensor) -> torch.Tensor:
+            return torch.cat([v, torch.zeros(v.shape[0], width - v.shape[1], dtype=torch.bool)], 1)
+
         self.valid = torch.cat([pad(v.valid) for v in (self, *others)])
 
     @torch.inference_mode()
@@ -142,9 +146,9 @@ class RaggedCache:
         for mine, theirs in zip(hf.layers(self.cache), hf.layers(own.cache)):
             if theirs.kbuf is None:
                 continue
-            mine.reserve(self.rows, width, theirs.kbuf, theirs.vbuf)
-            mine.kbuf[row, :, : own.width] = theirs.keys[0]
-            mine.vbuf[row, :, : own.width] = theirs.values[0]
+            kbuf, vbuf = mine.reserve(self.rows, width, *theirs.bufs)
+            kbuf[row, :, : own.width] = theirs.keys[0]
+            vbuf[row, :, : own.width] = theirs.values[0]
             mine.view(self.rows, width)
         valid = torch.zeros(self.rows, width, dtype=torch.bool)
         valid[:, : self.width] = self.valid
@@ -152,5 +156,5 @@ class RaggedCache:
         valid[row, : own.width] = own.valid[0]
         self.valid = valid
 
-    def _live_layers(self) -> list:
+    def _live_layers(self) -> list[hf.GrowingLayer]:
         return [layer for layer in hf.layers(self.cache) if layer.kbuf is not None]

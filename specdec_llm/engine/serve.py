@@ -25,7 +25,10 @@ import time
 from concurrent.futures import Future
 
 from .decoder import Batch, SpeculativeDecoder, TextCallback
-from .types import GenerationRequest, RequestError
+from .types import GenerationRequest, GenerationResult, RequestError
+
+# a submitted request: (request, on_text, deadline, its future)
+_Item = tuple[GenerationRequest, TextCallback | None, float | None, "Future[GenerationResult]"]
 
 log = logging.getLogger("specdec.engine")
 SAVE_EVERY_S = 30.0  # an idle server writes its live decoding costs to the cache at most this often
@@ -36,19 +39,21 @@ class BatchServer:
         if max_batch < 1:
             raise ValueError("max_batch: use at least 1")
         self.decoder, self.max_batch, self.max_wait = decoder, max_batch, max_wait_ms / 1000
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue[_Item | None] = queue.Queue()
         self.closed = threading.Event()
-        self.cancelled: set[Future] = set()  # futures of rows to drop at the next step (server thread reads)
+        self.cancelled: set[Future[GenerationResult]] = set()  # futures of rows to drop at the next step (server thread reads)
         self._cancel_lock = threading.Lock()
         self.rows = 0  # rows in the batch at its latest step (for monitoring)
         self._saved = time.monotonic()
         self.thread = threading.Thread(target=self._loop, name="specdec-batch", daemon=True)
         self.thread.start()
 
-    def submit(self, request: GenerationRequest, on_text: TextCallback | None = None, deadline: float | None = None) -> Future:
+    def submit(
+        self, request: GenerationRequest, on_text: TextCallback | None = None, deadline: float | None = None
+    ) -> Future[GenerationResult]:
         if self.closed.is_set():
             raise RuntimeError("this BatchServer is closed")
-        fut: Future = Future()
+        fut: Future[GenerationResult] = Future()
         self.inbox.put((request, on_text, deadline, fut))
         return fut
 
@@ -57,7 +62,7 @@ class BatchServer:
         """Requests submitted that have not joined the batch yet."""
         return self.inbox.qsize()
 
-    def cancel(self, fut: Future) -> bool:
+    def cancel(self, fut: Future[GenerationResult]) -> bool:
         """Withdraw the request behind ``fut`` (from ``submit``). False when it has already
         finished; else True: it never starts, or leaves the batch before the next step."""
         if fut.cancel():  # still waiting in the inbox: it will never join
@@ -82,7 +87,7 @@ class BatchServer:
             torch.cuda.set_device(device)
         try:
             self.decoder.calibrate_batches(self.max_batch)
-        except Exception:  # noqa: BLE001 - a batch calibrates lazily instead
+        except Exception:  # a batch calibrates lazily instead
             log.exception("could not calibrate the batch sizes up to %d", self.max_batch)
         batch = Batch(self.decoder)
         while not self.closed.is_set():
@@ -113,7 +118,7 @@ class BatchServer:
                 continue
             try:
                 done = batch.step()
-            except Exception as e:  # noqa: BLE001 - fail this batch's rows, keep serving
+            except Exception as e:  # fail this batch's rows, keep serving
                 log.exception("batch step failed; failing its %d rows", len(batch.rows))
                 for row in batch.rows:
                     row.tag[0].set_exception(e)
@@ -132,10 +137,10 @@ class BatchServer:
         self._saved = time.monotonic()
         try:
             self.decoder.save_costs()
-        except Exception:  # noqa: BLE001 - a cache, never a reason to stop serving
+        except Exception:  # a cache, never a reason to stop serving
             log.exception("could not save the decoding costs")
 
-    def _join(self, batch: Batch, item) -> None:
+    def _join(self, batch: Batch, item: _Item) -> None:
         request, on_text, deadline, fut = item
         if not fut.set_running_or_notify_cancel():
             return
@@ -143,7 +148,7 @@ class BatchServer:
             batch.add(request, on_text, tag=(fut, deadline))
         except RequestError as e:
             fut.set_exception(e)
-        except Exception as e:  # noqa: BLE001 - a failed prefill fails this request only
+        except Exception as e:  # a failed prefill fails this request only
             log.exception("could not start a request")
             fut.set_exception(e)
 

@@ -7,8 +7,9 @@ LangChain integration pass it around without touching tensors or ORM objects.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["eos", "stop", "length", "context"]
 
@@ -91,14 +92,14 @@ def _unicode(text: str, name: str) -> None:
                                  f"character {e.start}") from None
 
 
-def _int(value, name: str, lo: int, hint: str) -> None:
+def _int(value: object, name: str, lo: int, hint: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise RequestError(name, f"must be an integer, got {value!r}")
     if value < lo:
         raise RequestError(name, f"{value} is below {lo}; {hint}")
 
 
-def _float(value, name: str, rule: str, ok) -> None:
+def _float(value: object, name: str, rule: str, ok: Callable[[float], bool]) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(name, f"must be a number, got {value!r}")
     if not math.isfinite(value) or not ok(value):
@@ -125,7 +126,7 @@ class Stats:
     tokens_per_s: float = 0.0
     k_values: list[int] = field(default_factory=list)  # tokens proposed at each iteration
     # drafter -> {"proposed", "accepted", "drafts" (iterations it drafted in), "accepted_per_position"}
-    drafter_tokens: dict[str, dict] = field(default_factory=dict)
+    drafter_tokens: dict[str, dict[str, Any]] = field(default_factory=dict)
     drafter: str = "none"  # the drafter that proposed the most tokens ("none": plain decoding)
     batch_rows: float = 1.0  # mean number of requests decoding beside it (itself included) per iteration
     # Seconds the request would have taken decoding target-only in the same process: its time
@@ -140,7 +141,7 @@ class Stats:
         """Target-only time over the time taken (``baseline_s / wall_time_s``)."""
         return self.baseline_s / self.wall_time_s if self.wall_time_s > 0 and self.baseline_s > 0 else None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -154,7 +155,7 @@ class GenerationResult:
     finish_reason: FinishReason
     stats: Stats
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "text": self.text,
             "token_ids": self.token_ids,

@@ -74,8 +74,24 @@ from .record import (
 from .reports import ReportInputError, summary
 
 __all__ = [
-    "SchemaError", "StoreError", "ReportInputError", "check_schema", "downgrade", "ensure_schema",
-    "get_engine", "mask_url", "session_scope", "upgrade", "create_job", "get_job", "get_request",
-    "mark_request", "record_baseline", "record_result", "upsert_pair", "upsert_worker",
-    "worker_info", "summary",
+    "ReportInputError",
+    "SchemaError",
+    "StoreError",
+    "check_schema",
+    "create_job",
+    "downgrade",
+    "ensure_schema",
+    "get_engine",
+    "get_job",
+    "get_request",
+    "mark_request",
+    "mask_url",
+    "record_baseline",
+    "record_result",
+    "session_scope",
+    "summary",
+    "upgrade",
+    "upsert_pair",
+    "upsert_worker",
+    "worker_info",
 ]

@@ -11,15 +11,21 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..settings import get_settings
+
+if TYPE_CHECKING:
+    import sqlite3
+
+    from alembic.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -87,18 +93,20 @@ class _Percentiles:
     ``percentile_cont`` instead. Three fixed arguments: each call from SQLite into
     Python is the cost here (about 0.3 us a row)."""
 
-    def __init__(self):
-        self.x, self.y, self.z = [], [], []
+    def __init__(self) -> None:
+        self.x: list[float | None] = []
+        self.y: list[float | None] = []
+        self.z: list[float | None] = []
 
-    def step(self, x, y, z):
+    def step(self, x: float | None, y: float | None, z: float | None) -> None:
         self.x.append(x)
         self.y.append(y)
         self.z.append(z)
 
-    def finalize(self):
+    def finalize(self) -> str:
         import numpy as np
 
-        out = []
+        out: list[list[float | None]] = []
         for values in (self.x, self.y, self.z):
             a = np.array(values, dtype=float)  # None -> nan
             a = a[~np.isnan(a)]
@@ -106,16 +114,16 @@ class _Percentiles:
         return json.dumps(out)
 
 
-def _on_sqlite_connect(dbapi_conn, _record):
+def _on_sqlite_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")  # readers don't block the writer
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
-    dbapi_conn.create_aggregate("specdec_percentiles", 3, _Percentiles)
+    dbapi_conn.create_aggregate("specdec_percentiles", 3, _Percentiles)  # type: ignore[arg-type]  # typeshed: 1 argument only
 
 
-def make_engine(url: str, **kw) -> Engine:
+def make_engine(url: str, **kw: Any) -> Engine:
     """A new engine with the store's per-connection setup (SQLite pragmas, aggregate)."""
     backend = make_url(url).get_backend_name()
     if backend == "sqlite":
@@ -207,7 +215,7 @@ def unreachable(url: str, error: Exception) -> StoreError:
 
 # --- schema (Alembic) ---------------------------------------------------------------
 
-def alembic_config(url: str):
+def alembic_config(url: str) -> Config:
     from alembic.config import Config
 
     cfg = Config()
@@ -219,7 +227,10 @@ def alembic_config(url: str):
 def head_revision() -> str:
     from alembic.script import ScriptDirectory
 
-    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    if head is None:
+        raise StoreError(f"no migrations in {MIGRATIONS_DIR}: this installation is incomplete; reinstall specdec-llm")
+    return head
 
 
 def current_revision(url: str | None = None) -> str | None:

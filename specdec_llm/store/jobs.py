@@ -15,9 +15,12 @@ Job-wide: ``counts`` (by state, plus lost and requeued rows), ``requeue`` (retry
 
 from __future__ import annotations
 
-from datetime import timedelta
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy.orm import Session
 
 from .db import check_schema, session_scope
 from .models import Pair, Request, utcnow
@@ -27,16 +30,16 @@ PENDING = ("queued", "running")
 FINISHED = ("ok", "failed", "cancelled")
 
 
-def _beat():
+def _beat() -> ColumnElement[datetime]:
     """A running row's last sign of life (rows taken before 0004 have no heartbeat)."""
     return func.coalesce(Request.heartbeat_at, Request.started_at, Request.created_at)
 
 
-def _lost(cutoff):
+def _lost(cutoff: datetime) -> ColumnElement[bool]:
     return and_(Request.status == "running", _beat() < cutoff)
 
 
-def take(request_id: str, owner: str, *, lease_timeout_s: float, worker: dict | None = None,
+def take(request_id: str, owner: str, *, lease_timeout_s: float, worker: dict[str, Any] | None = None,
          url: str | None = None) -> bool:  # fmt: skip
     """Start running ``request_id`` under a lease held by ``owner`` (a Celery node name):
     from "queued", or from "running" when the lease is ``owner``'s own or has expired
@@ -50,7 +53,7 @@ def take(request_id: str, owner: str, *, lease_timeout_s: float, worker: dict | 
                  or_(Request.lease_owner.is_(None), Request.lease_owner == owner,
                      _beat() < now - timedelta(seconds=lease_timeout_s))),
         )  # fmt: skip
-        values = dict(status="running", error=None, attempts=Request.attempts + 1, lease_owner=owner,
+        values: dict[str, Any] = dict(status="running", error=None, attempts=Request.attempts + 1, lease_owner=owner,
                       heartbeat_at=now, started_at=func.coalesce(Request.started_at, now))  # fmt: skip
         if worker:
             values["worker_id"] = _worker_id(s, worker)
@@ -62,7 +65,7 @@ def take(request_id: str, owner: str, *, lease_timeout_s: float, worker: dict | 
         return changed is not None
 
 
-def renew(request_ids, owner: str, *, url: str | None = None) -> int:
+def renew(request_ids: Iterable[str], owner: str, *, url: str | None = None) -> int:
     """Heartbeat: the rows in ``request_ids`` that ``owner`` still holds are alive now."""
     request_ids = list(request_ids)
     if not request_ids:
@@ -73,11 +76,11 @@ def renew(request_ids, owner: str, *, url: str | None = None) -> int:
             .where(Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == owner)
             .values(heartbeat_at=utcnow())
             .returning(Request.id)
-        )  # fmt: skip
+        )
         return len(result.all())
 
 
-def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str | None = None) -> list[dict]:
+def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str | None = None) -> list[dict[str, Any]]:
     """Requeue every running row whose lease expired (no heartbeat for ``lease_timeout_s``):
     each such row moves back to "queued" (``requeues`` += 1) in one atomic UPDATE, so one
     caller gets it however many call at once. Rows that already had ``max_attempts``
@@ -108,9 +111,9 @@ def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str
         return [{"id": r.id, "pair": names.get(r.pair_id)} for r in requeued]
 
 
-def _pair_names(session, ids) -> dict:
-    ids = [i for i in ids if i is not None]
-    return dict(session.execute(select(Pair.id, Pair.name).where(Pair.id.in_(ids))).all()) if ids else {}
+def _pair_names(session: Session, ids: Iterable[int | None]) -> dict[int, str]:
+    known = [i for i in ids if i is not None]
+    return dict(session.execute(select(Pair.id, Pair.name).where(Pair.id.in_(known))).all()) if known else {}
 
 
 def counts(job_id: str, *, lease_timeout_s: float | None = None, url: str | None = None) -> dict[str, int]:
@@ -126,15 +129,15 @@ def counts(job_id: str, *, lease_timeout_s: float | None = None, url: str | None
         pending = Request.job_id == job_id
         out["requeued"] = s.scalar(
             select(func.count()).where(pending, Request.status.in_(PENDING), Request.requeues > 0)
-        ) if out["queued"] or out["running"] else 0  # fmt: skip
+        ) or 0 if out["queued"] or out["running"] else 0  # fmt: skip
         out["lost"] = 0
         if lease_timeout_s is not None and out["running"]:
             cutoff = utcnow() - timedelta(seconds=lease_timeout_s)
-            out["lost"] = s.scalar(select(func.count()).where(pending, _lost(cutoff)))
+            out["lost"] = s.scalar(select(func.count()).where(pending, _lost(cutoff))) or 0
     return out
 
 
-def requeue(job_id: str, *, lease_timeout_s: float, url: str | None = None) -> list[dict]:
+def requeue(job_id: str, *, lease_timeout_s: float, url: str | None = None) -> list[dict[str, Any]]:
     """``retry``: failed rows (not those refused at submit: they would fail again), queued
     rows, and running rows whose lease expired go back to "queued", in one UPDATE; rows
     running under a live lease are left to their worker. Returns them as ``[{"id", "pair"}]``
@@ -161,7 +164,7 @@ def refused_count(job_id: str, *, url: str | None = None) -> int:
     check_schema(url)
     with session_scope(url) as s:
         refused = Request.params["_input_error"].as_string().is_not(None)
-        return s.scalar(select(func.count()).where(Request.job_id == job_id, Request.status == "failed", refused))
+        return s.scalar(select(func.count()).where(Request.job_id == job_id, Request.status == "failed", refused)) or 0
 
 
 def cancel(job_id: str, *, url: str | None = None) -> int:

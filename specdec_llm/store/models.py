@@ -8,7 +8,7 @@ joins ``requests`` row by row.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -59,7 +59,7 @@ REPORT_COLUMNS = (
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
+    return datetime.now(UTC).replace(tzinfo=None)
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:

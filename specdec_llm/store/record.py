@@ -11,18 +11,20 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from importlib import metadata
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import ColumnElement, Table, case, func, select, update
 from sqlalchemy.orm import Session
 
 from .db import ensure_schema, resolve_url, session_scope
 from .models import (
     BASELINE_SOURCES,
     STATS_FIELDS,
+    Base,
     Baseline,
     Job,
     Output,
@@ -32,6 +34,10 @@ from .models import (
     Worker,
     utcnow,
 )
+
+if TYPE_CHECKING:
+    from sqlalchemy.dialects.postgresql import Insert as PostgresInsert
+    from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
 
 _CHUNK = 500  # ids per IN (...) list
 
@@ -44,14 +50,16 @@ def _writing(url: str | None) -> Iterator[Session]:
         yield session
 
 
-def _insert(session: Session, model):
+def _insert(session: Session, model: type[Base]) -> PostgresInsert | SqliteInsert:
     """A Core INSERT for this dialect, with ``on_conflict_do_nothing/update``. (To learn
     whether a row went in, use RETURNING: psycopg reports no rowcount for these.)"""
     if session.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    return insert(model.__table__)
+        from sqlalchemy.dialects import postgresql
+
+        return postgresql.insert(cast(Table, model.__table__))
+    from sqlalchemy.dialects import sqlite
+
+    return sqlite.insert(cast(Table, model.__table__))
 
 
 def device_kind(device: str) -> str:
@@ -59,7 +67,7 @@ def device_kind(device: str) -> str:
     return (device or "unknown").split(":", 1)[0].strip().lower() or "unknown"
 
 
-def worker_info(device_name: str) -> dict:
+def worker_info(device_name: str) -> dict[str, Any]:
     """This process as a worker dict for ``upsert_worker``/``record_result``."""
 
     def version(dist: str) -> str | None:
@@ -79,7 +87,7 @@ def worker_info(device_name: str) -> dict:
 
 # --- pairs, workers, baselines --------------------------------------------------------
 
-def _pair_id(session: Session, name: str, **values) -> int:
+def _pair_id(session: Session, name: str, **values: Any) -> int:
     now = utcnow()
     stmt = _insert(session, Pair).values(name=name, created_at=now, updated_at=now, **values)
     if values:
@@ -87,7 +95,7 @@ def _pair_id(session: Session, name: str, **values) -> int:
     else:
         stmt = stmt.on_conflict_do_nothing(index_elements=["name"])
     session.execute(stmt)
-    return session.scalar(select(Pair.id).where(Pair.name == name))
+    return session.execute(select(Pair.id).where(Pair.name == name)).scalar_one()
 
 
 def upsert_pair(
@@ -114,7 +122,7 @@ def upsert_pair(
         return _pair_id(s, name, **{k: v for k, v in values.items() if v is not None})
 
 
-def _worker_id(session: Session, worker: dict) -> int:
+def _worker_id(session: Session, worker: dict[str, Any]) -> int:
     key = {
         "host": str(worker.get("host") or "unknown"),
         "pid": int(worker.get("pid") or 0),
@@ -127,10 +135,10 @@ def _worker_id(session: Session, worker: dict) -> int:
         index_elements=list(key), set_={**versions, "last_seen_at": now}
     )
     session.execute(stmt)
-    return session.scalar(select(Worker.id).filter_by(**key))
+    return session.execute(select(Worker.id).filter_by(**key)).scalar_one()
 
 
-def upsert_worker(worker: dict, *, url: str | None = None) -> int:
+def upsert_worker(worker: dict[str, Any], *, url: str | None = None) -> int:
     """Create or refresh a worker (keys: host, pid, device_name, torch_version,
     transformers_version; see ``worker_info``); returns its id."""
     with _writing(url) as s:
@@ -146,7 +154,7 @@ def record_baseline(
     source: str = "calibration",
     samples: int = 1,
     url: str | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Store the target-only speed of ``pair`` on ``device``'s kind in ``dtype``.
 
     ``source="calibration"`` replaces what was there. ``source="shadow"`` (one or a few
@@ -164,6 +172,8 @@ def record_baseline(
             **values, tokens_per_s=tokens_per_s, samples=samples, source=source, measured_at=utcnow()
         )
         ex = stmt.excluded
+        new_tps: ColumnElement[Any]
+        new_samples: ColumnElement[Any]
         if source == "shadow":
             # in SQL, so concurrent shadow samples don't race
             merge = Baseline.source == "shadow"
@@ -232,25 +242,25 @@ def _row_changed(session: Session, job_id: str, *, started: bool = True) -> None
         )
 
 
-def _ensure_job(session: Session, job_id: str, **values) -> None:
+def _ensure_job(session: Session, job_id: str, **values: Any) -> None:
     stmt = _insert(session, Job).values(id=job_id, created_at=utcnow(), status="queued", **values)
     session.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
 
 
-def _chunks(items: list, n: int = _CHUNK) -> Iterable[list]:
+def _chunks(items: list[Any], n: int = _CHUNK) -> Iterable[list[Any]]:
     for i in range(0, len(items), n):
         yield items[i : i + n]
 
 
 def create_job(
-    requests: Iterable[dict | str],
+    requests: Iterable[dict[str, Any] | str],
     *,
     name: str | None = None,
     pair: str | None = None,
-    params: dict | None = None,
+    params: dict[str, Any] | None = None,
     job_id: str | None = None,
     url: str | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Create a job and one row per request, idempotently.
 
     Each request is a prompt string or a dict with ``prompt`` (text) or ``messages``
@@ -286,7 +296,7 @@ def create_job(
         # which keys and ids exist already (then the insert skips them, and any
         # row a concurrent caller slipped in meanwhile)
         keys = [r["idempotency_key"] for r in rows if r["idempotency_key"]]
-        by_key: dict[str, str] = {}
+        by_key: dict[str | None, str] = {}
         for chunk in _chunks(keys):
             by_key.update(s.execute(
                 select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))
@@ -317,7 +327,7 @@ def mark_request(
     status: str,
     *,
     error: str | None = None,
-    worker: dict | None = None,
+    worker: dict[str, Any] | None = None,
     url: str | None = None,
 ) -> bool:
     """Move a request to ``status`` ("queued", "running", "failed" or "cancelled").
@@ -356,9 +366,9 @@ def mark_request(
 
 def record_result(
     request_id: str,
-    result: dict,
+    result: dict[str, Any],
     *,
-    worker: dict | None,
+    worker: dict[str, Any] | None,
     device: str,
     queue_wait_s: float | None,
     pair: str,
@@ -447,7 +457,7 @@ def record_result(
 
 # --- reading single rows -------------------------------------------------------------
 
-def get_request(request_id: str, *, url: str | None = None) -> dict | None:
+def get_request(request_id: str, *, url: str | None = None) -> dict[str, Any] | None:
     """A request's status, error, attempts and (when done) output, as a dict; None if unknown."""
     with _writing(url) as s:
         row = s.execute(
@@ -470,7 +480,7 @@ def get_request(request_id: str, *, url: str | None = None) -> dict | None:
         }
 
 
-def get_job(job_id: str, *, url: str | None = None) -> dict | None:
+def get_job(job_id: str, *, url: str | None = None) -> dict[str, Any] | None:
     """A job's status and counts (recomputed now), as a dict; None if unknown."""
     with _writing(url) as s:
         if s.get(Job, job_id) is None:
@@ -478,6 +488,7 @@ def get_job(job_id: str, *, url: str | None = None) -> dict | None:
         _refresh_job(s, job_id)
         s.flush()
         job = s.get(Job, job_id, populate_existing=True)
+        assert job is not None  # it was there a moment ago, in this transaction
         return {
             "id": job.id, "name": job.name, "status": job.status, "n_requests": job.n_requests,
             "n_ok": job.n_ok, "n_failed": job.n_failed, "params": job.params,

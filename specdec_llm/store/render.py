@@ -10,10 +10,17 @@ import csv
 import io
 import json
 import math
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from html import escape
+from typing import TYPE_CHECKING, Any
 
 from .reports import GROUP_FIELDS, METRICS, ReportInputError
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+Columns = str | Iterable[str] | None  # metric names: a list and/or comma-separated text (parse_columns)
 
 # column -> (header, format) for the table and the HTML page ("money": see ``_money``)
 _COLUMNS = {
@@ -45,7 +52,7 @@ TABLE_COLUMNS = ("requests", "failed", "output_tokens", "tokens_per_s_mean", "to
 KEY_COLUMNS = ("requests", "tokens_per_s_mean", "acceptance_rate", "speedup", "cost_usd")
 
 
-def _groups(rows: list[dict]) -> list[str]:
+def _groups(rows: list[dict[str, Any]]) -> list[str]:
     return [k for k in (rows[0] if rows else {}) if k in GROUP_FIELDS]
 
 
@@ -57,13 +64,13 @@ def _money(value: float, decimals: int | None = None) -> str:
     return f"{value:,.{decimals}f}"
 
 
-def _decimals(values) -> int:
+def _decimals(values: Iterable[float | None]) -> int:
     """Decimals that show every value in ``values`` with two significant digits (at least 2, at most 8)."""
     small = [abs(v) for v in values if v is not None and 0 < abs(v) < 1]
     return min(8, max([2] + [1 - math.floor(math.log10(v)) for v in small]))
 
 
-def fmt(column: str, value, decimals: int | None = None) -> str:
+def fmt(column: str, value: Any, decimals: int | None = None) -> str:
     """One cell; ``decimals`` for money columns (``cells`` picks one count per column)."""
     if value is None:
         return "-"
@@ -77,7 +84,7 @@ def fmt(column: str, value, decimals: int | None = None) -> str:
     return _money(value, decimals) if spec == "money" else spec.format(value)
 
 
-def cells(column: str, rows: list[dict]) -> list[str]:
+def cells(column: str, rows: list[dict[str, Any]]) -> list[str]:
     """A column's cells, money with the same number of decimals in every row."""
     decimals = None
     if _COLUMNS.get(column, ("", ""))[1] == "money":
@@ -86,7 +93,7 @@ def cells(column: str, rows: list[dict]) -> list[str]:
     return [fmt(column, r[column], decimals) for r in rows]
 
 
-def parse_columns(columns) -> tuple[str, ...] | None:
+def parse_columns(columns: Columns) -> tuple[str, ...] | None:
     """Metric names from a list and/or comma-separated text ("all": every metric); None or
     empty: the default (``TABLE_COLUMNS``, key figures first when folded)."""
     items = [columns] if isinstance(columns, str) else list(columns or ())
@@ -101,7 +108,7 @@ def parse_columns(columns) -> tuple[str, ...] | None:
     return tuple(names) or None
 
 
-def to_csv(rows: list[dict], columns=None) -> str:
+def to_csv(rows: list[dict[str, Any]], columns: Columns = None) -> str:
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=_groups(rows) + list(parse_columns(columns) or METRICS),
                             lineterminator="\n", extrasaction="ignore")
@@ -110,14 +117,14 @@ def to_csv(rows: list[dict], columns=None) -> str:
     return buf.getvalue()
 
 
-def to_json(rows: list[dict], columns=None) -> str:
+def to_json(rows: list[dict[str, Any]], columns: Columns = None) -> str:
     keep = parse_columns(columns)
     if keep:
         rows = [{k: v for k, v in r.items() if k in GROUP_FIELDS or k in keep} for r in rows]
     return json.dumps(rows, indent=2, default=str) + "\n"
 
 
-def speedup_note(rows: list[dict]) -> str:
+def speedup_note(rows: list[dict[str, Any]]) -> str:
     """What the speedup figures are measured against (the bases the rows use)."""
     bases = sorted({r["speedup_basis"] for r in rows if r.get("speedup_basis")})
     return "speedup vs target-only decoding; basis: " + ("; ".join(bases) if bases else "none (no counterfactual recorded)")
@@ -127,7 +134,14 @@ def _header_width(header: str) -> int:
     return max(len(word) for word in header.split())  # a header wraps at its spaces
 
 
-def _table(rows, groups, group_widths, columns, title, wrap: bool = True):
+def _table(
+    rows: list[dict[str, Any]],
+    groups: list[str],
+    group_widths: list[int],
+    columns: Sequence[str],
+    title: str,
+    wrap: bool = True,
+) -> Table:
     from rich import box
     from rich.table import Table
 
@@ -144,7 +158,9 @@ def _table(rows, groups, group_widths, columns, title, wrap: bool = True):
     return table
 
 
-def to_tables(rows: list[dict], width: int = 220, columns=None, title: str = "specdec-llm report") -> list:
+def to_tables(
+    rows: list[dict[str, Any]], width: int = 220, columns: Columns = None, title: str = "specdec-llm report"
+) -> list[Table]:
     """``rich.table.Table``s that fit ``width`` columns (print each with a rich Console).
 
     The first table holds the group labels and every row's key figures (``KEY_COLUMNS``,
@@ -164,14 +180,15 @@ def to_tables(rows: list[dict], width: int = 220, columns=None, title: str = "sp
         return [one]
     first = [c for c in (KEY_COLUMNS if chosen is None else chosen[:1]) if c in order]
 
-    def fits(cols, gw=None) -> bool:
+    def fits(cols: Sequence[str], gw: list[int] | None = None) -> bool:
         return console.measure(_table(rows, groups, gw or natural, cols, title)).maximum <= width
 
     # the group labels give way (they fold onto more lines) before the key figures do
     group_widths = list(natural)
     while group_widths and not fits(first, group_widths) and max(group_widths) > 8:
         group_widths[group_widths.index(max(group_widths))] -= 1
-    tables, current = [], list(first)
+    tables: list[list[str]] = []
+    current = list(first)
     for c in (c for c in order if c not in first):
         if fits(sorted(current + [c], key=order.index), group_widths):
             current.append(c)
@@ -183,19 +200,20 @@ def to_tables(rows: list[dict], width: int = 220, columns=None, title: str = "sp
                    title if len(tables) == 1 else f"{title} ({i + 1}/{len(tables)})") for i, cols in enumerate(tables)]
 
 
-def to_table(rows: list[dict], title: str = "specdec-llm report", columns=None):
+def to_table(rows: list[dict[str, Any]], title: str = "specdec-llm report", columns: Columns = None) -> Table:
     """One ``rich.table.Table`` with every column (wide terminals; see ``to_tables``)."""
     return to_tables(rows, 10**4, columns, title)[0]
 
 
-def table_text(rows: list[dict], width: int = 220, columns=None) -> str:
+def table_text(rows: list[dict[str, Any]], width: int = 220, columns: Columns = None) -> str:
     from rich.console import Console
 
-    console = Console(file=io.StringIO(), width=width, color_system=None)
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None)
     for table in to_tables(rows, width, columns):
         console.print(table)
     console.print(speedup_note(rows))
-    return console.file.getvalue()
+    return out.getvalue()
 
 
 # --- HTML -----------------------------------------------------------------------------
@@ -213,7 +231,7 @@ def _ticks(top: float, n: int = 4) -> tuple[list[float], float]:
 
 
 # chart value kinds: (format of an axis label with d decimals, format of a value in a tooltip)
-_KINDS = {
+_KINDS: dict[str, tuple[Callable[[float, int], str], Callable[[float], str]]] = {
     "percent": (lambda v, d: f"{v * 100:.{max(0, d - 2)}f}%", lambda v: f"{v:.1%}"),
     "number": (lambda v, d: f"{v:,.{d}f}", lambda v: f"{v:,.1f}"),
     "usd": (lambda v, d: f"${v:,.{d}f}", lambda v: f"${_money(v)}"),
@@ -237,10 +255,10 @@ def _svg(title: str, points: list[tuple[str, float | None]], kind: str, shape: s
         return 12 + plot_h * (1 - v / ticks[-1])
 
     parts = [f'<line x1="{_L}" y1="{12 + plot_h}" x2="{_W - 12}" y2="{12 + plot_h}" class="axis"/>']
-    for v in ticks:  # y-axis ticks
-        parts.append(f'<line x1="{_L}" y1="{y(v):.1f}" x2="{_W - 12}" y2="{y(v):.1f}" class="grid"/>')
-        parts.append(f'<text x="{_L - 6}" y="{y(v) + 4:.1f}" class="tick y" text-anchor="end">'
-                     f'{escape(label_fmt(v, decimals))}</text>')
+    for t in ticks:  # y-axis ticks
+        parts.append(f'<line x1="{_L}" y1="{y(t):.1f}" x2="{_W - 12}" y2="{y(t):.1f}" class="grid"/>')
+        parts.append(f'<text x="{_L - 6}" y="{y(t) + 4:.1f}" class="tick y" text-anchor="end">'
+                     f'{escape(label_fmt(t, decimals))}</text>')
     widest = max(len(str(label)) for label, _ in points) * 6.5 + 12  # px per x label
     every = -(-len(points) // max(1, int(plot_w // widest)))  # labels that fit, evenly spaced
     line = []
@@ -276,7 +294,7 @@ figure{margin:0}figcaption{font-weight:600}svg{width:100%;height:auto}
 """
 
 
-def _html_table(rows: list[dict], columns, caption: str = "") -> str:
+def _html_table(rows: list[dict[str, Any]], columns: Iterable[str], caption: str = "") -> str:
     groups = _groups(rows)
     columns = [c for c in columns if c in _COLUMNS]
     head = "".join(f"<th>{escape(g)}</th>" for g in groups)
@@ -291,8 +309,8 @@ def _html_table(rows: list[dict], columns, caption: str = "") -> str:
     return f'<div class="wide"><table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
-def to_html(rows: list[dict], *, timeline: list[dict], by_day: list[dict], by_pair: list[dict],
-            filters: dict | None = None, columns=None) -> str:
+def to_html(rows: list[dict[str, Any]], *, timeline: list[dict[str, Any]], by_day: list[dict[str, Any]], by_pair: list[dict[str, Any]],
+            filters: dict[str, Any] | None = None, columns: Columns = None) -> str:
     """One self-contained page: the summary tables and four charts.
 
     ``timeline`` is grouped by day or hour alone, ``by_day`` by day and ``by_pair`` by pair.
@@ -328,7 +346,7 @@ def to_html(rows: list[dict], *, timeline: list[dict], by_day: list[dict], by_pa
 FORMATS = ("table", "csv", "json", "html")
 
 
-def report(fmt: str = "table", **filters) -> str:
+def report(fmt: str = "table", **filters: Any) -> str:
     """Run ``summary`` with these filters and render it as ``fmt`` (see ``FORMATS``).
 
     "html" adds the chart queries: by day (by hour when the data spans two days or
@@ -337,8 +355,10 @@ def report(fmt: str = "table", **filters) -> str:
     return report_rows(fmt, **filters)[0]
 
 
-def report_rows(fmt: str = "table", *, since=None, until=None, group_by=("pair",), pair=None, job=None,
-                price_per_hour=None, url=None, columns=None, width: int = 220) -> tuple[str, int]:
+def report_rows(fmt: str = "table", *, since: object = None, until: object = None,
+                group_by: Iterable[str] | str | None = ("pair",), pair: str | None = None, job: str | None = None,
+                price_per_hour: Any = None, url: str | None = None, columns: Columns = None,
+                width: int = 220) -> tuple[str, int]:
     """``report`` and how many groups it has (0: no data for these filters). ``columns``:
     which metrics (see ``parse_columns``); ``width``: the table's, in characters."""
     from .reports import ReportInputError, parse_group_by, parse_when, summary
@@ -347,7 +367,7 @@ def report_rows(fmt: str = "table", *, since=None, until=None, group_by=("pair",
         raise ReportInputError(f"--format: unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
     parse_group_by(group_by)  # bad input fails before any query
     parse_columns(columns)
-    kw = dict(since=parse_when(since, "since"), until=parse_when(until, "until", end=True),
+    kw: dict[str, Any] = dict(since=parse_when(since, "since"), until=parse_when(until, "until", end=True),
               pair=pair, job=job, price_per_hour=price_per_hour, url=url)
     rows = summary(group_by=group_by, **kw)
     if fmt == "csv":

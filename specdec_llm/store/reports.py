@@ -21,10 +21,24 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import date, datetime, timedelta, timezone
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import Float, String, and_, case, cast, func, literal, literal_column, select
+from sqlalchemy import (
+    ColumnElement,
+    Float,
+    Select,
+    SQLColumnExpression,
+    String,
+    and_,
+    case,
+    cast,
+    func,
+    literal,
+    literal_column,
+    select,
+)
 
 from ..settings import get_settings
 from .db import StoreError, check_schema, resolve_url, session_scope
@@ -80,7 +94,7 @@ _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([mhdw])$")
 _UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
-def parse_when(value, option: str = "since", *, end: bool = False, now: datetime | None = None):
+def parse_when(value: object, option: str = "since", *, end: bool = False, now: datetime | None = None) -> datetime | None:
     """A report bound as naive UTC: None, a datetime/date, or text: a duration back from
     now ("7d", "12h", "30m", "2w") or an ISO date/time ("2026-01-31", "2026-01-31T12:00",
     with an offset or Z if not UTC). A bare date as ``end`` means the end of that day."""
@@ -106,14 +120,14 @@ def parse_when(value, option: str = "since", *, end: bool = False, now: datetime
             ) from None
     if isinstance(value, datetime):
         if value.tzinfo is not None:
-            value = value.astimezone(timezone.utc).replace(tzinfo=None)
+            value = value.astimezone(UTC).replace(tzinfo=None)
         return value
     if isinstance(value, date):
         return datetime(value.year, value.month, value.day) + timedelta(days=1 if end else 0)
     raise ReportInputError(f"--{option}: expected a date, a datetime or text, not {type(value).__name__}")
 
 
-def parse_prices(value) -> dict[str, float] | None:
+def parse_prices(value: Any) -> dict[str, float] | None:
     """USD per device-hour by device kind: 2.5 (every kind), {"cuda": 2.5, "cpu": 0.1,
     "*": 1.0} ("*" = any other kind), or text such as "2.5", "cuda=2.5,cpu=0.1" (as in
     SPECDEC_PRICE_PER_HOUR) or ["cuda=2.5", "cpu=0.1"] (a repeated CLI option; each item
@@ -139,7 +153,7 @@ def parse_prices(value) -> dict[str, float] | None:
     return prices
 
 
-def price_for(value, device: str) -> float | None:
+def price_for(value: Any, device: str) -> float | None:
     """USD per device-hour for ``device`` ("cuda:0" -> its kind's price, else "*") from a
     price setting in any form ``parse_prices`` reads; None when none applies."""
     from .record import device_kind
@@ -148,7 +162,7 @@ def price_for(value, device: str) -> float | None:
     return prices.get(device_kind(device), prices.get("*"))
 
 
-def _price_item(v) -> tuple[str, object]:
+def _price_item(v: object) -> tuple[str, float]:
     if isinstance(v, (int, float)):
         return "*", v
     kind, sep, price = str(v).partition("=")
@@ -164,7 +178,7 @@ def _price_item(v) -> tuple[str, object]:
 
 # --- SQL ------------------------------------------------------------------------------
 
-def _time_bucket(dialect: str, column, unit: str):
+def _time_bucket(dialect: str, column: Any, unit: str) -> ColumnElement[str]:
     # constants are inlined (literal_column) so SELECT and GROUP BY render identically
     if dialect == "postgresql":
         fmt = "'YYYY-MM-DD'" if unit == "day" else "'YYYY-MM-DD HH24:00'"
@@ -177,22 +191,28 @@ def _time_bucket(dialect: str, column, unit: str):
     )
 
 
-def _keys(model, dialect: str, groups: tuple[str, ...]) -> list:
+def _keys(model: type[Telemetry] | type[Request], dialect: str, groups: tuple[str, ...]) -> list[Any]:
     exprs = {
         "pair": model.pair_id,
         "job": model.job_id,
         "worker": model.worker_id,
         "category": model.category,
         # a request's main drafter (most tokens proposed); a failed request has none
-        "drafter": model.drafter if model is Telemetry else func.nullif(model.status, model.status),
+        "drafter": Telemetry.drafter if model is Telemetry else func.nullif(Request.status, Request.status),
         "day": _time_bucket(dialect, model.finished_at, "day"),
         "hour": _time_bucket(dialect, model.finished_at, "hour"),
     }
     return [exprs[g].label(g) for g in groups]
 
 
-def _filters(model, since, until, pair, job) -> list:
-    where = []
+def _filters(
+    model: type[Telemetry] | type[Request],
+    since: datetime | None,
+    until: datetime | None,
+    pair: str | None,
+    job: str | None,
+) -> list[Any]:
+    where: list[Any] = []
     if since is not None:
         where.append(model.finished_at >= since)
     if until is not None:
@@ -204,7 +224,7 @@ def _filters(model, since, until, pair, job) -> list:
     return where
 
 
-def _row_cost(prices: dict[str, float] | None):
+def _row_cost(prices: dict[str, float] | None) -> SQLColumnExpression[Any]:
     """Cost of one telemetry row in SQL: wall time x price of its device kind, else the
     cost estimated when it was recorded."""
     T = Telemetry
@@ -212,6 +232,7 @@ def _row_cost(prices: dict[str, float] | None):
         return T.estimated_cost_usd
     default = prices.get("*")
     per_kind = {k: v for k, v in prices.items() if k != "*"}
+    price: ColumnElement[Any]
     if per_kind:  # no default: other kinds get NULL here, so their recorded estimate
         price = case(per_kind, value=T.device_kind, else_=None if default is None else literal(default, Float))
     else:
@@ -219,7 +240,7 @@ def _row_cost(prices: dict[str, float] | None):
     return func.coalesce(T.wall_time_s * price / 3600.0, T.estimated_cost_usd)
 
 
-def _percentile_columns(dialect: str) -> list:
+def _percentile_columns(dialect: str) -> list[Any]:
     if dialect == "postgresql":
         return [
             func.percentile_cont(q).within_group(col).label(f"{name}_p{round(q * 100)}")
@@ -231,7 +252,9 @@ def _percentile_columns(dialect: str) -> list:
     raise StoreError(f"reports need PostgreSQL or SQLite, not {dialect}")
 
 
-def _telemetry_query(dialect, groups, where, prices):
+def _telemetry_query(
+    dialect: str, groups: tuple[str, ...], where: list[Any], prices: dict[str, float] | None
+) -> Select[Any]:
     T, B = Telemetry, Baseline
     keys = _keys(T, dialect, groups)
     return (
@@ -259,7 +282,7 @@ def _telemetry_query(dialect, groups, where, prices):
     )
 
 
-def _failures_query(dialect, groups, where):
+def _failures_query(dialect: str, groups: tuple[str, ...], where: list[Any]) -> Select[Any]:
     R = Request
     keys = _keys(R, dialect, groups)
     return (
@@ -272,14 +295,14 @@ def _failures_query(dialect, groups, where):
 # --- the report -------------------------------------------------------------------------
 
 def summary(
-    since=None,
-    until=None,
+    since: object = None,
+    until: object = None,
     group_by: Iterable[str] | str | None = ("pair",),
     pair: str | None = None,
     job: str | None = None,
-    price_per_hour=None,
+    price_per_hour: Any = None,
     url: str | None = None,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Aggregate telemetry per group; one dict per group, group fields first, then ``METRICS``.
 
     ``since``/``until``: see ``parse_when`` (since inclusive, until exclusive).
@@ -325,7 +348,7 @@ def summary(
     return rows
 
 
-def _finish(raw: dict, groups: tuple[str, ...], failed: int) -> dict:
+def _finish(raw: dict[str, Any], groups: tuple[str, ...], failed: int) -> dict[str, Any]:
     """Raw SQL row -> report row: labels, typed numbers, derived ratios."""
     row = {g: raw.get(g) for g in groups}
     ok = int(raw.get("ok") or 0)
@@ -353,5 +376,5 @@ def _finish(raw: dict, groups: tuple[str, ...], failed: int) -> dict:
     return {**{g: row[g] for g in groups}, **{m: row[m] for m in METRICS}}
 
 
-def _num(v) -> float | None:
+def _num(v: Any) -> float | None:
     return None if v is None else float(v)

@@ -14,16 +14,15 @@ Revises: 0004
 Create Date: 2026-12-02 09:00:00.000000
 """
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-
 revision: str = '0005'
-down_revision: Union[str, Sequence[str], None] = '0004'
-branch_labels: Union[str, Sequence[str], None] = None
-depends_on: Union[str, Sequence[str], None] = None
+down_revision: str | Sequence[str] | None = '0004'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
 
 _BEFORE = [
     'pair_id', 'finished_at', 'job_id', 'worker_id', 'category', 'device_kind', 'dtype',
