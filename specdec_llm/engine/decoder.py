@@ -127,8 +127,8 @@ class SpeculativeDecoder:
             text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": request.prompt}], tokenize=False, add_generation_prompt=True
             )
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(request.prompt)["input_ids"]
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(request.prompt)["input_ids"])
 
     def prepare(self, request: GenerationRequest) -> list[int]:
         """Validate and encode; RequestError names the field at fault."""
@@ -155,6 +155,7 @@ class SpeculativeDecoder:
         while batch.rows:
             batch.step()
         self.save_costs()
+        assert row.result is not None  # a row leaves the batch finished
         return row.result
 
     def generate_many(
@@ -196,7 +197,7 @@ class SpeculativeDecoder:
         if not self.row_drafters(request):
             return 0
         k = request.k if request.k != "auto" else self.default_k
-        if k != "auto":
+        if isinstance(k, int):
             return k
         if request.seed is not None and not request.greedy:
             return self.seeded_k
@@ -259,7 +260,7 @@ class SpeculativeDecoder:
             tcache.crop(context)
             return t.seconds
 
-        steps = {d.name: d.time_step(rows, ids) for d in self.drafters if not d.free}
+        steps = {d.name: d.time_step(rows, ids) for d in self.drafters if isinstance(d, drafting.ModelDrafter)}
         time_verify(0), [fn() for fn in steps.values()]  # warm up
         calibrate(cost, time_verify, steps)
 
@@ -356,7 +357,7 @@ class Row:
     def decode(self, ids: list[int]) -> str:
         if self.dec.tokenizer is None:
             return ""
-        return self.dec.tokenizer.decode(ids, skip_special_tokens=True)
+        return str(self.dec.tokenizer.decode(ids, skip_special_tokens=True))
 
     def find_stop(self) -> bool:
         """Cut text (and tokens) before the first stop string; True if one was found."""
@@ -385,6 +386,7 @@ class Row:
             self.emitted_chars = safe
 
     def finish(self) -> None:
+        assert self.finish_reason is not None
         st = self.stats
         wall = time.perf_counter() - self.t0
         st.finish_reason = self.finish_reason
@@ -404,7 +406,8 @@ class Row:
         st.drafter = max(st.drafter_tokens, key=lambda d: st.drafter_tokens[d]["proposed"], default="none")
         for d in self.dec.drafters:
             d.finish(self)
-        self.result = GenerationResult(text=self.text, token_ids=list(self.out), finish_reason=self.finish_reason, stats=st)
+        reason = self.finish_reason
+        self.result = GenerationResult(text=self.text, token_ids=list(self.out), finish_reason=reason, stats=st)
 
 
 class Batch:
@@ -446,7 +449,7 @@ class Batch:
         """Each row's (drafter, k) for this iteration. A fixed k uses the first of the row's
         drafters that proposes anything; auto rows follow the batch's plan (autok.plan)."""
         dec, rows = self.dec, self.rows
-        free = [s for s in self.sessions.values() if s.free]
+        free = [s for s in self.sessions.values() if isinstance(s, drafting._Free)]
         offers: dict[int, dict[str, drafting.Proposal]] = {b: {} for b in range(len(rows))}
         for s in free:
             ks = {b: min(r.k if r.k is not None else dec.max_k, r.room() - 1) for b, r in enumerate(rows)
@@ -474,12 +477,13 @@ class Batch:
             options: list[RowOptions] = []
             for b in auto:
                 r = rows[b]
-                models = {d: dec.drafter(d).tracker(r).rate for d in r.drafters if not self.sessions[d].free}
+                models = {d: m.tracker(r).rate for d in r.drafters if isinstance(m := dec.drafter(d), drafting.ModelDrafter)}
                 options.append(RowOptions(free=list(offers[b].values()), models=models, limit=r.room() - 1))
             probe = None
             if self.probes.due:  # refresh the estimates; a model drafts on the row cheapest to bring up to date
+                models_ = {n: s for n, s in self.sessions.items() if isinstance(s, drafting._ModelSession)}
                 probe = min(range(len(auto)), key=lambda i: min(
-                    (self.sessions[d].behind(rows[auto[i]]) for d in options[i].models), default=0))
+                    (models_[d].behind(rows[auto[i]]) for d in options[i].models), default=0))
             chosen = plan(cost, options, n_fixed, fixed_width, fixed_steps, probe_row=probe)
             for b, pick in zip(auto, chosen):
                 picks[b] = pick
@@ -504,8 +508,8 @@ class Batch:
                 props.update({b: self.offers[b][name].cut(k) for b, k in ks.items()})
             else:
                 props.update(session.propose(rows, ks))
-        ks = [len(props[b].tokens) if b in props else 0 for b in range(len(rows))]
-        big_k = max(ks)
+        widths = [len(props[b].tokens) if b in props else 0 for b in range(len(rows))]
+        big_k = max(widths)
 
         inputs = [[r.seq[-1]] + (props[b].tokens if b in props else []) for b, r in enumerate(rows)]
         with Timer() as t:
@@ -516,7 +520,7 @@ class Batch:
         fed = sum(len(x) for x in inputs)
         emitted = [r.emitted for r in rows]
         for b, r in enumerate(rows):
-            k, prop = ks[b], props.get(b)
+            k, prop = widths[b], props.get(b)
             r.stats.target_time_s += t.seconds * (k + 1) / fed
             r.rows_seen += len(rows)
             n, nxt = r.accept(prop, logits[b, big_k - k :])

@@ -329,7 +329,7 @@ class _ModelSession:
         self.cache.tidy()
 
     def behind(self, row: Row) -> int:
-        return len(row.seq) - row.state[self.d.name].dlen
+        return len(row.seq) - int(row.state[self.d.name].dlen)
 
     def catch_up(self, rows: list[Row], ks: dict[int, int]) -> None:
         """Bring the draft cache of every drafting row up to ``seq[:-1]``'s last token.
@@ -387,8 +387,7 @@ class _ModelSession:
         for b, k in ks.items():
             st = rows[b].state[name]
             st.used = True
-            q = qs[b] if qs[b] else None
-            out[b] = Proposal(name, drafts[b], q, [st.tracker.rate] * k, [None] * k)
+            out[b] = Proposal(name, drafts[b], qs[b] or None, [st.tracker.rate] * k, [None] * k)
         return out
 
     def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:
@@ -435,7 +434,7 @@ def build(names: list[str], draft_model: PreTrainedModel | None = None, vocab_si
             # the target's own weights in 4 bits agree with it on ~0.99 of greedy tokens (README):
             # start there, so the schedule tries it from the first row; rows then correct it
             prior = 0.9 if getattr(draft_model, "quantization", None) else 0.5
-            out.append(ModelDrafter(draft_model, vocab_size, name, prior))
+            out.append(ModelDrafter(draft_model, vocab_size or int(draft_model.config.vocab_size), name, prior))
         else:
             raise ValueError(f"unknown drafter {name!r}; known drafters: {', '.join(KNOWN)}")
     if len({d.name for d in out}) != len(out):

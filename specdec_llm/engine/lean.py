@@ -15,8 +15,16 @@ path is not yet measured there), and ``hf.forward_rows`` then calls the model it
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
+
+    from .hf import GrowingLayer
 
 ENABLED = True  # tests and benchmarks compare both paths by flipping this
 
@@ -32,12 +40,12 @@ class LeanLlama:
     """``__call__(ids, cache, keep, mask, positions)`` as ``hf.forward_rows``: ``ids`` [B, W]
     on top of ``cache`` (hf.GrowingLayer layers); float32 logits of the last ``keep`` columns."""
 
-    def __init__(self, model, kernel_cache=None):
+    def __init__(self, model: PreTrainedModel, kernel_cache: Path | None = None) -> None:
         base, cfg = model.model, model.config
         self.embed = base.embed_tokens
         self.norm, self.head, self.rotary = base.norm, model.lm_head, base.rotary_emb
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layers = []
+        self.layers: list[tuple[Any, ...]] = []
         fused = torch.nn.ModuleList()
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -51,10 +59,18 @@ class LeanLlama:
         self.fused = fused
 
     @torch.inference_mode()
-    def __call__(self, ids, cache, keep: int, mask=None, positions=None) -> torch.Tensor:
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        cache: DynamicCache,
+        keep: int,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         rows, w = ids.shape
         h = F.embedding(ids, self.embed.weight, self.embed.padding_idx)
-        past = cache.layers[0].width
+        layers = cast("list[GrowingLayer]", cache.layers)
+        past = layers[0].width
         if positions is None:
             positions = (torch.arange(w, device=h.device) + past).unsqueeze(0)
         if mask is None and w > 1:  # one row, no holes: causal over the past and the chunk
@@ -62,11 +78,11 @@ class LeanLlama:
         freqs = positions[..., None].float() * self.rotary.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         scaling = self.rotary.attention_scaling
-        cos = (emb.cos() * scaling).to(h.dtype).unsqueeze(1)
-        sin = (emb.sin() * scaling).to(h.dtype).unsqueeze(1)
+        cos: torch.Tensor = (emb.cos() * scaling).to(h.dtype).unsqueeze(1)
+        sin: torch.Tensor = (emb.sin() * scaling).to(h.dtype).unsqueeze(1)
         half, shape = self.head_dim // 2, (rows, w, -1, self.head_dim)
 
-        def rope(x):
+        def rope(x: torch.Tensor) -> torch.Tensor:
             return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
         for i, (norm1, attn, qkv, norm2, mlp, gate_up) in enumerate(self.layers):
@@ -78,7 +94,7 @@ class LeanLlama:
             q = rope(q.reshape(shape).transpose(1, 2))
             k = rope(k.reshape(shape).transpose(1, 2))
             v = v.reshape(shape).transpose(1, 2)
-            k, v = cache.layers[i].update(k, v)
+            k, v = layers[i].update(k, v)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
             h = h + attn.o_proj.forward(a.transpose(1, 2).reshape(rows, w, -1))
             x = _rms(h, norm2.weight, norm2.variance_epsilon)
@@ -88,10 +104,11 @@ class LeanLlama:
                 g, u = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
             h = h + mlp.down_proj.forward(F.silu(g) * u)
         h = _rms(h[:, -keep:], self.norm.weight, self.norm.variance_epsilon)
-        return self.head(h).float()
+        logits: torch.Tensor = self.head(h)
+        return logits.float()
 
 
-def _fuse(linears: list) -> torch.nn.Linear | None:
+def _fuse(linears: list[Any]) -> torch.nn.Linear | None:
     """One Linear over sibling Linears that read the same input (q/k/v, gate/up): one matmul
     instead of several over the same dot products (a kernel may round the last bits
     differently for another output width, as any two kernels may: kernels.py; on the demo
@@ -100,7 +117,7 @@ def _fuse(linears: list) -> torch.nn.Linear | None:
     quantized copy fuses its own)."""
     if not all(type(m) is torch.nn.Linear for m in linears):
         return None
-    ws = [m.weight.detach() for m in linears]
+    ws: list[torch.Tensor] = [m.weight.detach() for m in linears]  # plain Linears (checked above)
     if len({(w.dtype, w.shape[1]) for w in ws}) != 1 or (ws[0].dtype not in (torch.float32, torch.bfloat16, torch.float16)):
         return None
     has_bias = [m.bias is not None for m in linears]
@@ -111,11 +128,11 @@ def _fuse(linears: list) -> torch.nn.Linear | None:
         fused.bias.data = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(w.shape[0])
                                      for m, w in zip(linears, ws)])  # fmt: skip
     fused.requires_grad_(False)
-    fused.sizes = [w.shape[0] for w in ws]
+    fused.sizes = [int(w.shape[0]) for w in ws]  # type: ignore[assignment]
     return fused
 
 
-def supported(model) -> bool:
+def supported(model: PreTrainedModel) -> bool:
     """A plain Llama-family decoder on the CPU with sdpa attention and a static rotary table."""
     from transformers.models.llama import modeling_llama as ml
 
@@ -136,7 +153,7 @@ def supported(model) -> bool:
     )
 
 
-def build(model, kernel_cache=None) -> LeanLlama | None:
+def build(model: PreTrainedModel, kernel_cache: Path | None = None) -> LeanLlama | None:
     """Build the model's lean forward now (``hf.prepare`` does, after tuning the kernels:
     the fused projections are tuned with the same timing cache); None if unsupported."""
     lean = LeanLlama(model, kernel_cache) if supported(model) else None
@@ -144,7 +161,7 @@ def build(model, kernel_cache=None) -> LeanLlama | None:
     return lean
 
 
-def runner(model) -> LeanLlama | None:
+def runner(model: PreTrainedModel) -> LeanLlama | None:
     """The model's lean forward (built once, kept on the model), or None: use transformers'."""
     if not ENABLED:
         return None
