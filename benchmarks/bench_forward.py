@@ -4,8 +4,9 @@ q-1 drafted tokens, relative to a one-token decoding step (the verify ratio).
     .venv/bin/python benchmarks/bench_forward.py                 # table: fp32 and bf16, batch 1 and 4
     .venv/bin/python benchmarks/bench_forward.py --json          # one JSON object (engine path, pair dtype, batch 1)
 
-Paths: the engine's (``RaggedCache.forward``: one row per sequence, no holes) and plain
-transformers (``DynamicCache``), on a ``--context``-token cache, median of ``--repeats``.
+Paths: the engine's (``RaggedCache.forward``: one row per sequence, no holes; for a Llama
+model on the CPU that is engine/lean.py, with q/k/v and gate/up fused) and plain transformers
+(``DynamicCache``, the model's own forward), on a ``--context``-token cache, median of ``--repeats``.
 Kernels: ``tuned`` (engine/kernels.py: the fastest measured per row count on this machine,
 what the engine uses), and each single kernel for every row count (``col``: what the engine
 used before; ``row``: transformers' default layout; ``onednn``). Prints the CPU model and flags.
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from specdec_llm.engine import hf, kernels
+from specdec_llm.engine import hf, kernels, lean
 from specdec_llm.engine.ragged import RaggedCache
 from specdec_llm.pairs import load_pair
 
@@ -112,6 +113,7 @@ def main() -> None:
         for choice in args.kernels.split(","):
             if choice != "onednn" or "onednn" in kernels.kinds(model.dtype):
                 kernels.tune(model, None, force=None if choice == "tuned" else choice)
+                lean.build(model, None, force=None if choice == "tuned" else choice)  # its fused q/k/v, gate/up alike
             else:
                 continue
             for rows in [int(b) for b in args.batches.split(",")]:

@@ -175,7 +175,8 @@ def prepare(model: PreTrainedModel, kernel_cache: Path | None = None) -> dict[st
     from .lean import build
 
     report = tune(model, kernel_cache)
-    if "_specdec_lean" not in model.__dict__:
+    lean = model.__dict__.get("_specdec_lean")
+    if lean is None or lean.dtype != model.dtype:
         build(model, kernel_cache)
     return report
 

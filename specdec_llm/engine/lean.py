@@ -40,8 +40,9 @@ class LeanLlama:
     """``__call__(ids, cache, keep, mask, positions)`` as ``hf.forward_rows``: ``ids`` [B, W]
     on top of ``cache`` (hf.GrowingLayer layers); float32 logits of the last ``keep`` columns."""
 
-    def __init__(self, model: PreTrainedModel, kernel_cache: Path | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, kernel_cache: Path | None = None, force: str | None = None) -> None:
         base, cfg = model.model, model.config
+        self.dtype = model.dtype  # the fused copies are of this dtype: a model cast later gets a new runner
         self.embed = base.embed_tokens
         self.norm, self.head, self.rotary = base.norm, model.lm_head, base.rotary_emb
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -55,7 +56,7 @@ class LeanLlama:
         if len(fused) and model.device.type == "cpu":
             from .kernels import tune
 
-            tune(fused, kernel_cache)  # the fused shapes get their own measured kernels
+            tune(fused, kernel_cache, force)  # the fused shapes get their own measured kernels
         self.fused = fused
 
     @torch.inference_mode()
@@ -153,10 +154,11 @@ def supported(model: PreTrainedModel) -> bool:
     )
 
 
-def build(model: PreTrainedModel, kernel_cache: Path | None = None) -> LeanLlama | None:
+def build(model: PreTrainedModel, kernel_cache: Path | None = None, force: str | None = None) -> LeanLlama | None:
     """Build the model's lean forward now (``hf.prepare`` does, after tuning the kernels:
-    the fused projections are tuned with the same timing cache); None if unsupported."""
-    lean = LeanLlama(model, kernel_cache) if supported(model) else None
+    the fused projections are tuned with the same timing cache, or ``force``d to one kernel
+    as kernels.tune does); None if unsupported."""
+    lean = LeanLlama(model, kernel_cache, force) if supported(model) else None
     model.__dict__["_specdec_lean"] = lean
     return lean
 
@@ -166,4 +168,6 @@ def runner(model: PreTrainedModel) -> LeanLlama | None:
     if not ENABLED:
         return None
     lean = model.__dict__.get("_specdec_lean", False)
-    return build(model) if lean is False else lean
+    if lean is False or (lean is not None and lean.dtype != model.dtype):
+        return build(model)
+    return lean
