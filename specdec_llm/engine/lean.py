@@ -57,6 +57,10 @@ class LeanLlama:
             from .kernels import tune
 
             tune(fused, kernel_cache, force)  # the fused shapes get their own measured kernels
+            for m in fused:  # the row-major weight is only kept if its kernel runs somewhere
+                copies = getattr(m, "_kernel_weights", None) or {}
+                if copies and all(c is not m.weight for c in copies.values()):
+                    m.weight.data = m.weight.data.new_empty(0)
         self.fused = fused
 
     @torch.inference_mode()
