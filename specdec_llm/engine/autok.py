@@ -42,6 +42,9 @@ class CostModel:
     draft_s: dict[str, float] = field(default_factory=dict)  # model drafter -> seconds per step
     verify_s: dict[int, float] = field(default_factory=dict)  # k -> seconds at calibration
     verify_scale: float = 1.0
+    # per width k > 0, observed / predicted after the common scale: corrects the calibrated
+    # shape where it is off for real contexts (a too-flat curve made wide proposals look free)
+    width_ratio: dict[int, float] = field(default_factory=dict)
     draft_scale: dict[str, float] = field(default_factory=dict)
     # what a plain (k = 0) iteration costs besides its forward (accepting, streaming text...):
     # an EMA over observed k = 0 iterations; None until one was seen (or loaded)
@@ -73,7 +76,7 @@ class CostModel:
     def to_dict(self) -> dict[str, Any]:
         """The costs as measured now (live scales folded in), for the on-disk cache."""
         return {
-            "verify_s": {str(k): v * self.verify_scale for k, v in sorted(self.verify_s.items())},
+            "verify_s": {str(k): self.verify(k) for k in sorted(self.verify_s)},
             "draft_s": {n: v * self.draft_scale.get(n, 1.0) for n, v in sorted(self.draft_s.items())},
             "plain_overhead_s": self.plain_overhead_s,
             "zero_ratio": self.zero_ratio,
@@ -85,7 +88,7 @@ class CostModel:
         self.draft_s = {n: float(v) for n, v in data.get("draft_s", {}).items()}
         self.plain_overhead_s = data.get("plain_overhead_s")
         self.zero_ratio = float(data.get("zero_ratio") or 1.0)
-        self.verify_scale, self.draft_scale, self.seen = 1.0, {}, {}
+        self.verify_scale, self.draft_scale, self.seen, self.width_ratio = 1.0, {}, {}, {}
 
     def _calibrated_verify(self, k: int) -> float:
         pts = sorted(self.verify_s)
@@ -101,7 +104,12 @@ class CostModel:
         return self.verify_s[lo] * (1 - w) + self.verify_s[hi] * w
 
     def verify(self, k: int) -> float:
-        return self.verify_scale * self._calibrated_verify(k)
+        """Seconds to verify k drafts now: the calibrated shape at the live scale, corrected per
+        width by what iterations of that width observed, and never less than a narrower width."""
+        best = 0.0
+        for j in range(min(k, 1), k + 1):  # a wider verification never costs less
+            best = max(best, self._calibrated_verify(j) * self.width_ratio.get(j, 1.0))
+        return self.verify_scale * max(best, self._calibrated_verify(0))
 
     def draft(self, name: str = "model") -> float:
         return self.draft_scale.get(name, 1.0) * self.draft_s.get(name, float("inf"))
@@ -115,6 +123,9 @@ class CostModel:
             return
         ratio, w = seconds / self._calibrated_verify(k), self._weight("verify")
         self.verify_scale = (1 - w) * self.verify_scale + w * ratio
+        if k > 0:  # what is left once the common scale moved: this width's own error
+            w, old = self._weight(f"verify:{k}"), self.width_ratio.get(k, 1.0)
+            self.width_ratio[k] = (1 - w) * old + w * ratio / self.verify_scale
 
     def observe_draft(self, name: str, seconds: float) -> None:
         if name not in self.draft_s:
@@ -230,6 +241,7 @@ def calibrate(
     for name, fn in (time_draft or {}).items():
         cost.draft_s[name] = min(fn() for _ in range(repeats))
     cost.verify_scale = 1.0
+    cost.width_ratio = {}
     cost.draft_scale = {}
     cost.seen = {}
     cost.zero_ratio = 1.0

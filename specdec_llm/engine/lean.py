@@ -59,8 +59,9 @@ class LeanLlama:
             tune(fused, kernel_cache, force)  # the fused shapes get their own measured kernels
             for m in fused:  # the row-major weight is only kept if its kernel runs somewhere
                 copies = getattr(m, "_kernel_weights", None) or {}
-                if copies and all(c is not m.weight for c in copies.values()):
-                    m.weight.data = m.weight.data.new_empty(0)
+                weight = cast(torch.Tensor, m.weight)
+                if copies and all(c is not weight for c in copies.values()):
+                    weight.data = weight.data.new_empty(0)
         self.fused = fused
 
     @torch.inference_mode()
@@ -174,4 +175,4 @@ def runner(model: PreTrainedModel) -> LeanLlama | None:
     lean = model.__dict__.get("_specdec_lean", False)
     if lean is False or (lean is not None and lean.dtype != model.dtype):
         return build(model)
-    return lean
+    return cast("LeanLlama | None", lean)
