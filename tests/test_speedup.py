@@ -111,3 +111,21 @@ def test_a_second_cli_generate_spends_no_time_calibrating(pairs_file, tmp_path, 
         assert st["speedup_basis"] == "same-process target-only step cost at the same batch size" == SPEEDUP_BASIS
     monkeypatch.delenv("SPECDEC_CACHE_DIR")
     reload_settings()
+
+
+def test_a_drafting_job_keeps_measuring_the_target_only_step(models):
+    """Auto rows that draft every iteration still run a plain iteration every PLAIN_EVERY
+    drafting ones: a calibration whose k = 0 point came out 3x too slow (a shape error no
+    live scale of drafting iterations corrects) is corrected from real plain steps."""
+    from specdec_llm.engine.decoder import PLAIN_EVERY
+
+    dec = SpeculativeDecoder(*models)
+    dec.ensure_calibrated(1)
+    cost = dec.costs[1]
+    cost.draft_s = {k: v / 100 for k, v in cost.draft_s.items()}  # drafting looks free: auto rows always draft
+    cost.verify_s[0] *= 3
+    wrong = cost.plain_step()
+    results = [dec.generate(GenerationRequest(prompt=[1, 2, 3, i], max_new_tokens=160)) for i in range(6)]
+    ks = [k for r in results for k in r.stats.k_values]
+    assert len(ks) > 2 * (PLAIN_EVERY + 1) and ks.count(0) >= 2, ks
+    assert cost.zero_ratio < 0.6 and cost.plain_step() < 0.6 * wrong
