@@ -16,7 +16,7 @@ neither is checked here.
 
 from __future__ import annotations
 
-from specdec_llm.engine.types import RequestError
+from .engine.types import RequestError, check_unicode
 
 
 def special_tokens(tokenizer) -> list[str]:
@@ -33,10 +33,7 @@ def check_turn_text(tokenizer, text: str, field: str) -> None:
     """RequestError(field) when ``text`` contains a special token's text."""
     if not isinstance(text, str):
         raise RequestError(field, f"must be text, not {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(field, f"is not valid Unicode: an unpaired surrogate at character {e.start}") from None
+    check_unicode(text, field)
     for token in special_tokens(tokenizer):
         if token in text:
             raise RequestError(

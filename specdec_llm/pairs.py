@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .engine import RequestError, SpeculativeDecoder
+from .errors import SpecDecError
 from .settings import get_settings
 
 DRAFT_META = "specdec_draft.json"
@@ -37,7 +38,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 QUANTIZED = "quantized:"  # draft = "quantized:int4": the target's own weights quantized (engine/quant.py)
 
 
-class PairError(ValueError):
+class PairError(SpecDecError, ValueError):
     """A pair that cannot be found or loaded; the message says what to do."""
 
 

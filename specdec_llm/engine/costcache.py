@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("specdec.engine")
+log = logging.getLogger(__name__)
 
 FILE = "costs.json"
 

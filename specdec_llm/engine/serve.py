@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from .decoder import Batch, SpeculativeDecoder, TextCallback
 from .types import GenerationRequest, RequestError
 
-log = logging.getLogger("specdec.engine")
+log = logging.getLogger(__name__)
 SAVE_EVERY_S = 30.0  # an idle server writes its live decoding costs to the cache at most this often
 
 
