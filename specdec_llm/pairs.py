@@ -128,6 +128,14 @@ def get_spec(name: str) -> PairSpec:
     return pairs[name]
 
 
+def use_threads(threads: int | None = None) -> None:
+    """torch's intra-op threads for this process: ``threads``, else ``SPECDEC_THREADS``;
+    neither: torch's own default. The one thread setup (CLI commands, workers, LangChain)."""
+    threads = threads or get_settings().threads
+    if threads:
+        torch.set_num_threads(threads)
+
+
 def quiet_loading() -> None:
     """No per-tensor progress bars or info logs from transformers while models load
     (for command-line output; a library user keeps transformers' own settings)."""

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from specdec_llm.engine import GenerationRequest, RequestError
 from specdec_llm.pairs import PairError, PairSpec, load_pair
-from workers import rows as R
-from workers.tasks import build_request
+from specdec_llm.client import rows as R
+from specdec_llm.client.rows import build_request
 
 FIELDS = ("prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "k", "stop", "chat", "mode")
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -244,7 +244,7 @@ def test_csv_quirks(tmp_path):
 
 SUBMIT_BIG = """
 import json, resource, sys
-from workers import client
+from specdec_llm import client
 from specdec_llm import store
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 sub = client.submit(sys.argv[1], "tiny", {"max_new_tokens": 4})
