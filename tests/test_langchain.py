@@ -145,7 +145,7 @@ def test_local_chat_model(local):
     messages = [SystemMessage("You are terse."), HumanMessage("The quick brown fox")]
     msg = chat.invoke(messages)
     from specdec_llm import loaded
-    from specdec_llm.chat import render_chat
+    from specdec_llm.engine.chat import render_chat
 
     pair = loaded.get("tiny")
     ids = render_chat(pair.tokenizer, to_turns(messages))

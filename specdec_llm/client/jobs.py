@@ -20,7 +20,6 @@ from specdec_llm import store
 from specdec_llm.settings import get_settings
 from specdec_llm.store import jobs
 from specdec_llm.store.jobs import job_requests
-from specdec_llm.store.models import utcnow
 
 from . import rows as R
 from .broker import TASK, QueueError, get_app, queue_name, queue_size, reaching
@@ -124,7 +123,7 @@ def status(job_id: str, price_per_hour=None) -> dict:
     done = sum(counts[s] for s in FINISHED)
     report = summary(job=job_id, group_by=(), price_per_hour=price_per_hour)
     rep = report[0] if report else {}
-    elapsed = ((job["finished_at"] or utcnow()) - job["started_at"]).total_seconds() if job["started_at"] else 0.0
+    elapsed = ((job["finished_at"] or store.utcnow()) - job["started_at"]).total_seconds() if job["started_at"] else 0.0
     rate = done / elapsed if elapsed > 0 and done else None
     return {
         "job_id": job_id, "name": job["name"], "status": job["status"], "total": total, "counts": counts,

@@ -374,7 +374,7 @@ def generation_params(params: dict | None) -> dict:
 def build_request(row: dict, tokenizer) -> GenerationRequest:
     """A stored request row -> GenerationRequest (chat messages rendered to token ids here,
     with the pair's chat template, so the engine needs no notion of turns)."""
-    from specdec_llm.chat import render_chat, render_user_prompt
+    from specdec_llm.engine.chat import render_chat, render_user_prompt
 
     params = row.get("params") or {}
     if params.get("_input_error"):

@@ -3,7 +3,7 @@
 Plain data in and out (dicts, ids, lists of dicts); ORM objects never leave the package.
 The database is ``SPECDEC_DATABASE_URL`` (default: SQLite file ``specdec.db`` in the data
 directory, WAL mode); PostgreSQL via ``postgresql+psycopg://user:pass@host/db``. Every
-function takes ``url=`` to use another database. Times are naive UTC.
+function takes ``url=`` to use another database. Times are naive UTC (``utcnow()``).
 
 ``db`` (engines, sessions, schema)
     get_engine(url=None) -> Engine
@@ -76,11 +76,12 @@ from .record import (
     upsert_worker,
     worker_info,
 )
+from .models import utcnow
 from .reports import ReportInputError, price_for, summary
 
 __all__ = [
     "SchemaError", "StoreError", "ReportInputError", "check_schema", "downgrade", "ensure_schema",
     "get_engine", "mask_url", "session_scope", "upgrade", "create_job", "get_job", "get_request", "get_stats",
     "mark_request", "record_baseline", "record_result", "upsert_pair", "upsert_worker",
-    "worker_info", "summary", "price_for",
+    "worker_info", "summary", "price_for", "utcnow",
 ]
