@@ -194,3 +194,18 @@ def test_report_out_makes_its_folders_and_an_empty_report_says_so(db, tmp_path):
     assert out.exists() and "no data: no request finished with --since 7d" in r.stderr
     r = CliRunner().invoke(main_cli(), ["report"])
     assert r.exit_code == 0 and "no data" in r.stderr
+
+
+# -- one root for every error ----------------------------------------------------------------------
+def test_every_error_derives_from_spec_dec_error_and_keeps_its_base():
+    from specdec_llm.client import InputError, QueueError
+    from specdec_llm.errors import SpecDecError
+    from specdec_llm.langchain import BrokerUnavailable, GenerationFailed, GenerationTimeout
+    from specdec_llm.pairs import PairError
+    from specdec_llm.store import ReportInputError, SchemaError, StoreError
+
+    bases = {RequestError: ValueError, PairError: ValueError, StoreError: RuntimeError, SchemaError: StoreError,
+             ReportInputError: ValueError, QueueError: RuntimeError, InputError: ValueError,
+             GenerationTimeout: TimeoutError, BrokerUnavailable: ConnectionError, GenerationFailed: RuntimeError}  # fmt: skip
+    for error, base in bases.items():
+        assert issubclass(error, SpecDecError) and issubclass(error, base), error

@@ -207,9 +207,6 @@ def cancel(job_id: str) -> dict:
     return {"job_id": job_id, "cancelled": jobs.cancel(job_id)}
 
 
-STORE_GRACE_S = 300  # s: how long `wait` keeps looking while the database cannot be read
-
-
 def reclaim_and_enqueue(max_attempts: int = MAX_ATTEMPTS) -> list[dict]:
     """Requeue rows whose lease expired and send a message for each; returns them. (Every
     worker's lease step and a waiting ``run`` call it: whoever comes first.)"""
@@ -243,6 +240,9 @@ def requeue_lost(job_id: str) -> int:
             _enqueue_job(job_id, ids, pair)
             sent += len(ids)
     return sent
+
+
+STORE_GRACE_S = 300  # s: how long `wait` keeps looking while the database cannot be read
 
 
 def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None, poll_s: float = 0.3,
