@@ -224,17 +224,19 @@ async def aiter_in_thread(make: Callable[[threading.Event], Iterator]) -> AsyncI
 
 
 def info(result: dict) -> dict:
+    """A result's ``generation_info``: its figures, the speedup and its basis, ids."""
     stats = result.get("stats") or {}
-    info = {"finish_reason": result.get("finish_reason") or stats.get("finish_reason")}
-    info.update({name: stats.get(name) for name in INFO_FIELDS})
+    out = {"finish_reason": result.get("finish_reason") or stats.get("finish_reason")}
+    out.update({name: stats.get(name) for name in INFO_FIELDS})
     base, wall = stats.get("baseline_s"), stats.get("wall_time_s")
     speedup = base / wall if base and wall else None  # a row recorded before baseline_s existed has none
-    info.update(speedup=speedup, speedup_basis=SPEEDUP_BASIS if speedup is not None else None)
-    info.update(request_id=result.get("request_id"), job_id=result.get("job_id"), pair=result.get("pair"))
-    return info
+    out.update(speedup=speedup, speedup_basis=SPEEDUP_BASIS if speedup is not None else None)
+    out.update(request_id=result.get("request_id"), job_id=result.get("job_id"), pair=result.get("pair"))
+    return out
 
 
 def usage(results: list[dict]) -> dict:
+    """LangChain's ``token_usage`` over ``results``."""
     prompt = sum(int((r.get("stats") or {}).get("prompt_tokens") or 0) for r in results)
     output = sum(int((r.get("stats") or {}).get("output_tokens") or 0) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
