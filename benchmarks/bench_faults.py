@@ -107,7 +107,7 @@ def loaded(log: Path) -> bool:
 
 def scenario_kills(args, tmp: Path, pairs: Path) -> dict:
     from specdec_llm.settings import reload_settings
-    from workers import client
+    from specdec_llm import client
 
     redis = redis_server(tmp, args.redis_port, persistent=False)
     db = tmp / "kills.db"
@@ -158,7 +158,7 @@ def scenario_kills(args, tmp: Path, pairs: Path) -> dict:
 
 def scenario_redis(args, tmp: Path, pairs: Path) -> dict:
     from specdec_llm.settings import reload_settings
-    from workers import client
+    from specdec_llm import client
 
     out = {}
     for persistent, port in ((True, args.redis_port), (False, args.redis_port + 1)):

@@ -92,7 +92,7 @@ def main() -> None:
     from specdec_llm import store
     from specdec_llm.settings import reload_settings
     from specdec_llm.store.models import Output, Request, Telemetry
-    from workers import client
+    from specdec_llm import client
 
     reload_settings()
     store.ensure_schema()

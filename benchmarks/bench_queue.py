@@ -126,8 +126,8 @@ def main() -> None:
     from specdec_llm.engine import GenerationRequest
     from specdec_llm.pairs import load_pair
     from specdec_llm.settings import reload_settings
-    from workers import client
-    from workers.app import broker_display
+    from specdec_llm import client
+    from specdec_llm.client import broker_display
 
     reload_settings()
     torch.set_num_threads(args.threads)

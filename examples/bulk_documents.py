@@ -3,7 +3,7 @@
     python examples/bulk_documents.py [examples/topics.csv] [--pair NAME] [--max-new-tokens N] [--out DIR]
 
 Each row (id, topic, audience) becomes a prompt through a LangChain ``PromptTemplate``; the
-rows are persisted as one job and enqueued (``workers.client.submit``), a local worker is
+rows are persisted as one job and enqueued (``specdec_llm.client.submit``), a local worker is
 started when none is reachable (with the embedded broker there is no server to run), and
 when every row is done the job is exported: ``DIR/results.jsonl`` (every row: text,
 finish reason, key stats, the row's metadata) and ``DIR/<id>.md`` per document. The job
@@ -22,7 +22,7 @@ from pathlib import Path
 from langchain_core.prompts import PromptTemplate
 
 from specdec_llm.settings import get_settings
-from workers import client
+from specdec_llm import client
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = PromptTemplate.from_template(

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     worker = None
     if args.worker:
-        from workers import client
+        from specdec_llm import client
 
         worker = client.start_local_worker(pair)
         args.backend = "remote"
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n({pieces} pieces, {time.perf_counter() - t0:.1f} s)")
     finally:
         if worker is not None:
-            from workers import client
+            from specdec_llm import client
 
             client.stop_local_worker(worker)
     return 0

@@ -12,7 +12,7 @@ same. (Candidates for ``GenerationRequest.validate``.)
 
 from __future__ import annotations
 
-from .engine.types import RequestError
+from .engine.types import RequestError, check_unicode
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0 .. 2**64 - 1
 
@@ -26,11 +26,7 @@ def check_text(text, field: str) -> None:
     """RequestError when ``text`` (if it is text) has an unpaired surrogate or a NUL."""
     if not isinstance(text, str):
         return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(field, f"is not valid Unicode: an unpaired surrogate (\\u{ord(text[e.start]):04x}) at "
-                                  f"character {e.start}; remove it") from None  # fmt: skip
+    check_unicode(text, field)
     nul = text.find("\x00")
     if nul >= 0:
         raise RequestError(field, f"contains a NUL character (\\x00) at character {nul}; remove it "

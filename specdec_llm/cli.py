@@ -1,11 +1,13 @@
-"""The ``specdec-llm`` command."""
+"""The ``specdec-llm`` command: ``generate``, ``pairs``, ``distill`` and ``eval-pair`` here;
+the store's commands (``db``, ``report``: ``store/cli.py``) and the job client's (``submit``,
+``status``, ``results``, ``retry``, ``cancel``, ``run``, ``worker``: ``client/cli.py``) are
+added by ``register(app)``. Shared option parsing and error lines: ``cli_common.py``."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-from contextlib import contextmanager
 from typing import Annotated, Optional
 
 import typer
@@ -13,7 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from .checks import check_seed
-from .engine import SPEEDUP_BASIS, GenerationRequest, RequestError
+from .cli_common import fail, parse_k, user_errors
+from .engine import SPEEDUP_BASIS, GenerationRequest
 from .settings import get_settings
 
 app = typer.Typer(help="Speculative decoding at scale: generate, serve, distil, report.", no_args_is_help=True)
@@ -21,12 +24,6 @@ pairs_app = typer.Typer(help="The registry of named draft/target pairs.", no_arg
 app.add_typer(pairs_app, name="pairs")
 console = Console()
 err = Console(stderr=True)
-
-
-def fail(message: str) -> None:
-    """One clear line on stderr, exit code 2."""
-    print(f"error: {message}", file=sys.stderr)
-    raise typer.Exit(2)
 
 
 @app.callback()
@@ -40,32 +37,6 @@ def _quiet() -> None:
         from .pairs import quiet_loading
 
         quiet_loading()
-
-
-@contextmanager
-def user_errors():
-    from .pairs import PairError
-
-    try:
-        yield
-    except (RequestError, PairError) as e:
-        fail(str(e))
-
-
-def parse_k(value: str) -> int | str:
-    if value == "auto":
-        return "auto"
-    try:
-        return int(value)
-    except ValueError:
-        fail(f"k: {value!r} is not a number; use an integer >= 0 or 'auto'")
-
-
-def _threads() -> None:
-    import torch
-
-    if get_settings().threads:
-        torch.set_num_threads(get_settings().threads)
 
 
 @app.command()
@@ -86,7 +57,7 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Generate one completion."""
-    from .pairs import get_spec, load_pair
+    from .pairs import get_spec, load_pair, use_threads
 
     request = GenerationRequest(
         prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -97,7 +68,7 @@ def generate(
         check_seed(seed)
         spec = get_spec(pair or get_settings().default_pair)
         spec.check_drafter(drafter)
-        _threads()
+        use_threads()
         decoder = load_pair(spec).decoder()
         if as_json:
             result = decoder.generate(request)
@@ -191,7 +162,7 @@ def distill(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import distill as D
-    from .pairs import get_spec, load_model, load_tokenizer
+    from .pairs import get_spec, load_model, load_tokenizer, use_threads
 
     if phase not in ("data", "train", "all"):
         fail(f"phase: {phase!r} unknown; use data, train or all")
@@ -202,7 +173,7 @@ def distill(
     except ValueError:
         fail(f"layers: {layers!r} is not a comma-separated list of integers, e.g. 0,1")
     with user_errors():
-        _threads()
+        use_threads()
         ref = get_spec(pair).target if pair else target
         model = load_model(ref, "float32", device)
         tok = load_tokenizer(ref)
@@ -238,7 +209,7 @@ def eval_pair(
     from pathlib import Path
 
     from .evaluate import evaluate, read_prompts
-    from .pairs import get_spec, load_pair
+    from .pairs import get_spec, load_pair, use_threads
 
     if k < 1:
         fail(f"k: {k} is below 1; eval-pair measures drafts, use k >= 1")
@@ -253,7 +224,7 @@ def eval_pair(
         spec = get_spec(pair or get_settings().default_pair)
         drafter = drafter or next((d for d in spec.drafter_names() if d in ("model", "quantized")), "auto")
         spec.check_drafter(drafter)
-        _threads()
+        use_threads()
         decoder = load_pair(spec).decoder()
         done = 0
 
@@ -275,13 +246,12 @@ def eval_pair(
 
 
 def _register_subcommands() -> None:
-    """The store's (db, report) and the workers' (worker, submit, status, results, retry, cancel, run)."""
-    from workers.cli import register as register_workers
-
+    """The store's (db, report) and the job client's (submit, status, results, retry, cancel, run, worker)."""
+    from .client.cli import register as register_client
     from .store.cli import register as register_store
 
     register_store(app)
-    register_workers(app)
+    register_client(app)
 
 
 _register_subcommands()

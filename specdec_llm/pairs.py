@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .engine import RequestError, SpeculativeDecoder
+from .errors import SpecDecError
 from .settings import get_settings
 
 DRAFT_META = "specdec_draft.json"
@@ -37,7 +38,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 QUANTIZED = "quantized:"  # draft = "quantized:int4": the target's own weights quantized (engine/quant.py)
 
 
-class PairError(ValueError):
+class PairError(SpecDecError, ValueError):
     """A pair that cannot be found or loaded; the message says what to do."""
 
 
@@ -125,6 +126,14 @@ def get_spec(name: str) -> PairSpec:
     if name not in pairs:
         raise RequestError("pair", f"unknown pair {name!r}; known pairs: {', '.join(sorted(pairs))}")
     return pairs[name]
+
+
+def use_threads(threads: int | None = None) -> None:
+    """torch's intra-op threads for this process: ``threads``, else ``SPECDEC_THREADS``;
+    neither: torch's own default. The one thread setup (CLI commands, workers, LangChain)."""
+    threads = threads or get_settings().threads
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def quiet_loading() -> None:

@@ -17,7 +17,7 @@ from specdec_llm import store
 from specdec_llm.engine import RequestError
 from specdec_llm.settings import reload_settings
 from specdec_llm.store.testing import sqlite_url
-from workers import rows as R
+from specdec_llm.client import rows as R
 
 
 def main_cli():
@@ -46,17 +46,15 @@ def db(tmp_path, monkeypatch):
 
 # -- 2. one price parser -------------------------------------------------------------------------
 def test_the_documented_price_format_works_everywhere(db, monkeypatch):
-    from specdec_llm.langchain import _price as langchain_price
-    from specdec_llm.store.reports import parse_prices
-    from workers.runtime import _price as worker_price
+    from specdec_llm.store.reports import parse_prices, price_for  # workers and LangChain price their rows with it
 
     both = {"cuda": 2.5, "cpu": 0.05}
     assert parse_prices("cuda=2.5,cpu=0.05") == parse_prices(["cuda=2.5,cpu=0.05"]) == both
     assert parse_prices(["cuda=2.5", "cpu=0.05"]) == parse_prices(" cuda = 2.5 , cpu=0.05") == both
     monkeypatch.setenv("SPECDEC_PRICE_PER_HOUR", "cuda=2.5,cpu=0.05")
     reload_settings()
-    assert worker_price(None, "cuda:1") == langchain_price("cuda:1") == 2.5  # the worker exited 3 here
-    assert worker_price(None, "cpu") == langchain_price("cpu") == 0.05 and worker_price(None, "mps") is None
+    assert price_for(None, "cuda:1") == 2.5  # the worker exited 3 here
+    assert price_for(None, "cpu") == 0.05 and price_for(None, "mps") is None and price_for(1.5, "mps") == 1.5
     r = CliRunner().invoke(main_cli(), ["report", "--price-per-hour", "cuda=2.5,cpu=0.05", "--format", "json"])
     assert r.exit_code == 0, r.output
 
@@ -85,7 +83,7 @@ def test_extra_csv_fields_fail_their_row(tmp_path):
     (["--out", "{dir}"], "is a folder"),
 ])  # fmt: skip
 def test_run_refuses_a_bad_output_before_generating(pairs_file, tmp_path, monkeypatch, extra, fragment):
-    from workers.cli import register
+    from specdec_llm.client.cli import register
 
     for var in ("SPECDEC_BROKER_URL", "SPECDEC_DATABASE_URL"):
         monkeypatch.delenv(var, raising=False)
@@ -101,7 +99,7 @@ def test_run_refuses_a_bad_output_before_generating(pairs_file, tmp_path, monkey
 
 
 def test_a_failed_write_after_the_job_says_how_to_get_the_results(tmp_path, capsys):
-    from workers.cli import _export
+    from specdec_llm.client.cli import _export
 
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -112,7 +110,7 @@ def test_a_failed_write_after_the_job_says_how_to_get_the_results(tmp_path, caps
 
 # -- 5. one line, exit 2 ----------------------------------------------------------------------------
 def test_a_seed_above_what_torch_takes_is_a_clear_error(tmp_path, pairs_file):
-    from workers.tasks import build_request
+    from specdec_llm.client.rows import build_request
 
     big = 2**64
     with pytest.raises(RequestError, match=r"^seed: 18446744073709551616 is above"):
@@ -182,7 +180,7 @@ def test_nul_in_a_prompt_fails_its_row_with_a_clear_error(tmp_path):
 
 # -- 9. unknown pairs, report --out, empty reports ----------------------------------------------------------
 def test_enqueue_refuses_an_unknown_pair_naming_the_known_ones(pairs_file):
-    from workers.client import enqueue
+    from specdec_llm.client import enqueue
 
     with pytest.raises(RequestError, match=r"unknown pair 'nope'; known pairs: .*tiny"):
         enqueue(["r1"], "nope")
@@ -196,3 +194,18 @@ def test_report_out_makes_its_folders_and_an_empty_report_says_so(db, tmp_path):
     assert out.exists() and "no data: no request finished with --since 7d" in r.stderr
     r = CliRunner().invoke(main_cli(), ["report"])
     assert r.exit_code == 0 and "no data" in r.stderr
+
+
+# -- one root for every error ----------------------------------------------------------------------
+def test_every_error_derives_from_spec_dec_error_and_keeps_its_base():
+    from specdec_llm.client import InputError, QueueError
+    from specdec_llm.errors import SpecDecError
+    from specdec_llm.langchain import BrokerUnavailable, GenerationFailed, GenerationTimeout
+    from specdec_llm.pairs import PairError
+    from specdec_llm.store import ReportInputError, SchemaError, StoreError
+
+    bases = {RequestError: ValueError, PairError: ValueError, StoreError: RuntimeError, SchemaError: StoreError,
+             ReportInputError: ValueError, QueueError: RuntimeError, InputError: ValueError,
+             GenerationTimeout: TimeoutError, BrokerUnavailable: ConnectionError, GenerationFailed: RuntimeError}  # fmt: skip
+    for error, base in bases.items():
+        assert issubclass(error, SpecDecError) and issubclass(error, base), error

@@ -30,7 +30,7 @@ from test_workers import (  # noqa: F401 - fixtures reused
 
 from specdec_llm.settings import reload_settings
 from specdec_llm.store.testing import sqlite_url
-from workers import client
+from specdec_llm import client
 
 pytestmark = pytest.mark.slow
 FAST_RESTORE = ("broker_transport_options = {'visibility_timeout': 3, 'unacked_restore_interval': 1,"
@@ -249,7 +249,7 @@ def test_run_interrupted_then_run_again_resumes(tmp_path, pairs_toml, monkeypatc
     path = write_prompts(tmp_path / "p.jsonl", ROWS, "sigint")
     cmd = [sys.executable, "-m", "specdec_llm", "run", str(path), "--pair", "tiny", "--max-new-tokens", "16",
            "--out", str(tmp_path / "out.jsonl")]  # fmt: skip
-    from workers.rows import job_id_for
+    from specdec_llm.client.rows import job_id_for
 
     job = job_id_for(path, "tiny", {"max_new_tokens": 16})
     for var in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND", "SPECDEC_DATABASE_URL", "SPECDEC_CELERY_CONFIG"):

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from specdec_llm import store
 from specdec_llm.settings import get_settings, reload_settings
-from workers import client
-from workers.app import get_app, is_embedded
-from workers.cli import register
-from workers.rows import InputError, job_id_for, read_rows
+from specdec_llm import client
+from specdec_llm.client.broker import get_app, is_embedded
+from specdec_llm.client.cli import register
+from specdec_llm.client.rows import InputError, job_id_for, read_rows
 
 cli = typer.Typer()
 register(cli)

@@ -31,7 +31,7 @@ from specdec_llm.settings import reload_settings
 from specdec_llm.store.models import Output, Request, Telemetry
 from specdec_llm.store.testing import sqlite_url
 from test_workers import free_port, make_fleet, redis_url, use, wait_for  # noqa: F401 - fixtures reused
-from workers import client
+from specdec_llm import client
 
 PROMPTS = ["The quick brown fox", "Speculative decoding", "over the lazy dog", "drafts and verifies"]
 INFO_KEYS = {"finish_reason", "prompt_tokens", "output_tokens", "acceptance_rate", "mean_accepted_length",
@@ -70,11 +70,9 @@ class AsyncRecorder(AsyncCallbackHandler):
 def engine_text(prompt: str, **gen) -> str:
     """The tiny target's own answer through the engine, for comparison (a NUL is replaced,
     as the store does: a random tiny model does emit them)."""
-    from specdec_llm.langchain import _local_pair
+    from specdec_llm import loaded
 
-    loaded = _local_pair("tiny")
-    with loaded.lock:
-        return loaded.decoder.generate(GenerationRequest(prompt, **gen)).text.replace("\x00", "\ufffd")
+    return loaded.get("tiny").server.submit(GenerationRequest(prompt, **gen)).result().text.replace("\x00", "\ufffd")
 
 
 def cut_point(text: str) -> str:
@@ -146,12 +144,13 @@ def test_local_chat_model(local):
     chat = ChatSpecDec(pair="tiny", max_new_tokens=24, record=False)
     messages = [SystemMessage("You are terse."), HumanMessage("The quick brown fox")]
     msg = chat.invoke(messages)
-    from workers import runtime
-    from specdec_llm.langchain import _local_pair
+    from specdec_llm import loaded
+    from specdec_llm.engine.chat import render_chat
 
-    loaded = _local_pair("tiny")
-    ids = runtime.chat_prompt(loaded.pair.tokenizer, to_turns(messages))
-    assert msg.content == loaded.decoder.generate(GenerationRequest(ids, max_new_tokens=24)).text.replace("\x00", "\ufffd")
+    pair = loaded.get("tiny")
+    ids = render_chat(pair.tokenizer, to_turns(messages))
+    answer = pair.server.submit(GenerationRequest(ids, max_new_tokens=24)).result().text
+    assert msg.content == answer.replace("\x00", "\ufffd")
     assert msg.usage_metadata["input_tokens"] == len(ids)
     assert msg.usage_metadata["total_tokens"] == len(ids) + msg.usage_metadata["output_tokens"]
     assert msg.response_metadata["model_name"] == "tiny" and msg.response_metadata["finish_reason"]

@@ -104,7 +104,7 @@ def test_status_shows_lost_rows_instead_of_a_false_eta(url, monkeypatch):
     from typer.testing import CliRunner
 
     from specdec_llm.settings import reload_settings
-    from workers.cli import register
+    from specdec_llm.client.cli import register
 
     cli = typer.Typer()
     register(cli)

@@ -21,7 +21,7 @@ from specdec_llm import store
 from specdec_llm.settings import reload_settings
 from specdec_llm.store.models import Telemetry
 from specdec_llm.store.testing import sqlite_url
-from workers import client
+from specdec_llm import client
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The quick brown fox", "Speculative decoding", "over the lazy dog", "drafts and verifies"]

@@ -11,9 +11,9 @@ from datetime import datetime
 import pytest
 
 from test_jobs import embedded, invoke, jsonl  # noqa: F401 - embedded is a fixture
-from workers import client
-from workers.openai_batch import CHAT, COMPLETIONS, output_line
-from workers.rows import check_rows, read_rows, to_request
+from specdec_llm import client
+from specdec_llm.client.openai_batch import CHAT, COMPLETIONS, output_line
+from specdec_llm.client.rows import check_rows, read_rows, to_request
 
 openai_types = pytest.importorskip("openai.types", reason="the openai package checks the output lines")
 from openai.types import BatchError, Completion  # noqa: E402

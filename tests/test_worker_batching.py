@@ -23,9 +23,9 @@ from specdec_llm.engine import GenerationRequest
 from specdec_llm.settings import reload_settings
 from specdec_llm.store.models import Output, Request, Telemetry
 from specdec_llm.store.testing import sqlite_url
-from workers import client
+from specdec_llm import client
 from workers.app import TASK, get_app, queue_name
-from workers.cli import register
+from specdec_llm.client.cli import register
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 24

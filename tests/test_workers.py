@@ -21,7 +21,7 @@ from specdec_llm import store
 from specdec_llm.settings import reload_settings
 from specdec_llm.store.models import Baseline, Output, Request, Telemetry
 from specdec_llm.store.testing import postgres_available, sqlite_url, temporary_postgres
-from workers import client
+from specdec_llm import client
 from workers.app import TASK, get_app, queue_name
 
 pytestmark = pytest.mark.slow
@@ -328,7 +328,7 @@ def test_run_uses_reachable_workers(sqlite_fleet, use, tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from workers.cli import register
+    from specdec_llm.client.cli import register
 
     use(sqlite_fleet)
     app = typer.Typer()

@@ -8,7 +8,7 @@
   ``celery.worker.state``), then requeues rows whose lease expired (``reclaim``). If the
   worker dies (SIGKILL, OOM killer, lost host) its rows' heartbeats stop, and after
   ``SPECDEC_LEASE_TIMEOUT_S`` any other worker (or a waiting ``run``) puts them back on
-  the queue, exactly once (one atomic UPDATE picks each).
+  the queue, exactly once (one atomic UPDATE picks each: ``client.reclaim_and_enqueue``).
 - A late duplicate of the message (Redis redelivers an unacknowledged message after its
   visibility timeout; a message requeued by ``task_reject_on_worker_lost`` when a pool
   child died) finds the row finished (no-op) or running under another worker's live lease
@@ -22,28 +22,12 @@ import logging
 from celery import bootsteps
 from celery.worker import state
 
+from specdec_llm.client.broker import TASK
+from specdec_llm.client.jobs import reclaim_and_enqueue
 from specdec_llm.settings import get_settings
 from specdec_llm.store import jobs
 
-log = logging.getLogger("specdec.worker")
-
-MAX_ATTEMPTS = 3  # deliveries that died mid-generation before a row is given up
-
-
-def reclaim_and_enqueue(max_attempts: int = MAX_ATTEMPTS) -> list[dict]:
-    """Requeue rows whose lease expired and send a message for each; returns them."""
-    from .client import enqueue
-
-    rows = jobs.reclaim(get_settings().lease_timeout_s, max_attempts=max_attempts)
-    by_pair: dict[str, list[str]] = {}
-    for r in rows:
-        if r["pair"]:
-            by_pair.setdefault(r["pair"], []).append(r["id"])
-    for pair, ids in by_pair.items():
-        log.warning("%d rows of pair %s lost their worker (no heartbeat for %g s): requeued",
-                    len(ids), pair, get_settings().lease_timeout_s)  # fmt: skip
-        enqueue(ids, pair, check_pair=False)  # a failure leaves them queued without a message: `run` and `retry` resend those
-    return rows
+log = logging.getLogger(__name__)
 
 
 def held_request_ids(task_name: str) -> set[str]:
@@ -77,8 +61,6 @@ class LeaseStep(bootsteps.StartStopStep):
     shutdown = stop
 
     def beat(self, c) -> None:
-        from .app import TASK
-
         try:
             jobs.renew(held_request_ids(TASK), c.hostname)
             reclaim_and_enqueue()

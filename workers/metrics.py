@@ -37,7 +37,7 @@ import shutil
 import tempfile
 import threading
 
-log = logging.getLogger("specdec.worker")
+log = logging.getLogger(__name__)
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 SAMPLE_S = 0.5  # how often a decoding process writes its batch-size gauges
@@ -89,7 +89,7 @@ class _QueueDepth:
         family = GaugeMetricFamily("specdec_queue_depth", "Messages waiting in the pair's broker queue",
                                    labels=["pair", "queue"])  # fmt: skip
         try:
-            from .app import get_app
+            from specdec_llm.client.broker import get_app
 
             with get_app().connection_for_read() as conn:
                 conn.ensure_connection(max_retries=1, timeout=2)

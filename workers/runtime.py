@@ -19,6 +19,9 @@ for its Future, whatever the pool:
 
 A process started another way (``celery -A workers.app worker``) loads the pair of its
 first task instead (under a lock: task threads wait for the one load).
+
+The pair, its decoder and its server come from the project's one cache of loaded pairs
+(``specdec_llm.loaded``), as in LangChain's local mode.
 """
 
 from __future__ import annotations
@@ -32,13 +35,14 @@ from dataclasses import dataclass
 
 from celery.signals import celeryd_after_setup, worker_process_init, worker_process_shutdown
 
+from specdec_llm import loaded as loaded_pairs
 from specdec_llm import store
-from specdec_llm.engine import GenerationRequest, RequestError
+from specdec_llm.engine import GenerationRequest
 from specdec_llm.settings import get_settings
 
 from . import metrics
 
-log = logging.getLogger("specdec.worker")
+log = logging.getLogger(__name__)
 
 CALIBRATION_PROMPT = "The quick brown fox jumps over the lazy dog. Speculative decoding drafts and verifies."
 
@@ -66,11 +70,13 @@ class Runtime:
     pair: str
     device: str
     dtype: str
-    loaded: object  # specdec_llm.pairs.Pair
-    decoder: object  # SpeculativeDecoder
-    server: object  # BatchServer over ``decoder``: every task's request goes through it
+    loaded: loaded_pairs.Loaded  # the pair, its decoder, and the BatchServer every task's request goes through
     worker: dict  # store.worker_info(...)
     price_per_hour: float | None
+
+    @property
+    def server(self):
+        return self.loaded.server
 
 
 _options: WorkerOptions | None = None  # set in the parent; forked children inherit it
@@ -123,22 +129,17 @@ def get(pair: str) -> Runtime:
 def load(options: WorkerOptions) -> Runtime:
     import torch
 
-    from specdec_llm.engine.serve import BatchServer
-    from specdec_llm.pairs import get_spec, load_pair
+    from specdec_llm.pairs import get_spec
 
-    threads = options.threads or get_settings().threads
-    if threads:
-        torch.set_num_threads(threads)
     spec = copy.copy(get_spec(options.pair))
     spec.device = options.device or spec.device
     if spec.device.startswith("cuda:"):
         torch.cuda.set_device(torch.device(spec.device))  # this process's default GPU (kernels, caches)
-    loaded = load_pair(spec)
-    decoder = loaded.decoder()
+    loaded = loaded_pairs.get(spec, threads=options.threads, max_batch=options.max_batch,
+                              max_wait_ms=options.max_wait_ms)  # fmt: skip
     rt = Runtime(
-        pair=spec.name, device=spec.device, dtype=spec.dtype, loaded=loaded, decoder=decoder,
-        server=BatchServer(decoder, max_batch=options.max_batch, max_wait_ms=options.max_wait_ms),
-        worker=store.worker_info(spec.device), price_per_hour=_price(options.price_per_hour, spec.device),
+        pair=spec.name, device=spec.device, dtype=spec.dtype, loaded=loaded, worker=store.worker_info(spec.device),
+        price_per_hour=store.price_for(options.price_per_hour, spec.device),
     )  # fmt: skip
     log.info(
         "worker %s: pair %s on %s (%s), %s; batches of up to %d (max wait %g ms); store %s",
@@ -147,8 +148,8 @@ def load(options: WorkerOptions) -> Runtime:
     )  # fmt: skip
     try:
         store.upsert_pair(
-            spec.name, target=spec.target, draft=spec.draft, target_fingerprint=loaded.target_fingerprint,
-            draft_fingerprint=loaded.draft_info.get("fingerprint"), dtype=spec.dtype, device=spec.device,
+            spec.name, target=spec.target, draft=spec.draft, target_fingerprint=loaded.pair.target_fingerprint,
+            draft_fingerprint=loaded.pair.draft_info.get("fingerprint"), dtype=spec.dtype, device=spec.device,
         )  # fmt: skip
         store.upsert_worker(rt.worker)
     except store.StoreError as e:  # tasks retry their own writes; don't die over bookkeeping
@@ -157,22 +158,12 @@ def load(options: WorkerOptions) -> Runtime:
     return rt
 
 
-def _price(given: float | None, device: str) -> float | None:
-    """USD per device-hour: as given, else from settings (``price_per_hour``, if the settings
-    have it: one figure or per device kind, as the reports read it)."""
-    from specdec_llm.store.reports import price_for
-
-    if given is not None:
-        return given
-    return price_for(get_settings().price_per_hour, device)
-
-
 def memory_text(rt: Runtime) -> str:
     """Weights held (shared tensors once), process RSS, and CUDA memory when on a GPU."""
     import torch
 
     seen, weights = set(), 0
-    for model in (rt.loaded.target, rt.loaded.draft):
+    for model in (rt.loaded.pair.target, rt.loaded.pair.draft):
         if model is None:
             continue
         for t in [*model.parameters(), *model.buffers()]:
@@ -211,14 +202,6 @@ def calibrate(rt: Runtime, tokens: int = 32) -> dict:
         except store.StoreError as e:
             log.warning("could not store the calibration baseline: %s", e)
     return {"baseline_tokens_per_s": base.tokens_per_s, "speculative_tokens_per_s": spec.tokens_per_s}
-
-
-def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat turns -> prompt token ids through the pair's chat template; a role or content
-    holding a special token's text (an injected turn) is refused (``specdec_llm.chat``)."""
-    from specdec_llm.chat import render_chat
-
-    return render_chat(tokenizer, messages)
 
 
 def stop_worker(reason: str) -> None:

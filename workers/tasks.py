@@ -22,7 +22,10 @@ messages, parameters) is read from the store, so a message is a few ids, not dat
 - A row whose deliveries keep dying mid-generation (OOM-killed worker) fails after
   ``MAX_ATTEMPTS`` instead of killing workers forever.
 - A row whose params hold ``"_stream": true`` (LangChain ``.stream``) publishes its text
-  delta by delta while it is generated (``client.StreamWriter`` / ``client.follow_stream``).
+  delta by delta while it is generated (``specdec_llm.client.streams``: ``StreamWriter``
+  here, ``follow_stream`` in the caller).
+- The row -> request step is the client's own (``specdec_llm.client.rows.build_request``),
+  so LangChain's local mode builds the same request without this module.
 - Returns plain JSON: ``{"request_id", "status", ...}`` plus text, token_ids,
   finish_reason and stats when ok, ``error`` when failed.
 """
@@ -39,18 +42,17 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 from celery.utils.time import get_exponential_backoff_interval
 
 from specdec_llm import store
-from specdec_llm.checks import check_seed
-from specdec_llm.engine import GenerationRequest, RequestError
+from specdec_llm.client.broker import TASK, queue_name
+from specdec_llm.client.jobs import MAX_ATTEMPTS
+from specdec_llm.client.rows import build_request
+from specdec_llm.client.streams import StreamWriter
+from specdec_llm.engine import RequestError
 from specdec_llm.settings import get_settings
 from specdec_llm.store import jobs
 
 from . import metrics, runtime
-from .app import TASK, queue_name
-from .client import StreamWriter
-from .leases import MAX_ATTEMPTS
-from .rows import generation_params
 
-log = logging.getLogger("specdec.worker")
+log = logging.getLogger(__name__)
 
 TRANSIENT: tuple[type[BaseException], ...] = (
     store.StoreError, sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError,
@@ -111,7 +113,7 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
             if row["status"] == "running":
                 return {"request_id": request_id, "status": "running elsewhere", "duplicate": True}
             return _finished(row)
-        stream = StreamWriter(request_id) if (row.get("params") or {}).get("_stream") else None  # see client.py
+        stream = StreamWriter(request_id) if (row.get("params") or {}).get("_stream") else None
         limit = soft_time_limit(self)
         try:
             req = build_request(row, rt.loaded.tokenizer)
@@ -152,30 +154,6 @@ def soft_time_limit(task: Task) -> float | None:
     else the app's (``task_soft_time_limit``)."""
     _, soft = task.request.timelimit or (None, None)
     return soft or task.soft_time_limit or task.app.conf.task_soft_time_limit
-
-
-def build_request(row: dict, tokenizer) -> GenerationRequest:
-    """A stored request row -> GenerationRequest (chat messages rendered to token ids here,
-    with the pair's chat template, so the engine needs no notion of turns)."""
-    params = row.get("params") or {}
-    if params.get("_input_error"):
-        raise RequestError("input", params["_input_error"])
-    gen = generation_params(params)
-    check_seed(gen.get("seed"))
-    prompt = row["prompt"]
-    if row.get("messages") is not None:
-        prompt, gen["chat"] = runtime.chat_prompt(tokenizer, row["messages"]), False
-    elif gen.get("chat") is True and isinstance(prompt, str) and prompt.strip():
-        # a text prompt as one user turn, rendered here (special-token text refused), not by the engine
-        from specdec_llm.chat import render_user_prompt
-
-        prompt, gen["chat"] = render_user_prompt(tokenizer, prompt), False
-    if row.get("job_id") and "scope" not in gen:  # the suffix drafter learns within the job's rows
-        gen["scope"] = row["job_id"]
-    try:
-        return GenerationRequest(prompt=prompt, **gen)
-    except TypeError as e:  # an unknown parameter name
-        raise RequestError("params", str(e)) from None
 
 
 def _finished(row: dict) -> dict:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from .decoder import SpeculativeDecoder
 
-log = logging.getLogger("specdec.engine")
+log = logging.getLogger(__name__)
 
 FILE = "costs.json"
 

@@ -124,7 +124,7 @@ class SpeculativeDecoder:
         if self.tokenizer is None:
             raise RequestError("prompt", "this decoder has no tokenizer; pass token ids")
         if request.chat:  # special-token text in a chat prompt could end the turn and inject another: refused
-            from ..chat import check_turn_text
+            from .chat import check_turn_text
 
             check_turn_text(self.tokenizer, request.prompt, "prompt")
             text = self.tokenizer.apply_chat_template(

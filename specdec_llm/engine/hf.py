@@ -121,7 +121,7 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
 
 
 # -- making a loaded model fast for this engine ----------------------------------------------
-ATTENTION = "specdec_sdpa"
+ATTENTION = "specdec_sdpa"  # lean.ATTENTIONS names it too (lean.py cannot import this module)
 
 
 def _attention(

@@ -38,7 +38,7 @@ from typing import Any, cast
 
 import torch
 
-log = logging.getLogger("specdec.engine")
+log = logging.getLogger(__name__)
 
 POINTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64)
 TABLE = 1024  # row counts with a precomputed choice (larger counts use the last point's)

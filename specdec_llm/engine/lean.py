@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from .hf import GrowingLayer
 
 ENABLED = True  # tests and benchmarks compare both paths by flipping this
+# the attention implementations whose math this forward repeats: transformers' sdpa and the
+# engine's (hf.ATTENTION, the same kernel with grouped heads kept; named here, as hf imports this)
+ATTENTIONS = ("sdpa", "specdec_sdpa")
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,8 +145,6 @@ def supported(model: PreTrainedModel) -> bool:
     """A plain Llama-family decoder on the CPU with sdpa attention and a static rotary table."""
     from transformers.models.llama import modeling_llama as ml
 
-    from .hf import ATTENTION
-
     cfg = model.config
     base = getattr(model, "model", None)
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -152,7 +153,7 @@ def supported(model: PreTrainedModel) -> bool:
         and type(base) is ml.LlamaModel
         and all(type(layer) is ml.LlamaDecoderLayer for layer in base.layers)
         and type(base.rotary_emb) is ml.LlamaRotaryEmbedding
-        and cfg._attn_implementation in (ATTENTION, "sdpa")
+        and cfg._attn_implementation in ATTENTIONS
         and getattr(cfg, "hidden_act", "silu") == "silu"
         and getattr(cfg, "pretraining_tp", 1) == 1
         and rope in ("default", "linear", "llama3")  # inv_freq fixed at load (not "dynamic")

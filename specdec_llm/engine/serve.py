@@ -30,7 +30,7 @@ from .types import GenerationRequest, GenerationResult, RequestError
 # a submitted request: (request, on_text, deadline, its future)
 _Item = tuple[GenerationRequest, TextCallback | None, float | None, "Future[GenerationResult]"]
 
-log = logging.getLogger("specdec.engine")
+log = logging.getLogger(__name__)
 SAVE_EVERY_S = 30.0  # an idle server writes its live decoding costs to the cache at most this often
 
 

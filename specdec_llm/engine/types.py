@@ -11,10 +11,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from ..errors import SpecDecError
+
 FinishReason = Literal["eos", "stop", "length", "context"]
 
 
-class RequestError(ValueError):
+class RequestError(SpecDecError, ValueError):
     """Bad input. ``field`` names the offending parameter; the message says the fix."""
 
     def __init__(self, field: str, message: str):
@@ -49,7 +51,7 @@ class GenerationRequest:
         if isinstance(p, str):
             if not p.strip():
                 raise RequestError("prompt", "is empty; pass some text to continue")
-            _unicode(p, "prompt")
+            check_unicode(p, "prompt")
         elif isinstance(p, (list, tuple)):
             if not p:
                 raise RequestError("prompt", "has no tokens; pass at least one token id")
@@ -70,7 +72,7 @@ class GenerationRequest:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError("stop", "must be a list of non-empty strings")
         for s in self.stop:
-            _unicode(s, "stop")
+            check_unicode(s, "stop")
         if self.mode not in ("speculative", "baseline"):
             raise RequestError("mode", f"unknown mode {self.mode!r}; use 'speculative' or 'baseline'")
         if not isinstance(self.drafter, str) or not self.drafter:
@@ -83,13 +85,14 @@ class GenerationRequest:
             raise RequestError("chat", "needs a text prompt, not token ids")
 
 
-def _unicode(text: str, name: str) -> None:
-    """Text a tokenizer can take: valid Unicode (no unpaired surrogate such as "\\ud800")."""
+def check_unicode(text: str, name: str) -> None:
+    """Text a tokenizer (and every store) can take: valid Unicode, no unpaired surrogate
+    such as "\\ud800". The one such check: prompts, stop strings, job rows, chat turns."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise RequestError(name, f"is not valid Unicode: an unpaired surrogate (\\u{ord(text[e.start]):04x}) at "
-                                 f"character {e.start}") from None
+                                 f"character {e.start}; remove it") from None
 
 
 def _int(value: object, name: str, lo: int, hint: str) -> None:

@@ -3,7 +3,7 @@
 Plain data in and out (dicts, ids, lists of dicts); ORM objects never leave the package.
 The database is ``SPECDEC_DATABASE_URL`` (default: SQLite file ``specdec.db`` in the data
 directory, WAL mode); PostgreSQL via ``postgresql+psycopg://user:pass@host/db``. Every
-function takes ``url=`` to use another database. Times are naive UTC.
+function takes ``url=`` to use another database. Times are naive UTC (``utcnow()``).
 
 ``db`` (engines, sessions, schema)
     get_engine(url=None) -> Engine
@@ -26,17 +26,21 @@ function takes ``url=`` to use another database. Times are naive UTC.
     record_result(request_id, result, *, worker, device, queue_wait_s, pair, job_id, price_per_hour,
                   dtype=None, category=None, finished_at=None) -> bool  # False: already recorded
     get_request(request_id) -> dict | None;  get_job(job_id) -> dict | None
+    get_stats(request_id) -> dict               # its telemetry as engine Stats fields ({} if none)
 
 ``jobs`` (leases and job-wide operations, set-based)
     take(request_id, owner, *, lease_timeout_s, worker=None) -> bool   # start a row under a lease
     renew(request_ids, owner) -> int;  reclaim(lease_timeout_s, *, max_attempts=None) -> [{"id", "pair"}]
     counts(job_id, *, lease_timeout_s=None) -> {status: n, "lost", "requeued"}
     requeue(job_id, *, lease_timeout_s) -> [{"id", "pair"}];  cancel(job_id) -> int;  refused_count(job_id)
+    job_requests(job_id, *, outputs=True) -> [dict]   # every row, its output and key telemetry, input order
 
 ``reports`` (reads only)
     summary(since=None, until=None, group_by=("pair",), pair=None, job=None,
             price_per_hour=None, url=None) -> list[dict]
     GROUP_FIELDS, METRICS, ReportInputError
+    parse_prices(value) -> {device kind: USD/hour};  price_for(value, device) -> float | None
+                              # the one price parser (value None: SPECDEC_PRICE_PER_HOUR)
 
 ``render``: to_tables (fitted to a width) / to_table / table_text / to_csv / to_json / to_html, and
     report(fmt, **summary filters) -> str   # query + render, "table"|"csv"|"json"|"html"
@@ -64,6 +68,7 @@ from .record import (
     create_job,
     get_job,
     get_request,
+    get_stats,
     mark_request,
     record_baseline,
     record_result,
@@ -71,27 +76,12 @@ from .record import (
     upsert_worker,
     worker_info,
 )
-from .reports import ReportInputError, summary
+from .models import utcnow
+from .reports import ReportInputError, price_for, summary
 
 __all__ = [
-    "ReportInputError",
-    "SchemaError",
-    "StoreError",
-    "check_schema",
-    "create_job",
-    "downgrade",
-    "ensure_schema",
-    "get_engine",
-    "get_job",
-    "get_request",
-    "mark_request",
-    "mask_url",
-    "record_baseline",
-    "record_result",
-    "session_scope",
-    "summary",
-    "upgrade",
-    "upsert_pair",
-    "upsert_worker",
-    "worker_info",
+    "SchemaError", "StoreError", "ReportInputError", "check_schema", "downgrade", "ensure_schema",
+    "get_engine", "mask_url", "session_scope", "upgrade", "create_job", "get_job", "get_request", "get_stats",
+    "mark_request", "record_baseline", "record_result", "upsert_pair", "upsert_worker",
+    "worker_info", "summary", "price_for", "utcnow",
 ]

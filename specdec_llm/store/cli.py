@@ -1,6 +1,7 @@
 """``specdec-llm db ...`` and ``specdec-llm report``: call ``register(app)`` on the main app.
 
-Every failure a person can fix prints one line (``error: ...``) to stderr and exits 2.
+Every failure a person can fix prints one line (``error: ...``) to stderr and exits 2
+(``specdec_llm.cli_common``).
 """
 
 from __future__ import annotations
@@ -10,12 +11,9 @@ from typing import Any, NoReturn
 
 import typer
 
-from .db import StoreError, current_revision, downgrade, head_revision, mask_url, resolve_url, upgrade
-
-
-def _fail(e: object) -> NoReturn:
-    typer.echo(f"error: {e}", err=True)
-    raise typer.Exit(2)
+from ..cli_common import fail, user_errors
+from ..errors import SpecDecError
+from .db import current_revision, downgrade, head_revision, mask_url, resolve_url, upgrade
 
 
 def register(app: typer.Typer) -> None:
@@ -25,12 +23,10 @@ def register(app: typer.Typer) -> None:
     @db_app.command("upgrade")
     def db_upgrade(revision: str = typer.Argument("head", help="Target revision.")) -> None:
         """Create the tables or migrate them up (SPECDEC_DATABASE_URL, default SQLite in the data dir)."""
-        try:
+        with user_errors():
             url = resolve_url()
             before = current_revision(url)
             after = upgrade(url, revision)
-        except StoreError as e:
-            _fail(e)
         change = "already at" if before == after else f"upgraded {before or 'empty'} ->"
         typer.echo(f"{mask_url(url)}: {change} {after}")
 
@@ -41,20 +37,18 @@ def register(app: typer.Typer) -> None:
             url = resolve_url()
             before = current_revision(url)
             after = downgrade(url, revision)
-        except StoreError as e:
-            _fail(e)
-        except Exception as e:  # noqa: BLE001 - alembic's "no such revision" etc.
-            _fail(f"cannot downgrade to {revision!r}: {str(e).splitlines()[0]}")
+        except SpecDecError as e:
+            fail(e)
+        except Exception as e:  # alembic's "no such revision" etc.
+            fail(f"cannot downgrade to {revision!r}: {str(e).splitlines()[0]}")
         typer.echo(f"{mask_url(url)}: downgraded {before} -> {after or 'base (empty)'}")
 
     @db_app.command("current")
     def db_current() -> None:
         """Show the database's schema revision and this version's head."""
-        try:
+        with user_errors():
             url = resolve_url()
             current, head = current_revision(url), head_revision()
-        except StoreError as e:
-            _fail(e)
         state = "up to date" if current == head else "run `specdec-llm db upgrade`"
         typer.echo(f"{mask_url(url)}: revision {current or 'none'} (head {head}): {state}")
 
@@ -84,7 +78,7 @@ def register(app: typer.Typer) -> None:
         filters = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in (("since", since), ("until", until),
                                                                         ("pair", pair), ("job", job)) if v)  # fmt: skip
         no_data = f"no data: no request finished {'with ' + filters if filters else 'yet'}; widen --since or check the filters"
-        try:
+        with user_errors():
             kw: dict[str, Any] = dict(since=since, until=until, group_by=group_by, pair=pair, job=job,
                       price_per_hour=price_per_hour or None)
             if fmt == "table" and out is None:  # to the terminal (or a pipe: 80 columns), in its width
@@ -103,8 +97,6 @@ def register(app: typer.Typer) -> None:
                 console.print(speedup_note(rows))
                 return
             text, n = report_rows(fmt, columns=columns, **kw)
-        except StoreError as e:
-            _fail(e)
         if not n:
             typer.echo(no_data, err=True)
         if out is None:
@@ -114,5 +106,5 @@ def register(app: typer.Typer) -> None:
             out.parent.mkdir(parents=True, exist_ok=True)  # as `run --out` does
             out.write_text(text, encoding="utf-8")
         except OSError as e:
-            _fail(f"cannot write {out}: {e.strerror}")
+            fail(f"cannot write {out}: {e.strerror}")
         typer.echo(f"wrote {out}", err=True)

@@ -20,6 +20,7 @@ from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from ..errors import SpecDecError
 from ..settings import get_settings
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ _sessionmakers: dict[str, sessionmaker[Session]] = {}
 _ready: set[str] = set()
 
 
-class StoreError(RuntimeError):
+class StoreError(SpecDecError, RuntimeError):
     """A problem a person can fix; ``str(e)`` is one line saying how."""
 
 

@@ -10,7 +10,8 @@ do, periodically), each lost row is requeued exactly once; the caller then enque
 returned rows. A row that lost ``max_attempts`` workers fails instead.
 
 Job-wide: ``counts`` (by state, plus lost and requeued rows), ``requeue`` (retry) and
-``cancel``, each one UPDATE over the job's rows.
+``cancel``, each one UPDATE over the job's rows; ``job_requests``, every row of a job
+(with its output and key telemetry) as plain dicts, in input order.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from .db import check_schema, session_scope
-from .models import Pair, Request, utcnow
+from .models import Output, Pair, Request, Telemetry, utcnow
 from .record import _refresh_job, _row_changed, _worker_id, _writing
 
 PENDING = ("queued", "running")
@@ -134,6 +135,28 @@ def counts(job_id: str, *, lease_timeout_s: float | None = None, url: str | None
         if lease_timeout_s is not None and out["running"]:
             cutoff = utcnow() - timedelta(seconds=lease_timeout_s)
             out["lost"] = s.scalar(select(func.count()).where(pending, _lost(cutoff))) or 0
+    return out
+
+
+def job_requests(job_id: str, *, outputs: bool = True, url: str | None = None) -> list[dict[str, Any]]:
+    """Every request of a job (id, status, error, params, attempts, pair) in input order
+    (``params["_row"]``), with its output and key telemetry when ``outputs``. Reads only."""
+    columns = [Request.id, Request.status, Request.error, Request.params, Request.attempts, Pair.name.label("pair")]
+    q = select(*columns).outerjoin(Pair, Pair.id == Request.pair_id).where(Request.job_id == job_id)
+    if outputs:
+        q = (
+            q.add_columns(Request.finished_at, Output.text, Output.finish_reason, Output.prompt_tokens,
+                          Output.output_tokens, Telemetry.tokens_per_s, Telemetry.acceptance_rate,
+                          Telemetry.mean_accepted_length, Telemetry.wall_time_s, Telemetry.time_to_first_token_s,
+                          Telemetry.draft_tokens_proposed, Telemetry.draft_tokens_accepted, Telemetry.drafter,
+                          Telemetry.baseline_s)
+            .outerjoin(Output, Output.request_id == Request.id)
+            .outerjoin(Telemetry, Telemetry.request_id == Request.id)
+        )  # fmt: skip
+    check_schema(url)
+    with session_scope(url) as s:
+        out = [dict(r) for r in s.execute(q).mappings()]
+    out.sort(key=lambda r: ((r["params"] or {}).get("_row", 0), r["id"]))
     return out
 
 

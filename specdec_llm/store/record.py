@@ -480,6 +480,14 @@ def get_request(request_id: str, *, url: str | None = None) -> dict[str, Any] | 
         }
 
 
+def get_stats(request_id: str, *, url: str | None = None) -> dict[str, Any]:
+    """A finished request's telemetry as the engine's ``Stats`` fields (a dict; empty when
+    it has none)."""
+    with _writing(url) as s:
+        tel = s.get(Telemetry, request_id)
+        return {} if tel is None else {f: getattr(tel, f) for f in STATS_FIELDS}
+
+
 def get_job(job_id: str, *, url: str | None = None) -> dict[str, Any] | None:
     """A job's status and counts (recomputed now), as a dict; None if unknown."""
     with _writing(url) as s:

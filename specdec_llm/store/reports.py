@@ -155,9 +155,12 @@ def parse_prices(value: Any) -> dict[str, float] | None:
 
 def price_for(value: Any, device: str) -> float | None:
     """USD per device-hour for ``device`` ("cuda:0" -> its kind's price, else "*") from a
-    price setting in any form ``parse_prices`` reads; None when none applies."""
+    price in any form ``parse_prices`` reads (None: the ``SPECDEC_PRICE_PER_HOUR`` setting);
+    None when none applies. Workers and LangChain's local mode price their rows with it."""
     from .record import device_kind
 
+    if value is None:
+        value = get_settings().price_per_hour
     prices = parse_prices(value) or {}
     return prices.get(device_kind(device), prices.get("*"))
 

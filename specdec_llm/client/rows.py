@@ -1,4 +1,4 @@
-"""Input files -> rows, and rows -> store requests.
+"""Input files -> rows, rows -> store requests, and a stored request -> ``GenerationRequest``.
 
 Formats (by file suffix):
 - ``.jsonl`` / ``.ndjson`` / ``.json``: one object per line:
@@ -16,6 +16,8 @@ A request row in the store: ``prompt`` or ``messages``, and ``params`` = the gen
 parameters (``GenerationRequest`` field names, job-level ones merged under the row's) plus
 bookkeeping under keys starting with "_": ``_row`` (position in the file), ``_id`` (the
 row's id), ``_metadata``, ``_input_error`` (why it was refused at submit time).
+``build_request`` turns such a row into the engine's request: the worker does it for each
+task, LangChain's local mode for each prompt.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 from specdec_llm.checks import check_messages, check_seed, check_text
 from specdec_llm.engine import GenerationRequest, RequestError
+from specdec_llm.errors import SpecDecError
 
 from . import openai_batch
 
@@ -38,7 +41,7 @@ PARAMS = tuple(f.name for f in fields(GenerationRequest) if f.name != "prompt")
 ROW_KEYS = ("id", "prompt", "messages", "params", "metadata", "category")
 
 
-class InputError(ValueError):
+class InputError(SpecDecError, ValueError):
     """The file as a whole cannot be read; the message says why."""
 
 
@@ -366,3 +369,27 @@ def to_request(job_id: str, row: Row, job_params: dict) -> dict:
 def generation_params(params: dict | None) -> dict:
     """The ``GenerationRequest`` fields of a stored row's params."""
     return {k: v for k, v in (params or {}).items() if not k.startswith("_")}
+
+
+def build_request(row: dict, tokenizer) -> GenerationRequest:
+    """A stored request row -> GenerationRequest (chat messages rendered to token ids here,
+    with the pair's chat template, so the engine needs no notion of turns)."""
+    from specdec_llm.engine.chat import render_chat, render_user_prompt
+
+    params = row.get("params") or {}
+    if params.get("_input_error"):
+        raise RequestError("input", params["_input_error"])
+    gen = generation_params(params)
+    check_seed(gen.get("seed"))
+    prompt = row["prompt"]
+    if row.get("messages") is not None:
+        prompt, gen["chat"] = render_chat(tokenizer, row["messages"]), False
+    elif gen.get("chat") is True and isinstance(prompt, str) and prompt.strip():
+        # a text prompt as one user turn, rendered here (special-token text refused), not by the engine
+        prompt, gen["chat"] = render_user_prompt(tokenizer, prompt), False
+    if row.get("job_id") and "scope" not in gen:  # the suffix drafter learns within the job's rows
+        gen["scope"] = row["job_id"]
+    try:
+        return GenerationRequest(prompt=prompt, **gen)
+    except TypeError as e:  # an unknown parameter name
+        raise RequestError("params", str(e)) from None

@@ -16,10 +16,12 @@ neither is checked here.
 
 from __future__ import annotations
 
-from specdec_llm.engine.types import RequestError
+from typing import Any
+
+from .types import RequestError, check_unicode
 
 
-def special_tokens(tokenizer) -> list[str]:
+def special_tokens(tokenizer: Any) -> list[str]:
     """The text of every special token of ``tokenizer`` (named ones such as eos/bos, and
     every added token marked special: the chat markers), longest first."""
     found = {t for t in getattr(tokenizer, "all_special_tokens", []) or [] if t}
@@ -29,14 +31,11 @@ def special_tokens(tokenizer) -> list[str]:
     return sorted(found, key=lambda t: (-len(t), t))
 
 
-def check_turn_text(tokenizer, text: str, field: str) -> None:
+def check_turn_text(tokenizer: Any, text: Any, field: str) -> None:
     """RequestError(field) when ``text`` contains a special token's text."""
     if not isinstance(text, str):
         raise RequestError(field, f"must be text, not {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(field, f"is not valid Unicode: an unpaired surrogate at character {e.start}") from None
+    check_unicode(text, field)
     for token in special_tokens(tokenizer):
         if token in text:
             raise RequestError(
@@ -47,7 +46,7 @@ def check_turn_text(tokenizer, text: str, field: str) -> None:
             )
 
 
-def render_chat(tokenizer, messages: list[dict]) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """Chat turns -> prompt token ids (template with the generation prompt), after refusing
     any role or content that holds special-token text."""
     if not isinstance(messages, list) or not messages:
@@ -61,10 +60,10 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - no template, bad roles...: the request's fault
         raise RequestError("messages", f"cannot apply the chat template: {e}") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def render_user_prompt(tokenizer, prompt: str) -> list[int]:
+def render_user_prompt(tokenizer: Any, prompt: str) -> list[int]:
     """A text prompt wrapped as one user turn (``chat=True``), refused like any message;
     the error names ``prompt``."""
     check_turn_text(tokenizer, prompt, "prompt")

@@ -1,34 +1,31 @@
-"""Client side of bulk jobs: submit, enqueue, status, results, retry, cancel, local workers.
+"""Bulk jobs, the client's side: submit, enqueue, status, results, retry, cancel, wait.
 
-Plain dicts in and out; the CLI (``workers/cli.py``) only prints them. Every job is first
+Plain dicts in and out; the CLI (``client/cli.py``) only prints them. Every job is first
 persisted (``store.create_job``: one row per input row, bad rows already failed), then
-enqueued (one message per row on the pair's queue). A job's id is derived from the
-file's content, the pair and the parameters, and each row's id from the job id and its
-position, so submitting the same thing again resumes it instead of duplicating it.
+enqueued (one message per row on the pair's queue, sent by task name: ``broker.py``). A
+job's id is derived from the file's content, the pair and the parameters, and each row's id
+from the job id and its position, so submitting the same thing again resumes it instead of
+duplicating it. Every read and write of the rows is a ``specdec_llm.store`` function.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from kombu.exceptions import OperationalError
-from sqlalchemy import select
-
 from specdec_llm import store
-from specdec_llm.pairs import get_spec
 from specdec_llm.settings import get_settings
 from specdec_llm.store import jobs
-from specdec_llm.store.models import utcnow
+from specdec_llm.store.jobs import job_requests
 
 from . import rows as R
-from .app import TASK, broker_display, get_app, is_embedded, queue_name
+from .broker import TASK, QueueError, get_app, queue_name, queue_size, reaching
+from .local import log_tail
+
+log = logging.getLogger(__name__)
 
 PENDING = ("queued", "running")
 FINISHED = ("ok", "failed", "cancelled")
@@ -36,8 +33,7 @@ RESULT_FIELDS = ("id", "status", "text", "finish_reason", "error", "prompt_token
                  "tokens_per_s", "acceptance_rate", "mean_accepted_length", "wall_time_s", "metadata")  # fmt: skip
 
 
-class QueueError(RuntimeError):
-    """The rows are saved but the broker cannot be reached; the message says what to do."""
+MAX_ATTEMPTS = 3  # deliveries that died mid-generation before a row is given up (tasks, leases)
 
 
 # -- submit -----------------------------------------------------------------------------------
@@ -48,6 +44,8 @@ def submit(path: Path, pair: str, params: dict | None = None, *, name: str | Non
     parameters) or ``StoreError``; bad rows fail alone. Returns ``{"job_id", "rows",
     "created", "bad", "enqueued", "done"}``.
     """
+    from specdec_llm.pairs import get_spec  # (torch: not for commands that only read)
+
     params = {k: v for k, v in (params or {}).items() if v is not None}
     get_spec(pair)  # unknown pair: fail now, not in a worker
     R.check_params(params)
@@ -81,6 +79,8 @@ def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False, ch
     (``check_pair=False``: rows already accepted once, requeued by a worker whose own
     registry may differ.)"""
     if check_pair:
+        from specdec_llm.pairs import get_spec
+
         get_spec(pair)
     app, now = get_app(), time.time()
     sent = []
@@ -92,41 +92,11 @@ def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False, ch
 
 
 def _enqueue_job(job_id: str, request_ids: list[str], pair: str) -> None:
-    try:
+    with reaching(f"job {job_id} is saved but cannot be enqueued", f", then run `specdec-llm retry {job_id}`"):
         enqueue(request_ids, pair)
-    except OperationalError as e:
-        raise QueueError(
-            f"job {job_id} is saved but cannot be enqueued: the broker at {broker_display()} is unreachable ({e}); "
-            f"once it is up, run `specdec-llm retry {job_id}`"
-        ) from None
 
 
 # -- reading a job -----------------------------------------------------------------------------
-def job_requests(job_id: str, *, outputs: bool = True) -> list[dict]:
-    """Every request of a job (id, status, error, params, attempts, pair) in input order,
-    with its output and key telemetry when ``outputs``.
-    (Reads the store's tables directly: a candidate for ``specdec_llm.store``.)"""
-    from specdec_llm.store.models import Output, Pair, Request, Telemetry
-
-    columns = [Request.id, Request.status, Request.error, Request.params, Request.attempts, Pair.name.label("pair")]
-    q = select(*columns).outerjoin(Pair, Pair.id == Request.pair_id).where(Request.job_id == job_id)
-    if outputs:
-        q = (
-            q.add_columns(Request.finished_at, Output.text, Output.finish_reason, Output.prompt_tokens,
-                          Output.output_tokens, Telemetry.tokens_per_s, Telemetry.acceptance_rate,
-                          Telemetry.mean_accepted_length, Telemetry.wall_time_s, Telemetry.time_to_first_token_s,
-                          Telemetry.draft_tokens_proposed, Telemetry.draft_tokens_accepted, Telemetry.drafter,
-                          Telemetry.baseline_s)
-            .outerjoin(Output, Output.request_id == Request.id)
-            .outerjoin(Telemetry, Telemetry.request_id == Request.id)
-        )  # fmt: skip
-    store.check_schema()
-    with store.session_scope() as s:
-        out = [dict(r) for r in s.execute(q).mappings()]
-    out.sort(key=lambda r: ((r["params"] or {}).get("_row", 0), r["id"]))
-    return out
-
-
 def job_counts(job_id: str, *, leases: bool = False) -> dict[str, int]:
     """Rows by state; ``leases``: also ``lost`` (running, lease expired: about to be
     requeued) and ``requeued`` (pending again after their worker was lost)."""
@@ -153,7 +123,7 @@ def status(job_id: str, price_per_hour=None) -> dict:
     done = sum(counts[s] for s in FINISHED)
     report = summary(job=job_id, group_by=(), price_per_hour=price_per_hour)
     rep = report[0] if report else {}
-    elapsed = ((job["finished_at"] or utcnow()) - job["started_at"]).total_seconds() if job["started_at"] else 0.0
+    elapsed = ((job["finished_at"] or store.utcnow()) - job["started_at"]).total_seconds() if job["started_at"] else 0.0
     rate = done / elapsed if elapsed > 0 and done else None
     return {
         "job_id": job_id, "name": job["name"], "status": job["status"], "total": total, "counts": counts,
@@ -237,76 +207,19 @@ def cancel(job_id: str) -> dict:
     return {"job_id": job_id, "cancelled": jobs.cancel(job_id)}
 
 
-# -- workers -----------------------------------------------------------------------------------
-def check_broker() -> None:
-    """Raise kombu's OperationalError quickly when the broker cannot be reached."""
-    with get_app().connection_for_write() as conn:
-        conn.ensure_connection(max_retries=1, interval_start=0.2, interval_step=0.2, timeout=3)
-
-
-def live_workers(pair: str, timeout: float = 1.0) -> list[str]:
-    """Names of the running workers that consume ``pair``'s queue (none over the embedded broker)."""
-    if is_embedded():
-        return []
-    replies = get_app().control.inspect(timeout=timeout).active_queues() or {}
-    return sorted(node for node, queues in replies.items() if any(q.get("name") == queue_name(pair) for q in queues))
-
-
-def start_local_worker(pair: str, *, device: str | None = None, concurrency: int = 1, max_batch: int | None = None,
-                       log_path: Path | None = None, extra: list[str] | None = None) -> subprocess.Popen:  # fmt: skip
-    """``specdec-llm worker`` for ``pair`` as a child process with this environment; its
-    output goes to ``log_path`` (default: ``<data_dir>/logs/worker-<pair>-<time>.log``).
-    ``max_batch`` > 1: one batching process (``--max-batch``; None: the settings' default)."""
-    if log_path is None:
-        log_path = get_settings().data_dir / "logs" / f"worker-{pair}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "specdec_llm", "worker", "--pair", pair, "--concurrency", str(concurrency), *(extra or [])]
-    if device:
-        cmd += ["--device", device]
-    if max_batch is not None:
-        cmd += ["--max-batch", str(max_batch)]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
-    proc.log_path = log_path
-    return proc
-
-
-def stop_local_worker(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:
-    """Warm shutdown (SIGTERM: the running task finishes, unacknowledged messages go back to
-    the queue); SIGKILL to its process group after ``timeout`` s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
-
-
-def log_tail(proc: subprocess.Popen, lines: int = 12) -> str:
-    """The worker's last critical message if it logged one (why it stopped), else its last lines."""
-    try:
-        text = Path(proc.log_path).read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    critical = [line for line in text if "CRITICAL/" in line]
-    return critical[-1] if critical else "\n".join(text[-lines:])
-
-
-STORE_GRACE_S = 300  # s: how long `wait` keeps looking while the database cannot be read
-
-
-def queue_size(pair: str) -> int | None:
-    """Messages waiting in ``pair``'s queue (not those a worker has reserved); None when the
-    broker cannot say."""
-    try:
-        with get_app().connection_for_read() as conn:
-            # (not passive: Redis has no key for an empty queue, so a passive look says "not found")
-            return conn.default_channel.queue_declare(queue=queue_name(pair)).message_count
-    except Exception:  # noqa: BLE001 - unknown: the caller does nothing
-        return None
+def reclaim_and_enqueue(max_attempts: int = MAX_ATTEMPTS) -> list[dict]:
+    """Requeue rows whose lease expired and send a message for each; returns them. (Every
+    worker's lease step and a waiting ``run`` call it: whoever comes first.)"""
+    rows = jobs.reclaim(get_settings().lease_timeout_s, max_attempts=max_attempts)
+    by_pair: dict[str, list[str]] = {}
+    for r in rows:
+        if r["pair"]:
+            by_pair.setdefault(r["pair"], []).append(r["id"])
+    for pair, ids in by_pair.items():
+        log.warning("%d rows of pair %s lost their worker (no heartbeat for %g s): requeued",
+                    len(ids), pair, get_settings().lease_timeout_s)  # fmt: skip
+        enqueue(ids, pair, check_pair=False)  # a failure leaves them queued without a message: `run` and `retry` resend those
+    return rows
 
 
 def requeue_lost(job_id: str) -> int:
@@ -329,6 +242,9 @@ def requeue_lost(job_id: str) -> int:
     return sent
 
 
+STORE_GRACE_S = 300  # s: how long `wait` keeps looking while the database cannot be read
+
+
 def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None, poll_s: float = 0.3,
          timeout_s: float | None = None, requeue_lost_after_s: float | None = None, restart=None,
          max_restarts: int = 20) -> dict:  # fmt: skip
@@ -344,9 +260,6 @@ def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None,
     gone, e.g. with a broker that lost its data, are sent again)."""
     from sqlalchemy.exc import DBAPIError
 
-    from .leases import reclaim_and_enqueue
-
-    log = logging.getLogger("specdec.client")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last_read = progress_at = reclaimed_at = time.monotonic()
     last_done, restarts = -1, 0
@@ -394,127 +307,3 @@ def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None,
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} not finished after {timeout_s} s: {counts}")
         time.sleep(poll_s)
-
-
-# -- streaming: accepted text from a worker to the client waiting on it (LangChain .stream) --------
-# A request stored with ``"_stream": true`` in its params has its text published while it is
-# generated, delta by delta as the engine accepts tokens (``StreamWriter`` is the engine's
-# ``on_text``), then an end marker. Where: a Redis stream ``specdec:stream:<request id>``
-# (XADD; kept STREAM_TTL_S, so a reader that starts late misses nothing) when the broker or
-# the result backend is Redis; else, with the embedded broker (one machine), JSON lines
-# appended to ``<data_dir>/streams/<request id>.jsonl``. ``follow_stream`` reads either and
-# deletes what it read. Streaming is best effort: a failing write stops the stream, never
-# the generation (the client still gets the whole result from the task).
-STREAM_TTL_S = 3600
-_redis_clients: dict[tuple[int, str], object] = {}
-
-
-def stream_key(request_id: str) -> str:
-    return f"specdec:stream:{request_id}"
-
-
-def _stream_redis_url() -> str | None:
-    settings = get_settings()
-    for url in (settings.broker_url, settings.result_backend):
-        if url and url.startswith(("redis://", "rediss://", "unix://")):
-            return url
-    return None
-
-
-def _redis(url: str):
-    key = (os.getpid(), url)  # a forked worker child opens its own connections
-    if key not in _redis_clients:
-        import redis
-
-        _redis_clients[key] = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10)
-    return _redis_clients[key]
-
-
-def _stream_file(request_id: str) -> Path:
-    return get_settings().data_dir / "streams" / f"{request_id}.jsonl"
-
-
-class StreamWriter:
-    """The worker's end. ``writer(text)`` publishes one delta; ``close()`` the end marker."""
-
-    def __init__(self, request_id: str):
-        self.request_id, self.url, self.broken = request_id, _stream_redis_url(), False
-
-    def _put(self, entry: dict) -> None:
-        if self.broken:
-            return
-        data = json.dumps(entry, ensure_ascii=False)
-        try:
-            if self.url:
-                key = stream_key(self.request_id)
-                pipe = _redis(self.url).pipeline(transaction=False)
-                pipe.xadd(key, {"e": data})
-                pipe.expire(key, STREAM_TTL_S)
-                pipe.execute()
-            else:
-                path = _stream_file(self.request_id)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(path, "a", encoding="utf-8") as f:
-                    f.write(data + "\n")
-        except Exception as e:  # noqa: BLE001 - never fail a generation over its stream
-            self.broken = True
-            import logging
-
-            logging.getLogger("specdec.worker").warning("request %s: streaming stopped: %s", self.request_id, e)
-
-    def __call__(self, text: str) -> None:
-        self._put({"t": text})
-
-    def close(self) -> None:
-        self._put({"end": 1})
-
-
-def follow_stream(request_id: str, done, *, timeout_s: float | None = None, poll_s: float = 0.1):
-    """The client's end: yield each text delta as the worker publishes it, until the end
-    marker, or until ``done()`` (the task is over; e.g. a worker that died publishes no end)
-    and nothing more is there. Raises TimeoutError after ``timeout_s``."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    url = _stream_redis_url()
-    key, path = stream_key(request_id), _stream_file(request_id)
-    last_id, offset, partial = "0-0", 0, b""
-    finished = False
-    try:
-        while True:
-            entries = []
-            if url:
-                block = poll_s if deadline is None else max(0.001, min(poll_s, deadline - time.monotonic()))
-                for _, items in _redis(url).xread({key: last_id}, count=256, block=int(block * 1000)) or []:
-                    for entry_id, fields in items:
-                        last_id = entry_id
-                        entries.append(json.loads(fields[b"e"]))
-            else:
-                try:
-                    with open(path, "rb") as f:
-                        f.seek(offset)
-                        data = f.read()
-                except FileNotFoundError:
-                    data = b""
-                offset += len(data)
-                *lines, partial = (partial + data).split(b"\n")
-                entries = [json.loads(line) for line in lines if line.strip()]
-                if not entries:
-                    time.sleep(poll_s)
-            for entry in entries:
-                if "end" in entry:
-                    return
-                yield entry["t"]
-            if entries:
-                continue
-            if finished:
-                return
-            finished = bool(done())  # read once more after this: what came before the end
-            if not finished and deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"request {request_id}: no end of its stream after {timeout_s} s")
-    finally:
-        try:
-            if url:
-                _redis(url).delete(key)
-            else:
-                path.unlink(missing_ok=True)
-        except Exception:  # noqa: BLE001 - cleanup only (the key expires anyway)
-            pass

@@ -1,0 +1,58 @@
+"""What every ``specdec-llm`` command shares: one way to say what went wrong, and the parsing
+of options more than one command takes. (``cli.py``, ``client/cli.py``, ``store/cli.py``
+and ``workers/cli.py`` use it.)
+
+Every failure a person can fix prints one line, ``error: ...``, on stderr and exits 2:
+``fail(message)``, or ``with user_errors():`` around work that may raise a ``SpecDecError``
+(bad input, an unknown pair, the store, the broker, a job file).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from contextlib import contextmanager
+
+import typer
+
+from .errors import SpecDecError
+
+
+def fail(message) -> None:
+    """One clear line on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+@contextmanager
+def user_errors():
+    try:
+        yield
+    except SpecDecError as e:
+        fail(e)
+
+
+def parse_k(value: str | None) -> int | str | None:
+    """``--k``: an integer or "auto" (None stays None)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        fail(f"k: {value!r} is not a number; use an integer >= 0 or 'auto'")
+
+
+def check_device(device: str | None) -> str | None:
+    if device is not None and not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):
+        fail(f"device: {device!r} unknown; use cpu, cuda or cuda:N (one worker per GPU)")
+    return device
+
+
+def check_batching(max_batch: int, concurrency: int) -> None:
+    """--max-batch B > 1 is one process (threads pool) holding the pair: refuse --concurrency N > 1."""
+    if max_batch < 1:
+        fail("max-batch: use at least 1")
+    if max_batch > 1 and concurrency > 1:
+        fail(f"--concurrency {concurrency} with --max-batch {max_batch}: a batching worker is one process per "
+             "device (its task threads share one batch); drop --concurrency, and start one worker per device "
+             "for more devices")  # fmt: skip

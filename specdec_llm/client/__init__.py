@@ -1,0 +1,50 @@
+"""The job client: everything a process that *sends* work does, over the store.
+
+It knows the task's name and the queues (``broker.py``) and sends by name: it imports no
+task code (``workers/``), and Celery only when it sends. Plain dicts in and out.
+
+- ``jobs.py``: submit a file as a job, enqueue rows, status, results, retry, cancel, wait;
+- ``rows.py`` / ``openai_batch.py``: input files -> rows -> store requests -> ``GenerationRequest``;
+  OpenAI Batch lines in and out;
+- ``streams.py``: text from the worker to the caller while it generates (both ends use it);
+- ``local.py``: local worker processes (``specdec-llm worker`` as a child process);
+- ``broker.py`` / ``embedded.py``: the Celery configuration both ends share, the embedded broker;
+- ``cli.py``: ``specdec-llm submit | status | results | retry | cancel | run | worker``.
+
+    from specdec_llm import client
+    job = client.submit("prompts.jsonl", "smollm2-135m", {"max_new_tokens": 64})
+    client.wait(job["job_id"]); client.results(job["job_id"])
+"""
+
+from .broker import QueueError, broker_display, check_broker, is_embedded, live_workers, queue_name, queue_size
+from .jobs import (
+    FINISHED,
+    FORMATS,
+    MAX_ATTEMPTS,
+    PENDING,
+    RESULT_FIELDS,
+    cancel,
+    enqueue,
+    get_job,
+    job_counts,
+    job_requests,
+    reclaim_and_enqueue,
+    requeue_lost,
+    results,
+    retry,
+    status,
+    submit,
+    wait,
+    write_results,
+)
+from .local import log_tail, start_local_worker, stop_local_worker
+from .rows import InputError, build_request
+from .streams import StreamWriter, follow_stream
+
+__all__ = [
+    "FINISHED", "FORMATS", "MAX_ATTEMPTS", "PENDING", "RESULT_FIELDS", "InputError", "QueueError", "StreamWriter",
+    "broker_display", "build_request", "cancel", "check_broker", "enqueue", "follow_stream", "get_job",
+    "is_embedded", "job_counts", "job_requests", "live_workers", "log_tail", "queue_name", "queue_size",
+    "reclaim_and_enqueue", "requeue_lost", "results", "retry", "start_local_worker", "status",
+    "stop_local_worker", "submit", "wait", "write_results",
+]  # fmt: skip

@@ -1,0 +1,179 @@
+"""Where the messages go: the task's name and queues, and the Celery configuration both ends
+share, from settings: ``SPECDEC_BROKER_URL``, ``SPECDEC_RESULT_BACKEND`` (the store is
+``SPECDEC_DATABASE_URL``, read by the store itself).
+
+The client sends by task name (``send_task``): it imports no task code, and Celery only
+when it sends. The worker's app (``workers/app.py``) is this configuration plus the task
+and the lease step.
+
+Production: Redis as broker and result backend. Without ``SPECDEC_BROKER_URL`` the broker
+is *embedded*: kombu's filesystem transport over ``<data_dir>/queue`` (one small file per
+message, no server; any process on this machine that shares the data directory can
+publish and consume; ``embedded.py``), and results go to ``<data_dir>/results`` (Celery's
+file backend).
+
+Task semantics for long GPU work: JSON only (a pickled message is refused, never
+unpickled), late acks + reject on worker loss (a message is acknowledged only after its
+result is written; a killed worker's message goes back to the queue), prefetch 1 (a
+worker never sits on messages another could run), a Redis visibility timeout longer than
+the hard time limit (a message is redelivered only when its worker is surely gone).
+
+``SPECDEC_CELERY_CONFIG=some.module`` overrides any Celery setting with the module's
+lowercase names (operations: TLS, Sentinel; tests: a short visibility timeout).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from contextlib import contextmanager
+from datetime import timedelta
+
+from specdec_llm.errors import SpecDecError
+from specdec_llm.settings import Settings, get_settings
+
+TASK = "specdec.generate"
+SOFT_TIME_LIMIT = 3600  # s: the task is told (SoftTimeLimitExceeded) and fails its row
+TIME_LIMIT = SOFT_TIME_LIMIT + 300  # s: the pool kills the process running it
+VISIBILITY_TIMEOUT = 2 * TIME_LIMIT  # s: Redis redelivers an unacknowledged message after this
+CONFIG_ENV = "SPECDEC_CELERY_CONFIG"
+
+_apps: dict[tuple, object] = {}
+
+
+class QueueError(SpecDecError, RuntimeError):
+    """The broker cannot be reached (the rows, if any, are saved); the message says what to do."""
+
+
+def queue_name(pair: str) -> str:
+    """One queue per pair: a worker holds one pair and consumes its queue."""
+    return f"specdec.{pair}"
+
+
+def is_embedded(settings: Settings | None = None) -> bool:
+    return not (settings or get_settings()).broker_url
+
+
+def broker_display(settings: Settings | None = None) -> str:
+    """The broker for messages and logs, password hidden."""
+    settings = settings or get_settings()
+    if is_embedded(settings):
+        return f"embedded (files in {settings.data_dir / 'queue'})"
+    from kombu.utils.url import maybe_sanitize_url
+
+    from specdec_llm.store.db import mask_query
+
+    return mask_query(maybe_sanitize_url(settings.broker_url))  # user:pass@ and ?password=...
+
+
+def celery_config(settings: Settings) -> dict:
+    conf = dict(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_soft_time_limit=SOFT_TIME_LIMIT,
+        task_time_limit=TIME_LIMIT,
+        task_default_queue=queue_name(settings.default_pair),
+        worker_proc_alive_timeout=900,  # a child loads its pair in worker_process_init (default 4 s)
+        worker_cancel_long_running_tasks_on_connection_loss=True,  # they come back: acks are late
+        broker_connection_retry_on_startup=True,
+        task_publish_retry=True,
+        task_publish_retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2},
+        result_backend_always_retry=True,
+        result_backend_max_retries=10,
+        result_expires=timedelta(days=7),
+    )
+    if is_embedded(settings):
+        queue = settings.data_dir / "queue"
+        results = settings.data_dir / "results"
+        for folder in (queue, queue / "control", results):
+            folder.mkdir(parents=True, exist_ok=True)
+        conf.update(
+            broker_url="filesystem://localhost/",
+            broker_transport="specdec_llm.client.embedded:EmbeddedTransport",
+            broker_transport_options={
+                "data_folder_in": str(queue),
+                "data_folder_out": str(queue),
+                "control_folder": str(queue / "control"),
+                "polling_interval": 0.002,  # s between looks at an empty queue folder (a listdir: cheap)
+            },
+            result_backend=settings.result_backend or f"file://{results}",
+            worker_enable_remote_control=False,  # no broadcast over files: fewer folders to poll
+        )
+    else:
+        broker = settings.broker_url
+        backend = settings.result_backend or (broker if broker.startswith(("redis://", "rediss://")) else None)
+        conf.update(
+            broker_url=broker,
+            result_backend=backend,
+            broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT},
+            result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT},
+        )
+    module = os.environ.get(CONFIG_ENV)
+    if module:
+        overrides = importlib.import_module(module)
+        conf.update({k: v for k, v in vars(overrides).items() if k.islower() and not k.startswith("_")})
+    return conf
+
+
+def config_key() -> tuple:
+    """What a Celery app's configuration depends on (one app per distinct key)."""
+    settings = get_settings()
+    return (settings.broker_url, settings.result_backend, str(settings.data_dir), settings.default_pair,
+            os.environ.get(CONFIG_ENV))  # fmt: skip
+
+
+def get_app():
+    """A Celery app for the current settings that sends by task name (no task registered
+    here; one per configuration, made on first use)."""
+    key = config_key()
+    if key not in _apps:
+        from celery import Celery
+
+        app = Celery("specdec", set_as_current=False)
+        app.conf.update(celery_config(get_settings()))
+        _apps[key] = app
+    return _apps[key]
+
+
+@contextmanager
+def reaching(what: str = "", then: str = ""):
+    """kombu's OperationalError (the broker cannot be reached) as a ``QueueError`` that says
+    what to do: "``what``: the broker at ... is unreachable (...); check ...``then``"."""
+    from kombu.exceptions import OperationalError
+
+    try:
+        yield
+    except OperationalError as e:
+        raise QueueError(f"{what + ': ' if what else ''}the broker at {broker_display()} is unreachable ({e}); "
+                         f"check SPECDEC_BROKER_URL and that it is running{then}") from None  # fmt: skip
+
+
+def check_broker() -> None:
+    """Raise ``QueueError`` quickly when the broker cannot be reached."""
+    with reaching(), get_app().connection_for_write() as conn:
+        conn.ensure_connection(max_retries=1, interval_start=0.2, interval_step=0.2, timeout=3)
+
+
+def live_workers(pair: str, timeout: float = 1.0) -> list[str]:
+    """Names of the running workers that consume ``pair``'s queue (none over the embedded broker)."""
+    if is_embedded():
+        return []
+    with reaching():
+        replies = get_app().control.inspect(timeout=timeout).active_queues() or {}
+    return sorted(node for node, queues in replies.items() if any(q.get("name") == queue_name(pair) for q in queues))
+
+
+def queue_size(pair: str) -> int | None:
+    """Messages waiting in ``pair``'s queue (not those a worker has reserved); None when the
+    broker cannot say."""
+    try:
+        with get_app().connection_for_read() as conn:
+            # (not passive: Redis has no key for an empty queue, so a passive look says "not found")
+            return conn.default_channel.queue_declare(queue=queue_name(pair)).message_count
+    except Exception:  # noqa: BLE001 - unknown: the caller does nothing
+        return None

@@ -1,0 +1,292 @@
+"""``specdec-llm submit | status | results | retry | cancel | run | worker``.
+
+``register(app)`` adds them to a Typer app. Thin: parsing and printing here, the work in
+``specdec_llm.client`` (jobs). ``worker`` checks its options here, then starts the worker
+with ``workers.cli.start_worker``: the one place ``specdec_llm`` imports ``workers`` (in
+that command, when it runs). Every failure a person can fix prints one line
+(``error: ...``) on stderr and exits 2 (``specdec_llm.cli_common``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+
+from specdec_llm.cli_common import check_batching, check_device, fail, parse_k, user_errors
+
+PairOpt = Annotated[Optional[str], typer.Option("--pair", help="Pair name (default: SPECDEC_DEFAULT_PAIR)")]
+NameOpt = Annotated[Optional[str], typer.Option(help="A label for the job (default: the file name)")]
+ChatOpt = Annotated[bool, typer.Option("--chat", help="Wrap each text prompt as a user turn (chat template)")]
+MaxNewOpt = Annotated[Optional[int], typer.Option(help="Tokens to generate per row (default 128)")]
+TempOpt = Annotated[Optional[float], typer.Option(help="0 = greedy (default)")]
+TopPOpt = Annotated[Optional[float], typer.Option(help="Nucleus sampling (1 = off)")]
+TopKOpt = Annotated[Optional[int], typer.Option(help="Top-k sampling (0 = off)")]
+SeedOpt = Annotated[Optional[int], typer.Option(help="Sampling seed")]
+KOpt = Annotated[Optional[str], typer.Option("--k", help="Draft length: an integer or 'auto'")]
+StopOpt = Annotated[Optional[List[str]], typer.Option(help="Stop string (repeatable)")]
+ModeOpt = Annotated[Optional[str], typer.Option(help="speculative | baseline (target only)")]
+PriceOpt = Annotated[List[str], typer.Option("--price-per-hour", help="USD per device-hour: 2.5, or cuda=2.5 (repeat)")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: the pair's device)")]
+FormatOpt = Annotated[str, typer.Option("--format", "-f", help="jsonl, csv or openai (OpenAI Batch output lines)")]
+MaxBatchOpt = Annotated[Optional[int], typer.Option(
+    "--max-batch", help="Requests decoded together as one batch (default: SPECDEC_MAX_BATCH or 1); "
+                        "> 1 runs one process with that many task threads (threads pool)")]  # fmt: skip
+
+
+def _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode) -> dict:
+    params = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                  k=parse_k(k), stop=list(stop) if stop else None, chat=chat or None, mode=mode)  # fmt: skip
+    return {key: v for key, v in params.items() if v is not None}
+
+
+def _fmt(v, spec: str, none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def worker(
+        pair: PairOpt = None,
+        device: DeviceOpt = None,
+        concurrency: Annotated[int, typer.Option(help="Pool processes, each holding the pair (1 per GPU)")] = 1,
+        queues: Annotated[Optional[str], typer.Option(help="Comma-separated queues (default: specdec.<pair>)")] = None,
+        price_per_hour: Annotated[Optional[float], typer.Option(help="USD per device-hour, for cost estimates")] = None,
+        calibrate: Annotated[bool, typer.Option(help="Measure target-only and speculative tok/s at start")] = True,
+        max_batch: MaxBatchOpt = None,
+        max_wait_ms: Annotated[Optional[float], typer.Option(
+            "--max-wait-ms", help="An idle worker waits this long for more requests to start a batch with "
+                                  "(default: SPECDEC_MAX_WAIT_MS or 20)")] = None,  # fmt: skip
+        metrics_port: Annotated[Optional[int], typer.Option(
+            "--metrics-port", help="Serve Prometheus metrics of every pool process on http://0.0.0.0:PORT/metrics "
+                                   "(prometheus_client multiprocess mode; folder: PROMETHEUS_MULTIPROC_DIR or a "
+                                   "temporary one)")] = None,  # fmt: skip
+        loglevel: str = "INFO",
+    ) -> None:
+        """Start a worker: one pair on one device, consuming the pair's queue.
+
+        --max-batch B > 1 decodes up to B requests as one batch: one process (Celery's threads
+        pool, B task threads, at most B messages reserved) holding the pair once."""
+        from specdec_llm.pairs import get_spec
+        from specdec_llm.settings import get_settings
+
+        with user_errors():
+            spec = get_spec(pair or get_settings().default_pair)  # reads the registry only: no model, no CUDA
+        if concurrency < 1:
+            fail("concurrency: use at least 1")
+        max_batch = get_settings().max_batch if max_batch is None else max_batch
+        max_wait_ms = get_settings().max_wait_ms if max_wait_ms is None else max_wait_ms
+        check_batching(max_batch, concurrency)
+        if max_wait_ms < 0:
+            fail("max-wait-ms: use 0 or more")
+        if metrics_port is not None and not 0 < metrics_port < 65536:
+            fail(f"metrics-port: {metrics_port} is not a TCP port; use 1-65535")
+        device = check_device(device) or spec.device
+        from workers.cli import start_worker  # the worker side: Celery, the task, the runtime
+
+        raise typer.Exit(start_worker(spec.name, device=device, concurrency=concurrency, queues=queues,
+                                      price_per_hour=price_per_hour, calibrate=calibrate, max_batch=max_batch,
+                                      max_wait_ms=max_wait_ms, metrics_port=metrics_port, loglevel=loglevel))
+
+    @app.command()
+    def submit(
+        file: Annotated[Path, typer.Argument(help="JSONL (our rows or OpenAI Batch lines), CSV (a prompt column) "
+                                                   "or text (one prompt per line)")],
+        pair: PairOpt = None, name: NameOpt = None, chat: ChatOpt = False, max_new_tokens: MaxNewOpt = None,
+        temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None,
+        k: KOpt = None, stop: StopOpt = None, mode: ModeOpt = None,
+    ) -> None:  # fmt: skip
+        """Persist every row as a job, enqueue them, print the job id."""
+        from specdec_llm import client
+        from specdec_llm.settings import get_settings
+
+        params = _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode)
+        pair = pair or get_settings().default_pair
+        with user_errors():
+            sub = client.submit(file, pair, params, name=name)
+        print(f"job {sub['job_id']}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} enqueued for "
+              f"pair {pair} via {client.broker_display()}", file=sys.stderr)  # fmt: skip
+        print(sub["job_id"])
+
+    @app.command()
+    def status(
+        job: str,
+        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+        price_per_hour: PriceOpt = [],  # noqa: B006 - typer needs a literal
+    ) -> None:
+        """Counts by state, progress, tokens/s, acceptance so far, ETA."""
+        from specdec_llm import client
+
+        with user_errors():
+            st = client.status(job, price_per_hour=price_per_hour or None)
+        if as_json:
+            print(json.dumps(st, default=str))
+            return
+        c = st["counts"]
+        cost = "-" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
+        print(f"job {st['job_id']} ({st['name']}): {st['status']}, {st['progress']:.0%} of {st['total']} rows")
+        print("  " + ", ".join(f"{k} {v}" for k, v in c.items()))
+        if st["lost"] or st["requeued"]:  # rows whose worker is gone: back on the queue by themselves
+            parts = [f"{st['lost']} lost, being requeued"] if st["lost"] else []
+            parts += [f"{st['requeued']} lost, requeued"] if st["requeued"] else []
+            print("  " + "; ".join(parts) + " (their worker stopped; they run again on their own)")
+        print(f"  {st['output_tokens']} tokens, {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s overall, "
+              f"{_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request; acceptance "
+              f"{_fmt(st['acceptance_rate'], '.1%')}, speedup {_fmt(st['speedup'], '.2f')}x "
+              f"(basis: {st['speedup_basis'] or '-'}), cost {cost}")  # fmt: skip
+        print(f"  elapsed {st['elapsed_s']:.0f} s, ETA {_fmt(st['eta_s'], '.0f')} s")
+
+    @app.command()
+    def results(
+        job: str,
+        fmt: FormatOpt = "jsonl",
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write here instead of stdout")] = None,
+    ) -> None:
+        """Export a job's rows in input order: id, text, finish reason, error, key stats
+        (--format openai: OpenAI Batch output lines, telemetry under response.body.specdec)."""
+        from specdec_llm import client
+
+        with user_errors():
+            items = client.results(job)
+        _export(items, fmt, out)
+
+    @app.command()
+    def retry(job: str) -> None:
+        """Re-enqueue a job's failed rows and lost ones (queued or running with no worker)."""
+        from specdec_llm import client
+
+        with user_errors():
+            r = client.retry(job)
+        print(f"job {job}: {r['enqueued']} rows enqueued again"
+              + (f"; {r['bad_input']} refused at submit (fix the input and submit it again)" if r["bad_input"] else ""))
+
+    @app.command()
+    def cancel(job: str) -> None:
+        """Cancel a job's rows not started yet (rows being generated finish)."""
+        from specdec_llm import client
+
+        with user_errors():
+            r = client.cancel(job)
+        print(f"job {job}: {r['cancelled']} rows cancelled")
+
+    @app.command()
+    def run(
+        file: Annotated[Path, typer.Argument(help="JSONL (our rows or OpenAI Batch lines), CSV (a prompt column) "
+                                                   "or text (one prompt per line)")],
+        pair: PairOpt = None,
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results file (default: FILE's stem + .results.jsonl)")] = None,
+        fmt: FormatOpt = "jsonl", name: NameOpt = None, chat: ChatOpt = False, max_new_tokens: MaxNewOpt = None,
+        temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None,
+        k: KOpt = None, stop: StopOpt = None, mode: ModeOpt = None, device: DeviceOpt = None,
+        concurrency: Annotated[int, typer.Option(help="Processes of a local worker, if one is started")] = 1,
+        max_batch: MaxBatchOpt = None,
+        price_per_hour: PriceOpt = [],  # noqa: B006
+    ) -> None:  # fmt: skip
+        """Submit FILE, run it to the end, export the results and print a summary.
+
+        Starts a local worker when none is reachable (always with the embedded broker) and
+        stops it at the end. Run the same command again after an interruption: it resumes."""
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from specdec_llm import client
+        from specdec_llm.settings import get_settings
+
+        err = Console(stderr=True)
+        params = _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode)
+        pair = pair or get_settings().default_pair
+        device = check_device(device)
+        check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
+        out = out or Path(f"{file.stem}.results.{'csv' if fmt == 'csv' else 'jsonl'}")
+        _check_output(fmt, out)  # before generating anything, not after
+        t0 = time.time()
+        procs = []
+        with user_errors():
+            sub = client.submit(file, pair, params, name=name)
+            job = sub["job_id"]
+            err.print(f"job {job}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} to generate "
+                      f"({sub['done']} done before); broker {client.broker_display()}")  # fmt: skip
+            try:
+                if sub["enqueued"]:
+                    client.check_broker()
+                    found = client.live_workers(pair)
+                    if found:
+                        err.print(f"workers for {pair}: {', '.join(found)}")
+                    else:
+                        procs.append(client.start_local_worker(pair, device=device, concurrency=concurrency,
+                                                              max_batch=max_batch))  # fmt: skip
+                        err.print(f"started a local worker for {pair} (log: {procs[0].log_path})")
+                columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           TextColumn("{task.fields[detail]}"))  # fmt: skip
+                with Progress(*columns, console=err) as progress:
+                    bar = progress.add_task(f"{pair}", total=sub["rows"], detail="")
+
+                    def show(c):
+                        done = c["ok"] + c["failed"] + c["cancelled"]
+                        progress.update(bar, completed=done, detail=f"ok {c['ok']} failed {c['failed']}")
+
+                    def restart(dead):  # a local worker killed (SIGKILL, OOM killer): its rows come back by lease
+                        return client.start_local_worker(pair, device=device, concurrency=concurrency,
+                                                         max_batch=max_batch)  # fmt: skip
+
+                    client.wait(job, workers=procs, on_progress=show, requeue_lost_after_s=60, restart=restart)
+            except RuntimeError as e:  # the local worker stopped
+                fail(e)
+            except KeyboardInterrupt:
+                err.print(f"interrupted; run the same command again to resume job {job}")
+                raise typer.Exit(130)
+            finally:
+                for p in procs:
+                    client.stop_local_worker(p)
+            _export(client.results(job), fmt, out, job=job)
+            st = client.status(job, price_per_hour=price_per_hour or None)
+        c, wall = st["counts"], time.time() - t0
+        print(f"job {job}: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled; results in {out}")
+        print(f"  {st['output_tokens']} output tokens; {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s over the "
+              f"job ({wall:.1f} s this run), {_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request")  # fmt: skip
+        speedup = "unknown (no counterfactual recorded)" if st["speedup"] is None else f"{st['speedup']:.2f}x"
+        cost = "unknown (give --price-per-hour)" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
+        print(f"  acceptance {_fmt(st['acceptance_rate'], '.1%')}, {_fmt(st['mean_accepted_length'], '.2f')} tokens "
+              f"per target forward; speedup vs target-only {speedup}; cost {cost}")  # fmt: skip
+        if st["speedup"] is not None:
+            print(f"  (speedup basis: {st['speedup_basis']}: each request's output tokens at the target-only step "
+                  "time its worker measured at the same batch size, over the time it took)")  # fmt: skip
+        if c["failed"]:
+            print(f"  {c['failed']} rows failed: see their 'error' in {out}; `specdec-llm retry {job}` runs them again")
+
+
+def _check_output(fmt: str, out: Path) -> None:
+    """Refuse a format or an output file that cannot work, before a job runs."""
+    from .jobs import FORMATS
+
+    if fmt not in FORMATS:
+        fail(f"format: {fmt!r} unknown; use --format {', '.join(FORMATS)}")
+    if out.is_dir():
+        fail(f"out: {out} is a folder; give a file name, e.g. --out {out / 'results.jsonl'}")
+    folder = out.parent
+    while not folder.exists() and folder != folder.parent:  # the nearest existing folder gets the new ones
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder if not out.exists() else out, os.W_OK):
+        fail(f"out: cannot write {out} (permission denied or not a folder); choose another --out")
+
+
+def _export(items: list[dict], fmt: str, out: Path | None, job: str | None = None) -> None:
+    from specdec_llm import client
+
+    if fmt not in client.FORMATS:
+        fail(f"format: {fmt!r} unknown; use {', '.join(client.FORMATS)}")
+    if out is None:
+        client.write_results(items, fmt, sys.stdout)
+        return
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", encoding="utf-8", newline="") as f:
+            client.write_results(items, fmt, f)
+    except OSError as e:
+        again = f"; the results are in the store: `specdec-llm results {job} --out FILE` writes them" if job else ""
+        fail(f"cannot write {out}: {e.strerror}{again}")

@@ -1,0 +1,46 @@
+"""The embedded broker's transport: kombu's filesystem transport with atomic hand-over
+(``broker.celery_config`` names it when ``SPECDEC_BROKER_URL`` is unset; kombu imports it)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from time import monotonic
+
+from kombu.transport import filesystem
+from kombu.utils.encoding import bytes_to_str, str_to_bytes
+from kombu.utils.json import dumps, loads
+
+
+class EmbeddedChannel(filesystem.Channel):
+    """kombu's filesystem channel with atomic hand-over: a message is written to a hidden
+    file and renamed into place, and a consumer claims one by renaming it (exactly one
+    rename wins). Upstream writes in place and moves claimed files to /tmp, where a reader
+    can catch a half-written file or two readers can copy the same one."""
+
+    def _put(self, queue, payload, **kwargs):
+        name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
+        tmp = os.path.join(self.data_folder_out, f".{name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(str_to_bytes(dumps(payload)))
+        os.replace(tmp, os.path.join(self.data_folder_out, name))
+
+    def _get(self, queue):
+        folder = self.data_folder_in
+        for name in sorted(os.listdir(folder)):
+            if name.startswith(".") or name.partition(".")[2] != f"{queue}.msg":
+                continue
+            claimed = os.path.join(folder, f".{name}.{os.getpid()}.claimed")
+            try:
+                os.rename(os.path.join(folder, name), claimed)
+            except FileNotFoundError:  # another consumer won it
+                continue
+            with open(claimed, "rb") as f:
+                payload = f.read()
+            os.remove(claimed)
+            return loads(bytes_to_str(payload))
+        raise filesystem.Empty()
+
+
+class EmbeddedTransport(filesystem.Transport):
+    Channel = EmbeddedChannel

@@ -1,0 +1,136 @@
+"""Accepted text from a worker to the client waiting on it (LangChain ``.stream``).
+
+A request stored with ``"_stream": true`` in its params has its text published while it is
+generated, delta by delta as the engine accepts tokens (``StreamWriter`` is the engine's
+``on_text``, in the worker), then an end marker. Where: a Redis stream
+``specdec:stream:<request id>`` (XADD; kept STREAM_TTL_S, so a reader that starts late
+misses nothing) when the broker or the result backend is Redis; else, with the embedded
+broker (one machine), JSON lines appended to ``<data_dir>/streams/<request id>.jsonl``.
+``follow_stream`` (the client) reads either and deletes what it read. Streaming is best
+effort: a failing write stops the stream, never the generation (the client still gets the
+whole result from the task). Both ends import this module; it imports neither.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from specdec_llm.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+STREAM_TTL_S = 3600
+_redis_clients: dict[tuple[int, str], object] = {}
+
+
+def stream_key(request_id: str) -> str:
+    return f"specdec:stream:{request_id}"
+
+
+def _stream_redis_url() -> str | None:
+    settings = get_settings()
+    for url in (settings.broker_url, settings.result_backend):
+        if url and url.startswith(("redis://", "rediss://", "unix://")):
+            return url
+    return None
+
+
+def _redis(url: str):
+    key = (os.getpid(), url)  # a forked worker child opens its own connections
+    if key not in _redis_clients:
+        import redis
+
+        _redis_clients[key] = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10)
+    return _redis_clients[key]
+
+
+def _stream_file(request_id: str) -> Path:
+    return get_settings().data_dir / "streams" / f"{request_id}.jsonl"
+
+
+class StreamWriter:
+    """The worker's end. ``writer(text)`` publishes one delta; ``close()`` the end marker."""
+
+    def __init__(self, request_id: str):
+        self.request_id, self.url, self.broken = request_id, _stream_redis_url(), False
+
+    def _put(self, entry: dict) -> None:
+        if self.broken:
+            return
+        data = json.dumps(entry, ensure_ascii=False)
+        try:
+            if self.url:
+                key = stream_key(self.request_id)
+                pipe = _redis(self.url).pipeline(transaction=False)
+                pipe.xadd(key, {"e": data})
+                pipe.expire(key, STREAM_TTL_S)
+                pipe.execute()
+            else:
+                path = _stream_file(self.request_id)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write(data + "\n")
+        except Exception as e:  # noqa: BLE001 - never fail a generation over its stream
+            self.broken = True
+            log.warning("request %s: streaming stopped: %s", self.request_id, e)
+
+    def __call__(self, text: str) -> None:
+        self._put({"t": text})
+
+    def close(self) -> None:
+        self._put({"end": 1})
+
+
+def follow_stream(request_id: str, done, *, timeout_s: float | None = None, poll_s: float = 0.1):
+    """The client's end: yield each text delta as the worker publishes it, until the end
+    marker, or until ``done()`` (the task is over; e.g. a worker that died publishes no end)
+    and nothing more is there. Raises TimeoutError after ``timeout_s``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    url = _stream_redis_url()
+    key, path = stream_key(request_id), _stream_file(request_id)
+    last_id, offset, partial = "0-0", 0, b""
+    finished = False
+    try:
+        while True:
+            entries = []
+            if url:
+                block = poll_s if deadline is None else max(0.001, min(poll_s, deadline - time.monotonic()))
+                for _, items in _redis(url).xread({key: last_id}, count=256, block=int(block * 1000)) or []:
+                    for entry_id, fields in items:
+                        last_id = entry_id
+                        entries.append(json.loads(fields[b"e"]))
+            else:
+                try:
+                    with open(path, "rb") as f:
+                        f.seek(offset)
+                        data = f.read()
+                except FileNotFoundError:
+                    data = b""
+                offset += len(data)
+                *lines, partial = (partial + data).split(b"\n")
+                entries = [json.loads(line) for line in lines if line.strip()]
+                if not entries:
+                    time.sleep(poll_s)
+            for entry in entries:
+                if "end" in entry:
+                    return
+                yield entry["t"]
+            if entries:
+                continue
+            if finished:
+                return
+            finished = bool(done())  # read once more after this: what came before the end
+            if not finished and deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"request {request_id}: no end of its stream after {timeout_s} s")
+    finally:
+        try:
+            if url:
+                _redis(url).delete(key)
+            else:
+                path.unlink(missing_ok=True)
+        except Exception:  # noqa: BLE001 - cleanup only (the key expires anyway)
+            pass

@@ -1,0 +1,244 @@
+"""What ``SpecDecLLM`` and ``ChatSpecDec`` share: their fields, the resolution of one call
+(fields overridden by the call's arguments, checked before any work), the choice of the
+backend, and the figures every answer carries (``info``, ``usage``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Literal
+
+from langchain_core.language_models import LangSmithParams
+from pydantic import BaseModel, Field, SecretStr, model_validator
+
+from specdec_llm.checks import check_seed
+from specdec_llm.engine import SPEEDUP_BASIS, GenerationRequest, RequestError
+from specdec_llm.settings import get_settings
+
+from .backend import Backend, Call, Item, clean
+
+PROVIDER = "specdec"
+# generation_info keys, from the result and its stats
+INFO_FIELDS = ("prompt_tokens", "output_tokens", "draft_tokens_proposed", "draft_tokens_accepted",
+               "acceptance_rate", "mean_accepted_length", "tokens_per_s", "time_to_first_token_s",
+               "wall_time_s", "baseline_s", "drafter", "drafter_tokens")  # fmt: skip
+CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k", "drafter", "chat", "decoding", "timeout",
+                "job_name", "job_metadata", "category")  # fmt: skip
+
+
+def get_backend(name: str) -> Backend:
+    """The implementation of ``name`` ("local" or "remote")."""
+    if name == "remote":
+        from .remote import RemoteBackend
+
+        return RemoteBackend()
+    from .local import LocalBackend
+
+    return LocalBackend()
+
+
+# -- the shared part of both models -----------------------------------------------------------------
+class SpecDecBase(BaseModel):
+    """Fields and plumbing shared by ``SpecDecLLM`` and ``ChatSpecDec``."""
+
+    pair: str = Field(default_factory=lambda: get_settings().default_pair)
+    """Pair name from the registry (``specdec-llm pairs list``); ``model=`` also sets it."""
+    backend: Literal["auto", "remote", "local"] = "auto"
+    """remote: the Celery pool; local: this process; auto: remote iff SPECDEC_BROKER_URL is set."""
+    max_new_tokens: int = 128
+    """Tokens to generate at most (``max_tokens=`` also sets it)."""
+    temperature: float = 0.0
+    """0 = greedy (token-identical to the target's own greedy decoding)."""
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    k: int | Literal["auto"] = "auto"
+    """Draft length: an integer (0 = target only) or "auto" (chosen per iteration)."""
+    drafter: str = "auto"
+    """Who drafts: "auto" (the pair's drafters, chosen per row and iteration) or one of them
+    ("lookup", "suffix", "model"; ``specdec-llm pairs show PAIR`` lists a pair's)."""
+    stop: list[str] | None = None
+    """Stop strings; a call's ``stop`` replaces these. Text is cut before the first one."""
+    chat: bool = False
+    """LLM: wrap the prompt as a user turn with the target's chat template."""
+    decoding: Literal["speculative", "baseline"] = "speculative"
+    """baseline = target-only decoding (for comparisons)."""
+    timeout: float | None = 600.0
+    """Seconds for a whole call (all its prompts); None waits forever."""
+    job_name: str = "langchain"
+    """Store job (per pair) the requests belong to: reports group by it."""
+    job_metadata: dict[str, Any] | None = None
+    """JSON metadata stored with each request (``results`` exports it)."""
+    category: str | None = None
+    """A label reports can group by (``--group-by category``)."""
+    record: bool = True
+    """Local mode: record requests, outputs and telemetry in the store (remote always does)."""
+    streaming: bool = False
+    """invoke/generate stream internally, so callbacks get each token (one prompt at a time)."""
+    max_retries: int = 0
+    """Remote mode: submissions retried after a broker fault before BrokerUnavailable."""
+    api_key: SecretStr | None = None
+    """Not used (the pool needs no key); accepted as one of LangChain's standard parameters."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _standard_names(cls, values: Any) -> Any:
+        """LangChain's standard names: ``model`` for ``pair``, ``max_tokens`` for
+        ``max_new_tokens`` (the project's own name wins when both are given)."""
+        if isinstance(values, dict):
+            values = dict(values)
+            for alias, name in (("model", "pair"), ("max_tokens", "max_new_tokens")):
+                if alias in values:
+                    value = values.pop(alias)
+                    values.setdefault(name, value)
+        return values
+
+    # -- LangChain plumbing ---------------------------------------------------------------------
+    def _spec_fields(self) -> dict:
+        try:
+            from specdec_llm.pairs import get_spec
+
+            spec = get_spec(self.pair)
+            return {"target": spec.target, "draft": spec.draft, "dtype": spec.dtype, "device": spec.device}
+        except Exception:  # noqa: BLE001 - identifying params never fail; a call says what is wrong
+            return {"target": None, "draft": None}
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "pair": self.pair, **self._spec_fields(), "backend": self.effective_backend(),
+            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "seed": self.seed, "k": self.k, "drafter": self.drafter, "decoding": self.decoding,
+            "chat": self.chat,
+        }  # fmt: skip
+
+    def _ls(self, model_type: str, stop: list[str] | None, kwargs: dict) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider=PROVIDER, ls_model_type=model_type,
+            ls_model_name=kwargs.get("model") or kwargs.get("pair") or self.pair,
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
+        )  # fmt: skip
+        stop = stop if stop is not None else self.stop
+        if stop:
+            params["ls_stop"] = stop
+        return params
+
+    def effective_backend(self) -> str:
+        """"remote" or "local": what this model uses now (``backend``, or for "auto" the settings)."""
+        if self.backend != "auto":
+            return self.backend
+        return "remote" if get_settings().broker_url else "local"
+
+    def _resolve(self, stop: list[str] | None, kwargs: dict, *, messages: bool) -> Call:
+        """This call's settings: fields, overridden by the call's keyword arguments."""
+        kwargs = dict(kwargs)
+        kwargs.pop("stream", None)  # a chat model's stream flag: not a generation parameter
+        model, pair = kwargs.pop("model", None), kwargs.pop("pair", None)
+        pair = pair or model or self.pair  # a per-call pair (``model=`` is LangChain's name for it)
+        if "max_tokens" in kwargs:  # LangChain's usual name
+            kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
+        unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
+        if unknown:
+            raise RequestError(unknown[0], f"unknown option; use one of {', '.join(CALL_OPTIONS)}")
+        opt = {name: kwargs.get(name, getattr(self, name)) for name in CALL_OPTIONS}
+        stop = list(stop) if stop is not None else list(self.stop or [])
+        gen = dict(max_new_tokens=opt["max_new_tokens"], temperature=opt["temperature"], top_p=opt["top_p"],
+                   top_k=opt["top_k"], seed=opt["seed"], k=opt["k"], drafter=opt["drafter"], stop=stop,
+                   chat=bool(opt["chat"]) and not messages, mode=opt["decoding"])  # fmt: skip
+        GenerationRequest(prompt="x", **gen).validate()  # RequestError naming the bad field
+        check_seed(gen["seed"])
+        if opt["job_metadata"] is not None:
+            try:
+                json.dumps(opt["job_metadata"])
+            except (TypeError, ValueError) as e:
+                raise RequestError("job_metadata", f"must be JSON-serialisable ({e})") from None
+        timeout = opt["timeout"]
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise RequestError("timeout", f"{timeout!r}: use a number of seconds > 0, or None")
+        from specdec_llm.pairs import get_spec
+
+        get_spec(pair)  # unknown pair: RequestError now, not in a worker
+        return Call(pair=pair, backend=self.effective_backend(), gen=gen, job_name=str(opt["job_name"]),
+                    job_metadata=opt["job_metadata"], category=opt["category"], timeout=timeout,
+                    record=self.record, max_retries=self.max_retries, started=time.monotonic())  # fmt: skip
+
+    # -- running a call: a list of results (plain dicts) --------------------------------------------
+    def _run(self, items: list[Item], call: Call) -> list[dict]:
+        for item in items:
+            item.check()
+        results = get_backend(call.backend).generate(items, call)
+        return [{**r, "text": clean(r["text"]), "pair": call.pair} for r in results]
+
+    def _events(self, item: Item, call: Call, cancel: threading.Event) -> Iterator[tuple[str, Any]]:
+        """("text", delta)... then ("result", result): one prompt, streamed."""
+        item.check()
+        for kind, value in get_backend(call.backend).stream(item, call, cancel):
+            yield kind, (clean(value) if kind == "text" else {**value, "text": clean(value["text"]), "pair": call.pair})
+
+
+async def aiter_in_thread(make: Callable[[threading.Event], Iterator]) -> AsyncIterator:
+    """Run a blocking iterator in a thread and yield its items here: the event loop never
+    waits on a worker, a socket or the model."""
+    loop = asyncio.get_running_loop()
+    items: asyncio.Queue = asyncio.Queue()
+    cancel = threading.Event()
+
+    def post(kind: str, value: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(items.put_nowait, (kind, value))
+        except RuntimeError:  # the loop is closed: nobody is listening
+            cancel.set()
+
+    def pump() -> None:
+        source = make(cancel)
+        try:
+            for item in source:
+                if cancel.is_set():
+                    break
+                post("item", item)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            post("error", e)
+        else:
+            post("done", None)
+        finally:
+            source.close()  # a consumer that stopped early: the source cleans up now
+
+    ctx = contextvars.copy_context()
+    threading.Thread(target=ctx.run, args=(pump,), daemon=True, name="specdec-async").start()
+    try:
+        while True:
+            kind, value = await items.get()
+            if kind == "error":
+                raise value
+            if kind == "done":
+                return
+            yield value
+    finally:
+        cancel.set()
+
+
+def info(result: dict) -> dict:
+    """A result's ``generation_info``: its figures, the speedup and its basis, ids."""
+    stats = result.get("stats") or {}
+    out = {"finish_reason": result.get("finish_reason") or stats.get("finish_reason")}
+    out.update({name: stats.get(name) for name in INFO_FIELDS})
+    base, wall = stats.get("baseline_s"), stats.get("wall_time_s")
+    speedup = base / wall if base and wall else None  # a row recorded before baseline_s existed has none
+    out.update(speedup=speedup, speedup_basis=SPEEDUP_BASIS if speedup is not None else None)
+    out.update(request_id=result.get("request_id"), job_id=result.get("job_id"), pair=result.get("pair"))
+    return out
+
+
+def usage(results: list[dict]) -> dict:
+    """LangChain's ``token_usage`` over ``results``."""
+    prompt = sum(int((r.get("stats") or {}).get("prompt_tokens") or 0) for r in results)
+    output = sum(int((r.get("stats") or {}).get("output_tokens") or 0) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
+
+

@@ -1,0 +1,124 @@
+"""Remote mode: the Celery worker pool, through the job client (``specdec_llm.client``).
+
+A call persists its prompts as request rows of its store job and enqueues them all in one
+submission on the pair's queue (``client.enqueue(..., keep_results=True)``); the workers
+generate and record them, and the call waits on the task results. A streamed row is marked
+``"_stream": true``: the worker publishes accepted text as it is generated, and the call
+yields it from there (``client.follow_stream``), not replayed at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from specdec_llm import client, store
+
+from .backend import BrokerUnavailable, Call, GenerationFailed, GenerationTimeout, Item, clean, mark
+
+
+class RemoteBackend:
+    def generate(self, items: list[Item], call: Call) -> list[dict]:
+        sent = self._submit(items, call)
+        out = []
+        try:
+            for rid, result in sent:
+                out.append(self._wait(rid, result, call))
+        except GenerationTimeout:
+            self._cancel_queued([rid for rid, _ in sent])
+            raise
+        return out
+
+    def stream(self, item: Item, call: Call, cancel=None) -> Iterator[tuple[str, Any]]:
+        [(rid, result)] = self._submit([item], call, stream=True)
+        streamed = []
+        try:
+            for delta in client.follow_stream(rid, result.ready, timeout_s=call.remaining()):
+                streamed.append(delta)
+                yield "text", delta
+        except TimeoutError:
+            self._cancel_queued([rid])
+            raise call.timeout_error(f"request {rid}") from None
+        final = self._wait(rid, result, call)
+        sent = clean("".join(streamed))
+        if final["text"] != sent and final["text"].startswith(sent):  # a stream cut short: the rest
+            yield "text", final["text"][len(sent) :]
+        yield "result", final
+
+    # -------------------------------------------------------------------------------------------
+    def _submit(self, items: list[Item], call: Call, *, stream: bool = False) -> list[tuple[str, Any]]:
+        """Persist every item as a request row of the call's job, then enqueue them all at
+        once; returns (request id, AsyncResult) per item."""
+        from kombu.exceptions import OperationalError
+        from redis.exceptions import RedisError
+
+        rows = call.rows(items, stream=stream)
+        ids = [r["id"] for r in rows]
+        call.save(rows)
+        for attempt in range(call.max_retries + 1):
+            try:
+                client.check_broker()  # fails in well under a second; a publish to a dead Redis takes ~20 s
+                return list(zip(ids, client.enqueue(ids, call.pair, keep_results=True)))
+            except (OperationalError, ConnectionError, OSError, RedisError, RuntimeError) as e:  # QueueError too
+                fault = e
+                if attempt < call.max_retries and not call.expired():
+                    time.sleep(min(0.5 * 2**attempt, 5.0))
+        error = (str(fault) if isinstance(fault, client.QueueError)
+                 else f"the broker at {client.broker_display()} is unreachable ({fault}); check SPECDEC_BROKER_URL "
+                      "and that the broker is running")  # fmt: skip
+        for rid in ids:
+            store.mark_request(rid, "failed", error=error)
+        raise BrokerUnavailable(error)
+
+    def _wait(self, rid: str, result, call: Call) -> dict:
+        from celery.exceptions import TimeoutError as CeleryTimeout
+
+        while True:  # the task's result; or the row finished by another delivery (its first worker was lost)
+            remaining = call.remaining()
+            try:
+                out = result.get(timeout=5.0 if remaining is None else max(0.01, min(5.0, remaining)),
+                                 propagate=False, interval=0.05)  # fmt: skip
+                break
+            except CeleryTimeout:
+                row = store.get_request(rid)
+                if row and row["status"] in ("ok", "failed", "cancelled"):
+                    return self._from_store(rid, call)
+                if call.expired():
+                    raise call.timeout_error(f"request {rid}") from None
+        if result.failed():
+            raise GenerationFailed(f"request {rid} failed in the worker: {out!r}")
+        try:
+            result.forget()  # read once: no need to keep it in the result backend
+        except Exception:  # noqa: BLE001
+            pass
+        status = out.get("status") if isinstance(out, dict) else None
+        if status == "ok" and "stats" in out:
+            return {**out, "job_id": call.job_id}
+        if status in ("forwarded", "ok"):  # another worker has it, or a redelivery: read the store
+            return self._from_store(rid, call)
+        why = (out.get("error") or status) if isinstance(out, dict) else out
+        raise GenerationFailed(f"request {rid} failed: {why}")
+
+    def _from_store(self, rid: str, call: Call) -> dict:
+        while True:
+            row = store.get_request(rid)
+            if row and row["status"] == "ok" and row["output"]:
+                out = row["output"]
+                return {"request_id": rid, "status": "ok", "text": out["text"], "token_ids": out["token_ids"],
+                        "finish_reason": out["finish_reason"], "stats": store.get_stats(rid),
+                        "job_id": call.job_id}  # fmt: skip
+            if row and row["status"] in ("failed", "cancelled"):
+                raise GenerationFailed(f"request {rid} {row['status']}: {row['error']}")
+            if call.expired():
+                raise call.timeout_error(f"request {rid}")
+            time.sleep(0.1)
+
+    def _cancel_queued(self, ids: list[str]) -> None:
+        for rid in ids:
+            try:
+                row = store.get_request(rid)
+            except Exception:  # noqa: BLE001 - best effort
+                continue
+            if row and row["status"] == "queued":
+                mark(rid, "cancelled", "cancelled: the LangChain call timed out")

@@ -1,0 +1,55 @@
+"""The one cache of loaded pairs: each pair is loaded once per process, and one
+``BatchServer`` (its own thread) owns its decoder. Every generation in a long-lived process
+goes through it: the worker runtime (``workers/runtime.py``: one pair per worker process)
+and LangChain's local mode (``specdec_llm/langchain/local.py``: any pair, in this process).
+
+    loaded = get("smollm2-135m")            # a name, or a PairSpec (e.g. another device)
+    result = loaded.server.submit(GenerationRequest("Hi")).result()
+
+torch is imported on first use, not with this module.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+_cache: dict[tuple, Loaded] = {}
+_lock = threading.Lock()  # callers on many threads wait for one load
+
+
+@dataclass
+class Loaded:
+    spec: Any  # pairs.PairSpec
+    pair: Any  # pairs.Pair
+    decoder: Any  # engine SpeculativeDecoder (its server's thread runs it)
+    server: Any  # engine.serve.BatchServer over ``decoder``
+
+    @property
+    def tokenizer(self):
+        return self.pair.tokenizer
+
+
+def get(pair, *, threads: int | None = None, max_batch: int = 1, max_wait_ms: float = 20.0) -> Loaded:
+    """``pair`` (a name or a ``PairSpec``) loaded, with its server. The first load sets
+    torch's threads (``pairs.use_threads(threads)``). A server with other batching settings,
+    or a closed one, is replaced (the loaded models are kept)."""
+    from .engine.serve import BatchServer
+    from .pairs import get_spec, load_pair, use_threads
+
+    spec = get_spec(pair) if isinstance(pair, str) else pair
+    key = (spec.name, spec.target, spec.draft, spec.dtype, spec.device, spec.k, tuple(spec.drafters or ()),
+           spec.trust_remote_code)  # fmt: skip
+    with _lock:
+        entry = _cache.get(key)
+        if entry is None:
+            use_threads(threads)
+            loaded = load_pair(spec)
+            entry = _cache[key] = Loaded(spec, loaded, loaded.decoder(), None)
+        server = entry.server
+        if server is None or server.closed.is_set() or (server.max_batch, server.max_wait) != (max_batch, max_wait_ms / 1000):
+            if server is not None:
+                server.close()
+            entry.server = BatchServer(entry.decoder, max_batch=max_batch, max_wait_ms=max_wait_ms)
+        return entry
