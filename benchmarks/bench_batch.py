@@ -94,9 +94,22 @@ def main() -> None:
     print(f"(a) one at a time, hf generate: {len(sub)} prompts, {rate_a:.1f} tok/s", flush=True)
 
     report = {"a_tokens_per_s": rate_a, "batches": {}}
-    table = Table(title=f"{args.pair}: greedy, {n} new tokens, Spec-Bench dev, {torch.get_num_threads()} threads, (a) = {rate_a:.1f} tok/s")
-    for col in ("batch", "prompts", "(b) k=0 tok/s", "(c) auto tok/s", "c / a", "c / b", "reported (c)", "mean k (c)",
-                "acceptance (c)", "match (a)", "b = c"):  # fmt: skip
+    table = Table(
+        title=f"{args.pair}: greedy, {n} new tokens, Spec-Bench dev, {torch.get_num_threads()} threads, (a) = {rate_a:.1f} tok/s"
+    )
+    for col in (
+        "batch",
+        "prompts",
+        "(b) k=0 tok/s",
+        "(c) auto tok/s",
+        "c / a",
+        "c / b",
+        "reported (c)",
+        "mean k (c)",
+        "acceptance (c)",
+        "match (a)",
+        "b = c",
+    ):
         table.add_column(col)
     for b in sizes:
         prompts = sub if b == 1 else ids
@@ -112,14 +125,32 @@ def main() -> None:
         same = sum(x.token_ids == y.token_ids for x, y in zip(res["b"][0], c_out))
         # the speedup (c) reports about itself (Stats.baseline_s), to compare with c / b measured side by side
         reported = sum(r.stats.baseline_s for r in c_out) / sum(r.stats.wall_time_s for r in c_out)
-        row = {"prompts": len(prompts), "b_tokens_per_s": rate["b"], "c_tokens_per_s": rate["c"],
-               "c_over_a": rate["c"] / rate_a, "c_over_b": rate["c"] / rate["b"], "c_reported_speedup": reported,
-               "mean_k": sum(ks) / len(ks),
-               "acceptance": acc, "match_a": f"{match_a}/{len(sub)}", "b_equals_c": f"{same}/{len(prompts)}"}  # fmt: skip
+        row = {
+            "prompts": len(prompts),
+            "b_tokens_per_s": rate["b"],
+            "c_tokens_per_s": rate["c"],
+            "c_over_a": rate["c"] / rate_a,
+            "c_over_b": rate["c"] / rate["b"],
+            "c_reported_speedup": reported,
+            "mean_k": sum(ks) / len(ks),
+            "acceptance": acc,
+            "match_a": f"{match_a}/{len(sub)}",
+            "b_equals_c": f"{same}/{len(prompts)}",
+        }
         report["batches"][b] = row
-        table.add_row(str(b), str(len(prompts)), f"{rate['b']:.1f}", f"{rate['c']:.1f}", f"{row['c_over_a']:.2f}x",
-                      f"{row['c_over_b']:.2f}x", f"{reported:.2f}x", f"{row['mean_k']:.2f}", "-" if acc is None else f"{acc:.2f}",
-                      row["match_a"], row["b_equals_c"])  # fmt: skip
+        table.add_row(
+            str(b),
+            str(len(prompts)),
+            f"{rate['b']:.1f}",
+            f"{rate['c']:.1f}",
+            f"{row['c_over_a']:.2f}x",
+            f"{row['c_over_b']:.2f}x",
+            f"{reported:.2f}x",
+            f"{row['mean_k']:.2f}",
+            "-" if acc is None else f"{acc:.2f}",
+            row["match_a"],
+            row["b_equals_c"],
+        )
         print(json.dumps({"batch": b, **row}), flush=True)
     Console(width=200).print(table)
     if args.json:

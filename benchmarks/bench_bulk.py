@@ -35,19 +35,70 @@ TEMPLATE = (
     "Warranty: <number> years"
 )
 ITEMS = [
-    "a stainless steel water bottle", "a wireless computer mouse", "a cast iron frying pan", "a yoga mat",
-    "a mechanical keyboard", "a hiking backpack", "a ceramic coffee mug", "a desk lamp", "a robot vacuum cleaner",
-    "a pair of running shoes", "an electric kettle", "a noise cancelling headphone", "a camping tent",
-    "a bamboo cutting board", "a smart watch", "a portable phone charger", "a wool winter scarf", "a gaming chair",
-    "a blender", "a bicycle helmet", "a set of kitchen knives", "an air purifier", "a leather wallet",
-    "a digital camera", "a garden hose", "a standing desk", "a pressure cooker", "a baby stroller",
-    "a bluetooth speaker", "a sleeping bag", "an umbrella", "a toaster", "a tennis racket", "a hair dryer",
-    "a laptop stand", "a travel suitcase", "a children's picture book", "a fountain pen", "a microwave oven",
-    "a pair of sunglasses", "a dog bed", "an electric toothbrush", "a wall clock", "a rice cooker",
-    "a snowboard", "a weather station", "a sewing machine", "a telescope", "a drone", "a pizza stone",
-    "a coffee grinder", "a fitness tracker", "a desk chair", "a paint brush set", "an e-book reader",
-    "a window fan", "a tool box", "a skateboard", "a chess set", "a hammock", "a food scale", "a flashlight",
-    "a soldering iron", "a picnic basket",
+    "a stainless steel water bottle",
+    "a wireless computer mouse",
+    "a cast iron frying pan",
+    "a yoga mat",
+    "a mechanical keyboard",
+    "a hiking backpack",
+    "a ceramic coffee mug",
+    "a desk lamp",
+    "a robot vacuum cleaner",
+    "a pair of running shoes",
+    "an electric kettle",
+    "a noise cancelling headphone",
+    "a camping tent",
+    "a bamboo cutting board",
+    "a smart watch",
+    "a portable phone charger",
+    "a wool winter scarf",
+    "a gaming chair",
+    "a blender",
+    "a bicycle helmet",
+    "a set of kitchen knives",
+    "an air purifier",
+    "a leather wallet",
+    "a digital camera",
+    "a garden hose",
+    "a standing desk",
+    "a pressure cooker",
+    "a baby stroller",
+    "a bluetooth speaker",
+    "a sleeping bag",
+    "an umbrella",
+    "a toaster",
+    "a tennis racket",
+    "a hair dryer",
+    "a laptop stand",
+    "a travel suitcase",
+    "a children's picture book",
+    "a fountain pen",
+    "a microwave oven",
+    "a pair of sunglasses",
+    "a dog bed",
+    "an electric toothbrush",
+    "a wall clock",
+    "a rice cooker",
+    "a snowboard",
+    "a weather station",
+    "a sewing machine",
+    "a telescope",
+    "a drone",
+    "a pizza stone",
+    "a coffee grinder",
+    "a fitness tracker",
+    "a desk chair",
+    "a paint brush set",
+    "an e-book reader",
+    "a window fan",
+    "a tool box",
+    "a skateboard",
+    "a chess set",
+    "a hammock",
+    "a food scale",
+    "a flashlight",
+    "a soldering iron",
+    "a picnic basket",
 ]
 
 
@@ -67,10 +118,15 @@ def main() -> None:
     pair = load_pair(args.pair)
     ref = pair.decoder()  # prepares the weights for every method
     n = args.max_new_tokens
-    prompts = [ref.encode(GenerationRequest(prompt=TEMPLATE.format(item=ITEMS[i % len(ITEMS)]), chat=True))
-               for i in range(args.rows)]  # fmt: skip
-    print(f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.pair}; "
-          f"{args.rows} templated rows, at most {n} new tokens, greedy", flush=True)  # fmt: skip
+    prompts = [
+        ref.encode(GenerationRequest(prompt=TEMPLATE.format(item=ITEMS[i % len(ITEMS)]), chat=True))
+        for i in range(args.rows)
+    ]
+    print(
+        f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.pair}; "
+        f"{args.rows} templated rows, at most {n} new tokens, greedy",
+        flush=True,
+    )
 
     def engine(drafters, k, batch):
         dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, drafters=drafters, vocab_size=pair.vocab_size)
@@ -86,7 +142,9 @@ def main() -> None:
     for p in prompts[: args.single]:
         x = torch.tensor([p])
         t0 = time.perf_counter()
-        o = pair.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)[0, len(p) :].tolist()
+        o = pair.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)[
+            0, len(p) :
+        ].tolist()
         t_single += time.perf_counter() - t0
         cut = next((j + 1 for j, t in enumerate(o) if t in eos), len(o))
         single.append(o[:cut])
@@ -95,9 +153,20 @@ def main() -> None:
     print(f"(a) generate one at a time: {rate_a:.1f} tok/s over {args.single} rows", flush=True)
 
     names = pair.spec.drafter_names()
-    table = Table(title=f"{args.pair}: bulk templated job, {args.rows} rows (a: {rate_a:.1f} tok/s, {args.single} rows)")
-    for col in ("batch", "(b) k=0 tok/s", "(c) drafters tok/s", "c/a", "c/b", "reported (c)", "drafted share", "tok/fwd",
-                "match"):  # fmt: skip
+    table = Table(
+        title=f"{args.pair}: bulk templated job, {args.rows} rows (a: {rate_a:.1f} tok/s, {args.single} rows)"
+    )
+    for col in (
+        "batch",
+        "(b) k=0 tok/s",
+        "(c) drafters tok/s",
+        "c/a",
+        "c/b",
+        "reported (c)",
+        "drafted share",
+        "tok/fwd",
+        "match",
+    ):
         table.add_column(col, justify="right")
     report = {"cpu": cpu_info(), "rows": args.rows, "a_tokens_per_s": rate_a, "batches": {}}
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
@@ -112,11 +181,27 @@ def main() -> None:
         share = ", ".join(f"{d} {a / tokens:.2f}" for d, a in accepted.items() if a)
         # what the job reports about itself (Stats.baseline_s): to compare with c/b, measured side by side
         reported = sum(r.stats.baseline_s for r in spec) / sum(r.stats.wall_time_s for r in spec)
-        table.add_row(str(batch), f"{rate_b:.1f}", f"{rate_c:.1f}", f"{rate_c / rate_a:.2f}x", f"{rate_c / rate_b:.2f}x",
-                      f"{reported:.2f}x", share or "-", f"{tokens / forwards:.2f}", f"{matched}/{args.rows}, {matched_a}/{args.single} vs a")  # fmt: skip
-        report["batches"][batch] = {"b_tokens_per_s": rate_b, "c_tokens_per_s": rate_c, "c_over_a": rate_c / rate_a,
-                                    "c_over_b": rate_c / rate_b, "c_reported_speedup": reported, "accepted_share": {d: a / tokens for d, a in accepted.items()},
-                                    "tokens_per_target_forward": tokens / forwards, "matched": matched}  # fmt: skip
+        table.add_row(
+            str(batch),
+            f"{rate_b:.1f}",
+            f"{rate_c:.1f}",
+            f"{rate_c / rate_a:.2f}x",
+            f"{rate_c / rate_b:.2f}x",
+            f"{reported:.2f}x",
+            share or "-",
+            f"{tokens / forwards:.2f}",
+            f"{matched}/{args.rows}, {matched_a}/{args.single} vs a",
+        )
+        report["batches"][batch] = {
+            "b_tokens_per_s": rate_b,
+            "c_tokens_per_s": rate_c,
+            "c_over_a": rate_c / rate_a,
+            "c_over_b": rate_c / rate_b,
+            "c_reported_speedup": reported,
+            "accepted_share": {d: a / tokens for d, a in accepted.items()},
+            "tokens_per_target_forward": tokens / forwards,
+            "matched": matched,
+        }
         print(f"batch {batch}: b {rate_b:.1f} tok/s, c {rate_c:.1f} tok/s", flush=True)
     Console(width=160).print(table)
     if args.json:

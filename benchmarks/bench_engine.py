@@ -91,11 +91,26 @@ def main() -> None:
 
     rows = read_prompts(Path(args.prompts), args.per_category)
     cats = sorted({r["category"] for r in rows})
-    blank = lambda: {"tokens": 0, "seconds": 0.0, "matched": 0, "prompts": 0, "proposed": 0, "accepted": 0, "forwards": 0,  # noqa: E731
-                     "baseline_s": 0.0, "wall_s": 0.0}
+
+    def blank() -> dict:
+        return {
+            "tokens": 0,
+            "seconds": 0.0,
+            "matched": 0,
+            "prompts": 0,
+            "proposed": 0,
+            "accepted": 0,
+            "forwards": 0,
+            "baseline_s": 0.0,
+            "wall_s": 0.0,
+        }
+
     totals = {m: defaultdict(blank) for m in methods}
-    print(f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.pair} "
-          f"{pair.spec.dtype}; {len(rows)} prompts, {n} new tokens, greedy", flush=True)  # fmt: skip
+    print(
+        f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.pair} "
+        f"{pair.spec.dtype}; {len(rows)} prompts, {n} new tokens, greedy",
+        flush=True,
+    )
     for i, row in enumerate(rows):
         ids = ref_dec.encode(GenerationRequest(prompt=row["prompt"], chat=True))
         order = list(methods)
@@ -122,8 +137,10 @@ def main() -> None:
         for name in methods:
             for key in (row["category"], "all"):
                 totals[name][key]["matched"] += name not in bad
-        print(f"[{i + 1}/{len(rows)}] {row['category']}: {'all outputs match' if not bad else 'MISMATCH: ' + ', '.join(bad)}",
-              flush=True)  # fmt: skip
+        print(
+            f"[{i + 1}/{len(rows)}] {row['category']}: {'all outputs match' if not bad else 'MISMATCH: ' + ', '.join(bad)}",
+            flush=True,
+        )
 
     rate = {m: {c: t["tokens"] / t["seconds"] for c, t in totals[m].items()} for m in methods}
     table = Table(title=f"{args.pair}: tok/s and speedup over transformers generate, per Spec-Bench category")
@@ -142,14 +159,25 @@ def main() -> None:
         per_fwd = t["tokens"] / t["forwards"] if t["forwards"] else None
         reported = t["baseline_s"] / t["wall_s"] if t["wall_s"] else None
         vs_k0 = rate[m]["all"] / rate["engine k=0"]["all"] if reported is not None and "engine k=0" in rate else None
-        table.add_row(m, *cells, "-" if acc is None else f"{acc:.2f}", "-" if per_fwd is None else f"{per_fwd:.2f}",
-                      "-" if reported is None else f"{reported:.2f}x", "-" if vs_k0 is None else f"{vs_k0:.2f}x",
-                      f"{t['matched']}/{t['prompts']}")  # fmt: skip
+        table.add_row(
+            m,
+            *cells,
+            "-" if acc is None else f"{acc:.2f}",
+            "-" if per_fwd is None else f"{per_fwd:.2f}",
+            "-" if reported is None else f"{reported:.2f}x",
+            "-" if vs_k0 is None else f"{vs_k0:.2f}x",
+            f"{t['matched']}/{t['prompts']}",
+        )
         report["methods"][m] = {
-            "tokens_per_s": rate[m], "speedup": {c: rate[m][c] / rate[BASE][c] for c in rate[m]},
-            "acceptance": acc, "tokens_per_target_forward": per_fwd, "reported_speedup": reported,
-            "speedup_vs_engine_k0": vs_k0, "matched": t["matched"], "prompts": t["prompts"],
-        }  # fmt: skip
+            "tokens_per_s": rate[m],
+            "speedup": {c: rate[m][c] / rate[BASE][c] for c in rate[m]},
+            "acceptance": acc,
+            "tokens_per_target_forward": per_fwd,
+            "reported_speedup": reported,
+            "speedup_vs_engine_k0": vs_k0,
+            "matched": t["matched"],
+            "prompts": t["prompts"],
+        }
     Console(width=200).print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

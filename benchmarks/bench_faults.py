@@ -22,8 +22,8 @@ import json
 import os
 import random
 import re
-import signal
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -38,15 +38,29 @@ PROMPTS = ["The quick brown fox", "Speculative decoding", "over the lazy dog", "
 
 
 def prompts(path: Path, n: int, tag: str) -> Path:
-    path.write_text("".join(json.dumps({"id": f"{tag}-{i}", "prompt": f"{PROMPTS[i % 4]} {tag} {i}"}) + "\n"
-                            for i in range(n)))  # fmt: skip
+    path.write_text(
+        "".join(json.dumps({"id": f"{tag}-{i}", "prompt": f"{PROMPTS[i % 4]} {tag} {i}"}) + "\n" for i in range(n))
+    )
     return path
 
 
 def redis_server(folder: Path, port: int, persistent: bool) -> subprocess.Popen:
     aof = ["--appendonly", "yes", "--appendfsync", "always"] if persistent else ["--appendonly", "no"]
-    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             *aof, "--dir", str(folder)], stdout=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            shutil.which("redis-server"),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            *aof,
+            "--dir",
+            str(folder),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     time.sleep(0.5)
     if proc.poll() is not None:
         sys.exit(f"redis-server did not start on port {port}")
@@ -63,24 +77,42 @@ def db_rows(db: Path, sql: str, *params) -> list:
 
 def held(db: Path, job: str | None = None) -> list[tuple[str, int]]:
     """(row id, worker pid) of running rows (node specdec-tiny-<pid>@host holds the lease)."""
-    rows = db_rows(db, "SELECT id, lease_owner FROM requests WHERE status = 'running' AND lease_owner IS NOT NULL"
-                       + (" AND job_id = ?" if job else ""), *([job] if job else []))  # fmt: skip
+    rows = db_rows(
+        db,
+        "SELECT id, lease_owner FROM requests WHERE status = 'running' AND lease_owner IS NOT NULL"
+        + (" AND job_id = ?" if job else ""),
+        *([job] if job else []),
+    )
     return [(rid, int(m.group(1))) for rid, owner in rows if (m := re.match(r"specdec-tiny-(\d+)@", owner))]
 
 
 def exactly_once(db: Path, job: str, n: int) -> dict:
     [(ok, requeued, attempts_over_1)] = db_rows(
-        db, "SELECT sum(status = 'ok'), sum(requeues), sum(attempts > 1) FROM requests WHERE job_id = ?", job)
-    [(outputs,)] = db_rows(db, "SELECT count(*) FROM outputs JOIN requests ON requests.id = outputs.request_id "
-                               "WHERE requests.job_id = ?", job)  # fmt: skip
-    [(telemetry, distinct)] = db_rows(db, "SELECT count(*), count(DISTINCT request_id) FROM telemetry WHERE job_id = ?", job)
-    return {"rows": n, "ok": ok, "outputs": outputs, "telemetry": telemetry, "duplicates": telemetry - distinct,
-            "exactly_once": ok == outputs == telemetry == distinct == n, "requeued_by_lease": requeued,
-            "rows_redone": attempts_over_1}  # fmt: skip
+        db, "SELECT sum(status = 'ok'), sum(requeues), sum(attempts > 1) FROM requests WHERE job_id = ?", job
+    )
+    [(outputs,)] = db_rows(
+        db,
+        "SELECT count(*) FROM outputs JOIN requests ON requests.id = outputs.request_id WHERE requests.job_id = ?",
+        job,
+    )
+    [(telemetry, distinct)] = db_rows(
+        db, "SELECT count(*), count(DISTINCT request_id) FROM telemetry WHERE job_id = ?", job
+    )
+    return {
+        "rows": n,
+        "ok": ok,
+        "outputs": outputs,
+        "telemetry": telemetry,
+        "duplicates": telemetry - distinct,
+        "exactly_once": ok == outputs == telemetry == distinct == n,
+        "requeued_by_lease": requeued,
+        "rows_redone": attempts_over_1,
+    }
 
 
-def kill_mid_row(db: Path, job: str, pid: int | None = None, timeout: float = 120, dead: set | None = None
-                 ) -> tuple[int, bool]:  # fmt: skip
+def kill_mid_row(
+    db: Path, job: str, pid: int | None = None, timeout: float = 120, dead: set | None = None
+) -> tuple[int, bool]:
     """SIGKILL the process group of a worker holding a running row of ``job`` (``pid``'s, or
     any not in ``dead``: killed before, their rows wait for their lease to expire); returns
     (its pid, whether the kill landed mid-row)."""
@@ -106,15 +138,22 @@ def loaded(log: Path) -> bool:
 
 
 def scenario_kills(args, tmp: Path, pairs: Path) -> dict:
-    from specdec_llm.settings import reload_settings
     from specdec_llm import client
+    from specdec_llm.settings import reload_settings
 
     redis = redis_server(tmp, args.redis_port, persistent=False)
     db = tmp / "kills.db"
-    env = {"SPECDEC_BROKER_URL": f"redis://127.0.0.1:{args.redis_port}/0", "SPECDEC_DATABASE_URL": f"sqlite:///{db}",
-           "SPECDEC_DATA_DIR": str(tmp / "data"), "SPECDEC_CONFIG_FILE": str(pairs), "SPECDEC_THREADS": "1",
-           "SPECDEC_LEASE_HEARTBEAT_S": str(args.heartbeat_s), "SPECDEC_LEASE_TIMEOUT_S": str(args.lease_timeout_s),
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    env = {
+        "SPECDEC_BROKER_URL": f"redis://127.0.0.1:{args.redis_port}/0",
+        "SPECDEC_DATABASE_URL": f"sqlite:///{db}",
+        "SPECDEC_DATA_DIR": str(tmp / "data"),
+        "SPECDEC_CONFIG_FILE": str(pairs),
+        "SPECDEC_THREADS": "1",
+        "SPECDEC_LEASE_HEARTBEAT_S": str(args.heartbeat_s),
+        "SPECDEC_LEASE_TIMEOUT_S": str(args.lease_timeout_s),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     os.environ.update(env)
     reload_settings()
     rng = random.Random(args.seed)
@@ -142,8 +181,12 @@ def scenario_kills(args, tmp: Path, pairs: Path) -> dict:
                 mid, kills = mid + landed, kills + 1
                 workers[i] = start()  # as a supervisor (systemd, k8s) would
                 time.sleep(rng.uniform(0, 2))
-            client.wait(job, workers=workers, timeout_s=args.timeout_s,  # as `run`: leases, and its resend of rows
-                        requeue_lost_after_s=args.requeue_lost_after_s)  # whose message is gone (none here so far)
+            client.wait(
+                job,
+                workers=workers,
+                timeout_s=args.timeout_s,  # as `run`: leases, and its resend of rows
+                requeue_lost_after_s=args.requeue_lost_after_s,
+            )  # whose message is gone (none here so far)
             wall = time.monotonic() - t0
             out[phase] = {"wall_s": round(wall, 1), "kills": kills, "mid_row": mid, **exactly_once(db, job, args.rows)}
         base, hit = out["undisturbed"]["wall_s"], out["5 SIGKILLs"]["wall_s"]
@@ -157,8 +200,8 @@ def scenario_kills(args, tmp: Path, pairs: Path) -> dict:
 
 
 def scenario_redis(args, tmp: Path, pairs: Path) -> dict:
-    from specdec_llm.settings import reload_settings
     from specdec_llm import client
+    from specdec_llm.settings import reload_settings
 
     out = {}
     for persistent, port in ((True, args.redis_port), (False, args.redis_port + 1)):
@@ -167,19 +210,30 @@ def scenario_redis(args, tmp: Path, pairs: Path) -> dict:
         folder.mkdir()
         redis = redis_server(folder, port, persistent)
         db = tmp / f"redis-{port}.db"
-        os.environ.update({"SPECDEC_BROKER_URL": f"redis://127.0.0.1:{port}/0", "SPECDEC_DATABASE_URL": f"sqlite:///{db}",
-                           "SPECDEC_DATA_DIR": str(tmp / "data"), "SPECDEC_CONFIG_FILE": str(pairs), "SPECDEC_THREADS": "1",
-                           "SPECDEC_LEASE_HEARTBEAT_S": str(args.heartbeat_s),
-                           "SPECDEC_LEASE_TIMEOUT_S": str(args.lease_timeout_s),
-                           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
+        os.environ.update(
+            {
+                "SPECDEC_BROKER_URL": f"redis://127.0.0.1:{port}/0",
+                "SPECDEC_DATABASE_URL": f"sqlite:///{db}",
+                "SPECDEC_DATA_DIR": str(tmp / "data"),
+                "SPECDEC_CONFIG_FILE": str(pairs),
+                "SPECDEC_THREADS": "1",
+                "SPECDEC_LEASE_HEARTBEAT_S": str(args.heartbeat_s),
+                "SPECDEC_LEASE_TIMEOUT_S": str(args.lease_timeout_s),
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+            }
+        )
         reload_settings()
         worker = client.start_local_worker("tiny", log_path=tmp / f"redis-{port}-w.log", extra=["--no-calibrate"])
         try:
             while not loaded(worker.log_path):
                 time.sleep(0.2)
             t0 = time.monotonic()
-            job = client.submit(prompts(tmp / f"r{port}.jsonl", args.rows // 2, f"r{port}"), "tiny",
-                                {"max_new_tokens": args.max_new_tokens})["job_id"]  # fmt: skip
+            job = client.submit(
+                prompts(tmp / f"r{port}.jsonl", args.rows // 2, f"r{port}"),
+                "tiny",
+                {"max_new_tokens": args.max_new_tokens},
+            )["job_id"]
             while not held(db, job):  # a row is being generated
                 time.sleep(0.02)
             time.sleep(1.0)
@@ -188,8 +242,11 @@ def scenario_redis(args, tmp: Path, pairs: Path) -> dict:
             time.sleep(2)
             redis = redis_server(folder, port, persistent)
             client.wait(job, workers=[worker], timeout_s=args.timeout_s, requeue_lost_after_s=args.requeue_lost_after_s)
-            out[name] = {"wall_s": round(time.monotonic() - t0, 1), "same_worker": worker.poll() is None,
-                         **exactly_once(db, job, args.rows // 2)}  # fmt: skip
+            out[name] = {
+                "wall_s": round(time.monotonic() - t0, 1),
+                "same_worker": worker.poll() is None,
+                **exactly_once(db, job, args.rows // 2),
+            }
         finally:
             client.stop_local_worker(worker, timeout=20)
             redis.terminate()
@@ -199,18 +256,40 @@ def scenario_redis(args, tmp: Path, pairs: Path) -> dict:
 
 def scenario_embedded(args, tmp: Path, pairs: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
-    env.update(SPECDEC_DATA_DIR=str(tmp / "emb"), SPECDEC_CONFIG_FILE=str(pairs), SPECDEC_THREADS="1",
-               SPECDEC_LEASE_HEARTBEAT_S=str(args.heartbeat_s), SPECDEC_LEASE_TIMEOUT_S=str(args.lease_timeout_s),
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    env.update(
+        SPECDEC_DATA_DIR=str(tmp / "emb"),
+        SPECDEC_CONFIG_FILE=str(pairs),
+        SPECDEC_THREADS="1",
+        SPECDEC_LEASE_HEARTBEAT_S=str(args.heartbeat_s),
+        SPECDEC_LEASE_TIMEOUT_S=str(args.lease_timeout_s),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     db = tmp / "emb" / "specdec.db"
     rng = random.Random(args.seed)
     out = {}
     for phase, kills_wanted in (("undisturbed", 0), ("5 SIGKILLs", args.kills)):
         path = prompts(tmp / f"e{phase[:4]}.jsonl", args.rows, f"e{phase[:4]}")
         t0 = time.monotonic()
-        run = subprocess.Popen([sys.executable, "-m", "specdec_llm", "run", str(path), "--pair", "tiny",
-                                "--max-new-tokens", str(args.max_new_tokens), "--out", str(tmp / "e.out.jsonl")],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        run = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "specdec_llm",
+                "run",
+                str(path),
+                "--pair",
+                "tiny",
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--out",
+                str(tmp / "e.out.jsonl"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         mid = kills = 0
         job, dead = None, set()
         while mid < kills_wanted and kills < 3 * kills_wanted:
@@ -226,9 +305,14 @@ def scenario_embedded(args, tmp: Path, pairs: Path) -> dict:
         m = re.search(r"job (\w+):", stdout)
         if run.returncode != 0 or not m:
             sys.exit(f"run failed ({run.returncode}): {stderr[-2000:]}")
-        out[phase] = {"wall_s": round(wall, 1), "kills": kills, "mid_row": mid, "run_exit": run.returncode,
-                      "workers_restarted_by_run": stderr.count("starting another"),
-                      **exactly_once(db, m.group(1), args.rows)}  # fmt: skip
+        out[phase] = {
+            "wall_s": round(wall, 1),
+            "kills": kills,
+            "mid_row": mid,
+            "run_exit": run.returncode,
+            "workers_restarted_by_run": stderr.count("starting another"),
+            **exactly_once(db, m.group(1), args.rows),
+        }
     base, hit = out["undisturbed"]["wall_s"], out["5 SIGKILLs"]["wall_s"]
     out["overhead_s"], out["overhead"] = round(hit - base, 1), f"{(hit - base) / base:+.0%}"
     return out

@@ -90,7 +90,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--kernels", default="tuned,col,row,onednn", help="kernel choices to compare")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--json", action="store_true", help="print one JSON object: engine path, pair dtype, batch 1, tuned")
+    ap.add_argument(
+        "--json", action="store_true", help="print one JSON object: engine path, pair dtype, batch 1, tuned"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -101,11 +103,22 @@ def main() -> None:
         model = pair.target
         hf.prepare(model)
         ms = {str(w): engine_path(model, 1, context, w, args.repeats) for w in WIDTHS}
-        print(json.dumps({"cpu": cpu, "dtype": pair.spec.dtype, "threads": torch.get_num_threads(), "ms": ms,
-                          "verify_ratio": {w: v / ms["1"] for w, v in ms.items()}}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "cpu": cpu,
+                    "dtype": pair.spec.dtype,
+                    "threads": torch.get_num_threads(),
+                    "ms": ms,
+                    "verify_ratio": {w: v / ms["1"] for w, v in ms.items()},
+                }
+            )
+        )
         return
-    print(f"CPU: {cpu}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{args.pair}, {args.context}-token cache, median of {args.repeats}")  # fmt: skip
+    print(
+        f"CPU: {cpu}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{args.pair}, {args.context}-token cache, median of {args.repeats}"
+    )
     for dtype in args.dtypes.split(","):
         model = pair.target if dtype == pair.spec.dtype else pair.target.to(getattr(torch, dtype))
         hf.prepare(model)

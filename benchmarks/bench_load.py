@@ -82,22 +82,27 @@ def main() -> None:
     pairs = tiny_pair(tmp)
     redis_proc, broker = private_redis(tmp)
     env = {
-        "SPECDEC_BROKER_URL": broker, "SPECDEC_DATA_DIR": str(tmp / "data"), "SPECDEC_CONFIG_FILE": str(pairs),
-        "SPECDEC_DATABASE_URL": args.database_url or f"sqlite:///{tmp / 'specdec.db'}", "SPECDEC_THREADS": "1",
-        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-    }  # fmt: skip
+        "SPECDEC_BROKER_URL": broker,
+        "SPECDEC_DATA_DIR": str(tmp / "data"),
+        "SPECDEC_CONFIG_FILE": str(pairs),
+        "SPECDEC_DATABASE_URL": args.database_url or f"sqlite:///{tmp / 'specdec.db'}",
+        "SPECDEC_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     os.environ.update(env)
     from sqlalchemy import func, select
 
-    from specdec_llm import store
+    from specdec_llm import client, store
     from specdec_llm.settings import reload_settings
     from specdec_llm.store.models import Output, Request, Telemetry
-    from specdec_llm import client
 
     reload_settings()
     store.ensure_schema()
-    workers = [client.start_local_worker("tiny", concurrency=1, log_path=tmp / f"worker{i}.log",
-                                         extra=["--no-calibrate"]) for i in range(args.workers)]  # fmt: skip
+    workers = [
+        client.start_local_worker("tiny", concurrency=1, log_path=tmp / f"worker{i}.log", extra=["--no-calibrate"])
+        for i in range(args.workers)
+    ]
     samples: dict[int, list[tuple[float, int]]] = {w.pid: [] for w in workers}
     stop = threading.Event()
 
@@ -117,8 +122,9 @@ def main() -> None:
                 sys.exit("a worker did not start; see " + ", ".join(str(w.log_path) for w in workers))
             time.sleep(0.2)
         path = tmp / "load.jsonl"
-        path.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"{PROMPTS[i % 4]} {i}"}) + "\n"
-                                for i in range(args.rows)))  # fmt: skip
+        path.write_text(
+            "".join(json.dumps({"id": f"r{i}", "prompt": f"{PROMPTS[i % 4]} {i}"}) + "\n" for i in range(args.rows))
+        )
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         t0 = time.monotonic()
@@ -133,7 +139,9 @@ def main() -> None:
             outputs = s.scalar(select(func.count()).select_from(Output).join(Request).where(Request.job_id == job))
             telemetry = s.scalar(select(func.count()).select_from(Telemetry).where(Telemetry.job_id == job))
             distinct = s.scalar(select(func.count(func.distinct(Telemetry.request_id))).where(Telemetry.job_id == job))
-            waits = [w for w in s.scalars(select(Telemetry.queue_wait_s).where(Telemetry.job_id == job)) if w is not None]
+            waits = [
+                w for w in s.scalars(select(Telemetry.queue_wait_s).where(Telemetry.job_id == job)) if w is not None
+            ]
             tokens = s.scalar(select(func.sum(Output.output_tokens)).join(Request).where(Request.job_id == job)) or 0
     finally:
         stop.set()
@@ -148,31 +156,56 @@ def main() -> None:
         rss = [b for _, b in points if b]
         q = max(1, len(rss) // 4)
         first, last = statistics.fmean(rss[:q]), statistics.fmean(rss[-q:])
-        per_worker.append({"pid": pid, "samples": len(rss), "peak_rss_mib": max(rss) / 2**20,
-                           "first_quarter_mib": first / 2**20, "last_quarter_mib": last / 2**20,
-                           "growth_mib": (last - first) / 2**20})  # fmt: skip
+        per_worker.append(
+            {
+                "pid": pid,
+                "samples": len(rss),
+                "peak_rss_mib": max(rss) / 2**20,
+                "first_quarter_mib": first / 2**20,
+                "last_quarter_mib": last / 2**20,
+                "growth_mib": (last - first) / 2**20,
+            }
+        )
     out = {
-        "rows": args.rows, "workers": args.workers, "max_new_tokens": args.max_new_tokens, "counts": counts,
+        "rows": args.rows,
+        "workers": args.workers,
+        "max_new_tokens": args.max_new_tokens,
+        "counts": counts,
         "exactly_once": outputs == telemetry == distinct == counts["ok"] == args.rows,
-        "outputs": outputs, "telemetry": telemetry, "wall_s": wall, "submit_s": t_submitted - t0,
-        "rows_per_s": args.rows / wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-        "queue_wait_p50_s": percentile(waits, 0.5), "queue_wait_p95_s": percentile(waits, 0.95),
-        "queue_wait_max_s": max(waits) if waits else None, "workers_rss": per_worker,
+        "outputs": outputs,
+        "telemetry": telemetry,
+        "wall_s": wall,
+        "submit_s": t_submitted - t0,
+        "rows_per_s": args.rows / wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall,
+        "queue_wait_p50_s": percentile(waits, 0.5),
+        "queue_wait_p95_s": percentile(waits, 0.95),
+        "queue_wait_max_s": max(waits) if waits else None,
+        "workers_rss": per_worker,
         "loadavg": os.getloadavg(),
-    }  # fmt: skip
+    }
     if args.json:
         print(json.dumps(out, indent=1))
         return
-    print(f"{args.rows} rows x {args.max_new_tokens} new tokens, {args.workers} workers (tiny pair, 1 thread each), "
-          f"load average {out['loadavg'][0]:.1f}")  # fmt: skip
+    print(
+        f"{args.rows} rows x {args.max_new_tokens} new tokens, {args.workers} workers (tiny pair, 1 thread each), "
+        f"load average {out['loadavg'][0]:.1f}"
+    )
     print(f"  {counts}; exactly once: {out['exactly_once']} ({outputs} outputs, {telemetry} telemetry rows)")
-    print(f"  wall {wall:.1f} s (submit {out['submit_s']:.1f} s): {out['rows_per_s']:.1f} rows/s, "
-          f"{out['output_tokens_per_s']:.0f} output tokens/s")  # fmt: skip
-    print(f"  queue wait p50 {out['queue_wait_p50_s']:.1f} s, p95 {out['queue_wait_p95_s']:.1f} s, "
-          f"max {out['queue_wait_max_s']:.1f} s")  # fmt: skip
+    print(
+        f"  wall {wall:.1f} s (submit {out['submit_s']:.1f} s): {out['rows_per_s']:.1f} rows/s, "
+        f"{out['output_tokens_per_s']:.0f} output tokens/s"
+    )
+    print(
+        f"  queue wait p50 {out['queue_wait_p50_s']:.1f} s, p95 {out['queue_wait_p95_s']:.1f} s, "
+        f"max {out['queue_wait_max_s']:.1f} s"
+    )
     for w in per_worker:
-        print(f"  worker {w['pid']}: peak RSS {w['peak_rss_mib']:.0f} MiB; first quarter {w['first_quarter_mib']:.0f} "
-              f"MiB, last quarter {w['last_quarter_mib']:.0f} MiB ({w['growth_mib']:+.1f} MiB) over {w['samples']} samples")
+        print(
+            f"  worker {w['pid']}: peak RSS {w['peak_rss_mib']:.0f} MiB; first quarter {w['first_quarter_mib']:.0f} "
+            f"MiB, last quarter {w['last_quarter_mib']:.0f} MiB ({w['growth_mib']:+.1f} MiB) over {w['samples']} samples"
+        )
     if not out["exactly_once"]:
         sys.exit("rows missing or duplicated")
 

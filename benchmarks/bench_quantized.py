@@ -53,16 +53,20 @@ def main() -> None:
     variants["int4 (re-quantized), target head"] = quantized_copy(target, "int4", "target")
     variants["int4 (GGUF blocks or re-quantized), int4 head"] = quantized_copy(target, "int4", "int4", blocks)
     variants["int8, target head"] = quantized_copy(target, "int8", "target")
-    print(f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.pair} "
-          f"{spec.dtype}; target {model_bytes(target) / 1e6:.0f} MB", flush=True)  # fmt: skip
+    print(
+        f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.pair} "
+        f"{spec.dtype}; target {model_bytes(target) / 1e6:.0f} MB",
+        flush=True,
+    )
 
     rows = read_prompts(SPEC_BENCH)
     rows = rows[:: max(1, len(rows) // args.prompts)][: args.prompts]
     agree = {n: [0, 0] for n in variants}
     with torch.inference_mode():
         for row in rows:
-            text = tok.apply_chat_template([{"role": "user", "content": row["prompt"][:1500]}], tokenize=False,
-                                           add_generation_prompt=True)  # fmt: skip
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": row["prompt"][:1500]}], tokenize=False, add_generation_prompt=True
+            )
             x = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
             full = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.tokens, do_sample=False)
             want = target(full).logits[0, x.shape[1] - 1 : -1].argmax(-1)
@@ -95,7 +99,9 @@ def main() -> None:
         own = model_bytes(models[name], target if name != "target" else None) / 1e6
         share = f"{a / n:9.3f}" if n else f"{'-':>9s}"
         print(f"{name:48s} {share} {step[name] * 1e3:8.2f} {step[name] / step['target']:8.3f} {own:7.0f}")
-    print(f"({sum(v[1] for v in agree.values()) // len(agree)} positions from {len(rows)} prompts, {args.tokens} tokens each)")
+    print(
+        f"({sum(v[1] for v in agree.values()) // len(agree)} positions from {len(rows)} prompts, {args.tokens} tokens each)"
+    )
 
 
 if __name__ == "__main__":

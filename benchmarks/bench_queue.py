@@ -44,15 +44,27 @@ def tiny_pair(folder: Path) -> Path:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<|endoftext|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(["The quick brown fox jumps over the lazy dog."] * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     for name, layers in (("target", 2), ("draft", 1)):
         torch.manual_seed(layers)
-        cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          bos_token_id=None, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        cfg = LlamaConfig(
+            vocab_size=len(fast),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         LlamaForCausalLM(cfg).save_pretrained(folder / name)
         fast.save_pretrained(folder / name)
     pairs = folder / "pairs.toml"
@@ -67,8 +79,10 @@ def private_redis(folder: Path) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(folder)], stdout=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)],
+        stdout=subprocess.DEVNULL,
+    )
     time.sleep(0.3)
     return proc, f"redis://127.0.0.1:{port}/0"
 
@@ -104,8 +118,12 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_queue_"))
     redis_proc = None
-    env = {"SPECDEC_DATA_DIR": str(tmp / "data"), "SPECDEC_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    env = {
+        "SPECDEC_DATA_DIR": str(tmp / "data"),
+        "SPECDEC_THREADS": str(args.threads),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     if args.pair is None:
         env["SPECDEC_CONFIG_FILE"] = str(tiny_pair(tmp / "pair"))
     pair = args.pair or "tiny"
@@ -122,12 +140,11 @@ def main() -> None:
 
     import torch
 
-    from specdec_llm import store
+    from specdec_llm import client, store
+    from specdec_llm.client import broker_display
     from specdec_llm.engine import GenerationRequest
     from specdec_llm.pairs import load_pair
     from specdec_llm.settings import reload_settings
-    from specdec_llm import client
-    from specdec_llm.client import broker_display
 
     reload_settings()
     torch.set_num_threads(args.threads)
@@ -148,6 +165,7 @@ def main() -> None:
     # (2) through the queue and the store, one request at a time
     worker = client.start_local_worker(pair, log_path=tmp / "worker.log", extra=["--no-calibrate"])
     try:
+
         def one_job(tag: str, rows: list[str]) -> tuple[str, list[str]]:
             path = tmp / f"{tag}.jsonl"
             path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
@@ -191,18 +209,26 @@ def main() -> None:
 
     med = statistics.median
     figures = {
-        "broker": broker_display(), "database": store.mask_url(store.db.resolve_url()), "pair": pair,
-        "requests": args.n, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-        "cpus": os.cpu_count(), "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+        "broker": broker_display(),
+        "database": store.mask_url(store.db.resolve_url()),
+        "pair": pair,
+        "requests": args.n,
+        "max_new_tokens": args.max_new_tokens,
+        "threads": args.threads,
+        "cpus": os.cpu_count(),
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
         "direct_median_ms": med(direct) * 1e3,
         "queue_round_trip_median_ms": med(trips) * 1e3,
         "overhead_median_ms": med(overheads) * 1e3,
         "overhead_p90_ms": statistics.quantiles(overheads, n=10)[-1] * 1e3,
         "round_trip_minus_direct_median_ms": (med(trips) - med(direct)) * 1e3,
         "queue_wait_median_ms": med(waits) * 1e3,
-        "bulk_submit_s": submit_s, "bulk_wall_s": bulk_wall, "bulk_engine_sum_s": engine_sum,
+        "bulk_submit_s": submit_s,
+        "bulk_wall_s": bulk_wall,
+        "bulk_engine_sum_s": engine_sum,
         "bulk_overhead_per_request_ms": (bulk_wall - engine_sum) / args.n * 1e3,
-    }  # fmt: skip
+    }
     for k, v in figures.items():
         print(f"{k:36s} {v:.2f}" if isinstance(v, float) else f"{k:36s} {v}")
     if args.json:

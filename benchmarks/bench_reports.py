@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sqlalchemy import func, select, text  # noqa: E402
+from sqlalchemy import func, select, text
 
-from specdec_llm.store import db, record, reports  # noqa: E402
-from specdec_llm.store.models import Job, Telemetry  # noqa: E402
+from specdec_llm.store import db, record, reports
+from specdec_llm.store.models import Job, Telemetry
 
 PAIRS = {  # name -> (device, target-only tok/s, acceptance)
     "smollm2-135m": ("cpu", 24.0, 0.55),
@@ -45,11 +45,14 @@ def seed(url: str, n: int, chunk: int = 50_000) -> None:
     print(f"seeding {total:,} requests ({n:,} with telemetry) into {db.mask_url(url)} ...", flush=True)
     t0 = time.perf_counter()
     for name, (device, tps, _) in PAIRS.items():
-        record.upsert_pair(name, target=f"{name}-target", draft=f"{name}-draft", dtype="bfloat16",
-                           device=device, url=url)
+        record.upsert_pair(
+            name, target=f"{name}-target", draft=f"{name}-draft", dtype="bfloat16", device=device, url=url
+        )
         record.record_baseline(name, device=device, dtype="bfloat16", tokens_per_s=tps, url=url)
-    workers = [record.upsert_worker({"host": f"node{i // 2}", "pid": 1000 + i, "device_name": f"dev{i}"},
-                                    url=url) for i in range(8)]
+    workers = [
+        record.upsert_worker({"host": f"node{i // 2}", "pid": 1000 + i, "device_name": f"dev{i}"}, url=url)
+        for i in range(8)
+    ]
     rng = random.Random(0)
 
     def uuid4() -> str:  # realistic ids (what create_job makes), reproducible
@@ -58,9 +61,21 @@ def seed(url: str, n: int, chunk: int = 50_000) -> None:
     jobs = [uuid4() for _ in range(50)]
     with db.session_scope(url) as s:
         pair_ids = dict(s.execute(text("SELECT name, id FROM pairs")).all())
-        s.execute(Job.__table__.insert(), [{"id": j, "name": f"job {i}", "status": "done", "n_requests": 0,
-                                            "n_ok": 0, "n_failed": 0, "created_at": START}
-                                           for i, j in enumerate(jobs)])
+        s.execute(
+            Job.__table__.insert(),
+            [
+                {
+                    "id": j,
+                    "name": f"job {i}",
+                    "status": "done",
+                    "n_requests": 0,
+                    "n_ok": 0,
+                    "n_failed": 0,
+                    "created_at": START,
+                }
+                for i, j in enumerate(jobs)
+            ],
+        )
     engine = db.get_engine(url)
     pg = engine.dialect.name == "postgresql"
     names = list(PAIRS)
@@ -87,16 +102,36 @@ def seed(url: str, n: int, chunk: int = 50_000) -> None:
             wall = out / tps
             proposed = out * 3 // 2
             accepted = int(proposed * min(1.0, rng.gauss(acc, 0.08)))
-            row = dict(request_id=rid, pair_id=pair_ids[name], job_id=job, worker_id=w, category=cat,
-                       device=device, device_kind=device.split(":")[0], dtype="bfloat16", finished_at=when(done),
-                       queue_wait_s=rng.expovariate(2.0), price_per_hour=2.5 if device != "cpu" else 0.1,
-                       estimated_cost_usd=wall / 3600 * (2.5 if device != "cpu" else 0.1),
-                       prompt_tokens=rng.randint(8, 1024), output_tokens=out, draft_tokens_proposed=proposed,
-                       draft_tokens_accepted=max(0, accepted), acceptance_rate=max(0, accepted) / proposed,
-                       mean_accepted_length=1 + 4 * max(0, accepted) / proposed, per_position_acceptance=ppa,
-                       target_forwards=out // 3 + 1, draft_forwards=proposed, draft_time_s=wall * 0.3,
-                       target_time_s=wall * 0.65, wall_time_s=wall, time_to_first_token_s=rng.uniform(0.02, 0.3),
-                       tokens_per_s=tps, k_values=kv, finish_reason="length")
+            row = dict(
+                request_id=rid,
+                pair_id=pair_ids[name],
+                job_id=job,
+                worker_id=w,
+                category=cat,
+                device=device,
+                device_kind=device.split(":")[0],
+                dtype="bfloat16",
+                finished_at=when(done),
+                queue_wait_s=rng.expovariate(2.0),
+                price_per_hour=2.5 if device != "cpu" else 0.1,
+                estimated_cost_usd=wall / 3600 * (2.5 if device != "cpu" else 0.1),
+                prompt_tokens=rng.randint(8, 1024),
+                output_tokens=out,
+                draft_tokens_proposed=proposed,
+                draft_tokens_accepted=max(0, accepted),
+                acceptance_rate=max(0, accepted) / proposed,
+                mean_accepted_length=1 + 4 * max(0, accepted) / proposed,
+                per_position_acceptance=ppa,
+                target_forwards=out // 3 + 1,
+                draft_forwards=proposed,
+                draft_time_s=wall * 0.3,
+                target_time_s=wall * 0.65,
+                wall_time_s=wall,
+                time_to_first_token_s=rng.uniform(0.02, 0.3),
+                tokens_per_s=tps,
+                k_values=kv,
+                finish_reason="length",
+            )
             tels.append(tuple(row[c] for c in tel_cols))
         raw = engine.raw_connection()
         try:
@@ -109,8 +144,12 @@ def seed(url: str, n: int, chunk: int = 50_000) -> None:
                     for r in tels:
                         cp.write_row(r)
             else:
-                cur.executemany(f"INSERT INTO requests ({', '.join(req_cols)}) VALUES ({', '.join('?' * len(req_cols))})", reqs)
-                cur.executemany(f"INSERT INTO telemetry ({', '.join(tel_cols)}) VALUES ({', '.join('?' * len(tel_cols))})", tels)
+                cur.executemany(
+                    f"INSERT INTO requests ({', '.join(req_cols)}) VALUES ({', '.join('?' * len(req_cols))})", reqs
+                )
+                cur.executemany(
+                    f"INSERT INTO telemetry ({', '.join(tel_cols)}) VALUES ({', '.join('?' * len(tel_cols))})", tels
+                )
             raw.commit()
         finally:
             raw.close()
@@ -167,8 +206,11 @@ def main() -> None:
             rows = reports.summary(url=url, **kw)
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
-        print(f"{label:<24}{len(rows):>7}{times[0]:>10.2f}{min(times):>9.2f}{statistics.median(times):>10.2f}"
-              f"{min(cpu):>8.2f}", flush=True)
+        print(
+            f"{label:<24}{len(rows):>7}{times[0]:>10.2f}{min(times):>9.2f}{statistics.median(times):>10.2f}"
+            f"{min(cpu):>8.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

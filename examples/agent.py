@@ -51,9 +51,17 @@ Final Answer: 14
 Question: {question}
 {scratchpad}"""
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-        ast.USub: operator.neg, ast.UAdd: operator.pos}  # fmt: skip
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 def _eval(node):
@@ -117,7 +125,9 @@ def run_agent(llm: BaseLLM, question: str, tools: list[BaseTool] = TOOLS, max_st
     described = "\n".join(f"{t.name}: {t.description}" for t in tools)
     scratchpad, steps = "Thought:", []
     for n in range(1, max_steps + 1):
-        prompt = INSTRUCTIONS.format(tools=described, names=", ".join(by_name), question=question, scratchpad=scratchpad)
+        prompt = INSTRUCTIONS.format(
+            tools=described, names=", ".join(by_name), question=question, scratchpad=scratchpad
+        )
         try:
             reply = llm.invoke(prompt, stop=["Observation:", "\nQuestion:"])
         except RequestError as e:  # e.g. the transcript outgrew the model's context
@@ -156,8 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chat", action="store_true", help="send the transcript as a user turn (chat template)")
     args = ap.parse_args(argv)
     quiet_loading()
-    llm = SpecDecLLM(pair=args.pair or get_settings().default_pair, chat=args.chat, max_new_tokens=args.max_new_tokens,
-                     backend=args.backend, job_name="example-agent")  # fmt: skip
+    llm = SpecDecLLM(
+        pair=args.pair or get_settings().default_pair,
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        backend=args.backend,
+        job_name="example-agent",
+    )
     print(f"Question: {args.question}")
     result = run_agent(llm, args.question, max_steps=args.max_steps)
     tools_used = sum(1 for s in result["steps"] if "tool" in s)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from langchain_core.prompts import PromptTemplate
 
-from specdec_llm.settings import get_settings
 from specdec_llm import client
+from specdec_llm.settings import get_settings
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = PromptTemplate.from_template(
@@ -77,8 +77,12 @@ def main(argv: list[str] | None = None) -> int:
             if last and last[-1] == counts:
                 return
             last.append(counts)
-            print(f"\r  ok {counts['ok']}  failed {counts['failed']}  pending {counts['queued'] + counts['running']}",
-                  end="", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"\r  ok {counts['ok']}  failed {counts['failed']}  pending {counts['queued'] + counts['running']}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
 
         client.wait(job, workers=workers, on_progress=progress, timeout_s=args.timeout)
         print(file=sys.stderr)
@@ -102,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"job {job}: {written} documents in {args.out}/, results in {args.out / 'results.jsonl'}")
     tps = st["tokens_per_s_mean"]
     acc = st["acceptance_rate"]
-    print(f"  {st['output_tokens']} output tokens, {'-' if tps is None else f'{tps:.1f}'} tok/s per request, "
-          f"acceptance {'-' if acc is None else f'{acc:.1%}'}")  # fmt: skip
+    print(
+        f"  {st['output_tokens']} output tokens, {'-' if tps is None else f'{tps:.1f}'} tok/s per request, "
+        f"acceptance {'-' if acc is None else f'{acc:.1%}'}"
+    )
     return 0 if written == len(items) else 1
 
 

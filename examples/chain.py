@@ -42,8 +42,14 @@ def main(argv: list[str] | None = None) -> int:
         args.backend = "remote"
         print(f"started a local worker for {pair} (log: {worker.log_path})", file=sys.stderr)
     try:
-        llm = SpecDecLLM(pair=pair, chat=True, max_new_tokens=args.max_new_tokens, backend=args.backend,
-                         job_name="example-chain", timeout=600)  # fmt: skip
+        llm = SpecDecLLM(
+            pair=pair,
+            chat=True,
+            max_new_tokens=args.max_new_tokens,
+            backend=args.backend,
+            job_name="example-chain",
+            timeout=600,
+        )
         prompt = PromptTemplate.from_template("In two sentences, explain {topic} to a new software engineer.")
         chain = prompt | llm | StrOutputParser()
         print(f"# pair {pair}, {llm.effective_backend()} mode\n")

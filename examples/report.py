@@ -34,8 +34,11 @@ def generate(n: int, pair: str, max_new_tokens: int) -> None:
     results = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(n)])
     for gens in results.generations:
         info = gens[0].generation_info
-        print(f"  generated {info['output_tokens']} tokens at {info['tokens_per_s']:.1f} tok/s "
-              f"(request {info['request_id']})", file=sys.stderr)  # fmt: skip
+        print(
+            f"  generated {info['output_tokens']} tokens at {info['tokens_per_s']:.1f} tok/s "
+            f"(request {info['request_id']})",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
         return 0
-    print(f"specdec-llm report since {args.since}, by {args.group_by} ({mask_url(get_settings().effective_database_url)})")
+    print(
+        f"specdec-llm report since {args.since}, by {args.group_by} ({mask_url(get_settings().effective_database_url)})"
+    )
     print(table_text(rows))
     for r in rows:
         label = " / ".join(f"{g}={r[g]}" for g in query["group_by"] if g in r)
@@ -78,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         tps = "-" if r["tokens_per_s_mean"] is None else f"{r['tokens_per_s_mean']:.1f}"
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}"
         speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x (basis: {r['speedup_basis']})"
-        print(f"{label}: {r['ok']} ok / {r['failed']} failed, {r['output_tokens']} tokens, {tps} tok/s, "
-              f"acceptance {acc}, speedup {speed}, cost {cost}")  # fmt: skip
+        print(
+            f"{label}: {r['ok']} ok / {r['failed']} failed, {r['output_tokens']} tokens, {tps} tok/s, "
+            f"acceptance {acc}, speedup {speed}, cost {cost}"
+        )
     return 0
 
 

@@ -102,8 +102,12 @@ class Checker:
                 diverged.append(self.divergence(prompt, got, want))
         ok = not diverged if exact else all(d["tie"] for d in diverged)
         gaps = [d["gap"] for d in diverged if d["gap"] is not None]
-        return {"ok": ok, "identical": f"{same}/{len(want_rows)}", "max_gap": max(gaps) if gaps else None,
-                "divergences": diverged[:8]}  # fmt: skip
+        return {
+            "ok": ok,
+            "identical": f"{same}/{len(want_rows)}",
+            "max_gap": max(gaps) if gaps else None,
+            "divergences": diverged[:8],
+        }
 
 
 @torch.inference_mode()
@@ -136,8 +140,10 @@ def check_sampling(pair, dec, samples: int, max_batch: int) -> dict:
     prompt = dec.encode(GenerationRequest(prompt="Name a color and say why you like it.", chat=True))
     eos = dec.eos_token_ids
     exact = exact_two_tokens(pair, prompt, eos, top_k=8)
-    reqs = [GenerationRequest(prompt=prompt, max_new_tokens=2, temperature=1.0, top_k=8, seed=i, k=2, drafter="model")
-            for i in range(samples)]  # fmt: skip
+    reqs = [
+        GenerationRequest(prompt=prompt, max_new_tokens=2, temperature=1.0, top_k=8, seed=i, k=2, drafter="model")
+        for i in range(samples)
+    ]
     out = dec.generate_many(reqs, max_batch=max_batch)
     errors = [r for r in out if isinstance(r, Exception)]
     counts = Counter()
@@ -152,9 +158,17 @@ def check_sampling(pair, dec, samples: int, max_batch: int) -> dict:
     proposed = sum(r.stats.draft_tokens_proposed for r in out if not isinstance(r, Exception))
     accepted = sum(r.stats.draft_tokens_accepted for r in out if not isinstance(r, Exception))
     outside = sum(c for x, c in counts.items() if x not in exact)
-    return {"ok": not errors and tv < bound and 0 < accepted < proposed, "samples": n, "tv": round(tv, 4),
-            "bound": round(bound, 4), "outcomes": len(exact), "outside_support": outside, "errors": len(errors),
-            "draft_proposed": proposed, "draft_accepted": accepted}  # fmt: skip
+    return {
+        "ok": not errors and tv < bound and 0 < accepted < proposed,
+        "samples": n,
+        "tv": round(tv, 4),
+        "bound": round(bound, 4),
+        "outcomes": len(exact),
+        "outside_support": outside,
+        "errors": len(errors),
+        "draft_proposed": proposed,
+        "draft_accepted": accepted,
+    }
 
 
 def check_dtype(dtype: str, args) -> dict:
@@ -172,9 +186,7 @@ def check_dtype(dtype: str, args) -> dict:
     ref = [cut(hf_generate(pair.target, p, n), eos) for p in prompts]
     reqs = {v: [GenerationRequest(prompt=p, max_new_tokens=n, **kw) for p in prompts] for v, kw in VARIANTS.items()}
     single = {v: [cut(dec.generate(r).token_ids, eos) for r in rs] for v, rs in reqs.items()}
-    result["checks"]["greedy_vs_generate"] = {
-        v: checker.compare(prompts, single[v], ref, exact) for v in VARIANTS
-    }
+    result["checks"]["greedy_vs_generate"] = {v: checker.compare(prompts, single[v], ref, exact) for v in VARIANTS}
 
     fixed = [r for v, rs in reqs.items() if v != "auto" for r in rs]  # one batch of mixed fixed-k rows
     fixed_prompts = [r.prompt for r in fixed]

@@ -37,12 +37,47 @@ MARGIN = 2 * MIB
 # dependency closure). torch and its own dependencies are never carried (the image has a CUDA
 # build). transformers is there too, but at 5.17, below the project's >=5.20: it travels.
 ON_DEVICE = {
-    "accelerate", "annotated-doc", "anyio", "certifi", "charset-normalizer", "click", "filelock", "fsspec", "h11",
-    "hf-xet", "httpcore", "httpx", "huggingface-hub", "idna", "jinja2", "markdown-it-py", "markupsafe", "mdurl",
-    "mpmath", "networkx", "numpy", "packaging", "psutil", "pygments", "python-dateutil", "pyyaml", "regex",
-    "requests", "rich", "safetensors", "setuptools", "shellingham", "six", "sympy", "tokenizers", "tqdm", "typer",
-    "typing-extensions", "urllib3", "xxhash",
-}  # fmt: skip
+    "accelerate",
+    "annotated-doc",
+    "anyio",
+    "certifi",
+    "charset-normalizer",
+    "click",
+    "filelock",
+    "fsspec",
+    "h11",
+    "hf-xet",
+    "httpcore",
+    "httpx",
+    "huggingface-hub",
+    "idna",
+    "jinja2",
+    "markdown-it-py",
+    "markupsafe",
+    "mdurl",
+    "mpmath",
+    "networkx",
+    "numpy",
+    "packaging",
+    "psutil",
+    "pygments",
+    "python-dateutil",
+    "pyyaml",
+    "regex",
+    "requests",
+    "rich",
+    "safetensors",
+    "setuptools",
+    "shellingham",
+    "six",
+    "sympy",
+    "tokenizers",
+    "tqdm",
+    "typer",
+    "typing-extensions",
+    "urllib3",
+    "xxhash",
+}
 NEVER = {"torch", "triton", "psycopg", "psycopg-binary"}  # PostgreSQL is not used there (SQLite)
 
 
@@ -126,6 +161,7 @@ def sha256(path: Path) -> str:
 def tree_bytes(repo: Path) -> int:
     """What travels with every call besides the carried paths: tracked files, untracked files
     git does not ignore, and shared/ when it is inside the checkout."""
+
     def listed(*flags):
         out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", *flags], capture_output=True, check=True)
         return [repo / p for p in out.stdout.decode().split("\0") if p]
@@ -173,19 +209,31 @@ def cmd_pack(args) -> None:
         (last / "wheels").mkdir()
         for w in wheels:
             (last / "wheels" / w.name).write_bytes(w.read_bytes())
-    manifest = {"gguf": gguf.name, "size": size, "sha256": sha256(gguf), "pair": PAIR, "calls": calls,
-                "parts": parts, "wheels": [w.name for w in wheels], "python_version": args.python_version,
-                "budget_bytes": budget, "tree_bytes": tree, "made": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    manifest = {
+        "gguf": gguf.name,
+        "size": size,
+        "sha256": sha256(gguf),
+        "pair": PAIR,
+        "calls": calls,
+        "parts": parts,
+        "wheels": [w.name for w in wheels],
+        "python_version": args.python_version,
+        "budget_bytes": budget,
+        "tree_bytes": tree,
+        "made": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     for i in range(calls):
         (dest / f"call{i + 1}" / "manifest.json").write_text(json.dumps(manifest, indent=2))
     rel = os.path.relpath(dest, REPO)
-    print(f"packed {gguf.name} ({size / MIB:.1f} MiB) and {len(wheels)} wheels ({wheel_bytes / MIB:.1f} MiB) "
-          f"into {calls} calls of at most {budget / MIB:.1f} MiB each (working tree: {tree / MIB:.1f} MiB)")
+    print(
+        f"packed {gguf.name} ({size / MIB:.1f} MiB) and {len(wheels)} wheels ({wheel_bytes / MIB:.1f} MiB) "
+        f"into {calls} calls of at most {budget / MIB:.1f} MiB each (working tree: {tree / MIB:.1f} MiB)"
+    )
     for i in range(calls):
         folder = dest / f"call{i + 1}"
         mib = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / MIB
         cmd = "scripts/gpu_check.sh" if i == calls - 1 else f"ls -l {rel}/call*"
-        print(f"  call {i + 1}: carry [\"{rel}/call{i + 1}\"] ({mib:.1f} MiB), command: {cmd}")
+        print(f'  call {i + 1}: carry ["{rel}/call{i + 1}"] ({mib:.1f} MiB), command: {cmd}')
 
 
 def cmd_join(args) -> None:
@@ -203,8 +251,10 @@ def cmd_join(args) -> None:
     missing = [p for p in manifest["parts"] if not (bundle / p["call"] / p["name"]).is_file()]
     if missing:
         calls = ", ".join(p["call"] for p in missing)
-        sys.exit(f"GGUF parts missing: {calls} of {manifest['calls']} calls. The machine went back between calls "
-                 f"(it keeps files only while warm, 30 s): make calls 1..{manifest['calls']} again, back to back")
+        sys.exit(
+            f"GGUF parts missing: {calls} of {manifest['calls']} calls. The machine went back between calls "
+            f"(it keeps files only while warm, 30 s): make calls 1..{manifest['calls']} again, back to back"
+        )
     out = work / "models" / manifest["gguf"]
     out.parent.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
@@ -246,8 +296,13 @@ def _write(path: str | None, data: dict) -> None:
 def cmd_record(args) -> None:
     path = Path(args.summary)
     summary = json.loads(path.read_text()) if path.exists() else {"stages": {}}
-    stage = {"status": args.status, "seconds": round(args.seconds, 1), "budget_s": args.budget, "exit_code": args.rc,
-             "log": args.log}  # fmt: skip
+    stage = {
+        "status": args.status,
+        "seconds": round(args.seconds, 1),
+        "budget_s": args.budget,
+        "exit_code": args.rc,
+        "log": args.log,
+    }
     if args.figures and Path(args.figures).is_file():
         try:
             stage["figures"] = json.loads(Path(args.figures).read_text())
@@ -282,22 +337,32 @@ def headline(stages: dict) -> dict:
         if bench == "engine":
             for method, m in res.get("methods", {}).items():
                 row.setdefault("engine batch 1, tok/s (speedup over generate, acceptance)", {})[method] = [
-                    round(m["tokens_per_s"]["all"], 1), round(m["speedup"]["all"], 2),
-                    None if m.get("acceptance") is None else round(m["acceptance"], 2)]  # fmt: skip
+                    round(m["tokens_per_s"]["all"], 1),
+                    round(m["speedup"]["all"], 2),
+                    None if m.get("acceptance") is None else round(m["acceptance"], 2),
+                ]
         elif bench == "batch":
             row["generate one at a time, tok/s"] = round(res.get("a_tokens_per_s", 0), 1)
             for b, r in res.get("batches", {}).items():
                 row.setdefault("batched, tok/s k=0 / auto (auto over generate)", {})[b] = [
-                    round(r["b_tokens_per_s"], 1), round(r["c_tokens_per_s"], 1), round(r["c_over_a"], 2)]  # fmt: skip
+                    round(r["b_tokens_per_s"], 1),
+                    round(r["c_tokens_per_s"], 1),
+                    round(r["c_over_a"], 2),
+                ]
         elif bench == "forward":
-            row["verify ratio (5 and 9 tokens over 1)"] = [round(res.get("verify_ratio", {}).get(w, 0), 2) for w in ("5", "9")]
+            row["verify ratio (5 and 9 tokens over 1)"] = [
+                round(res.get("verify_ratio", {}).get(w, 0), 2) for w in ("5", "9")
+            ]
             row["one-token step, ms"] = round(res.get("ms", {}).get("1", 0), 2)
     worker = fig.get("worker", {})
     if worker.get("report"):
         r = worker["report"][0]
         keys = ("tokens_per_s_mean", "acceptance_rate", "mean_accepted_length", "speedup", "latency_p50_s")
-        out["worker"] = {"dtype": worker.get("dtype"), "rows ok": f"{worker.get('ok_rows')}/{worker.get('rows')}",
-                         **{k: None if r.get(k) is None else round(r[k], 3) for k in keys}}  # fmt: skip
+        out["worker"] = {
+            "dtype": worker.get("dtype"),
+            "rows ok": f"{worker.get('ok_rows')}/{worker.get('rows')}",
+            **{k: None if r.get(k) is None else round(r[k], 3) for k in keys},
+        }
     return out
 
 
@@ -324,8 +389,10 @@ def cmd_finish(args) -> None:
     path.write_text(json.dumps(summary, indent=2, default=str))
     for name, s in stages.items():
         print(f"  {name:9} {s['status']:8} {s['seconds']:7.1f} s")
-    print(f"gpu check: {'all stages ok' if summary['ok'] else 'FAILED: ' + ', '.join(summary['failed'])}; "
-          f"summary in {path}")  # fmt: skip
+    print(
+        f"gpu check: {'all stages ok' if summary['ok'] else 'FAILED: ' + ', '.join(summary['failed'])}; "
+        f"summary in {path}"
+    )
 
 
 def main() -> None:
@@ -354,8 +421,14 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
-    {"wheels": cmd_wheels, "check-deps": cmd_check_deps, "pack": cmd_pack, "join": cmd_join, "record": cmd_record,
-     "finish": cmd_finish}[args.cmd](args)  # fmt: skip
+    {
+        "wheels": cmd_wheels,
+        "check-deps": cmd_check_deps,
+        "pack": cmd_pack,
+        "join": cmd_join,
+        "record": cmd_record,
+        "finish": cmd_finish,
+    }[args.cmd](args)
 
 
 if __name__ == "__main__":

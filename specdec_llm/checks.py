@@ -19,7 +19,9 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0 .. 2**64 - 1
 
 def check_seed(seed, field: str = "seed") -> None:
     if isinstance(seed, int) and not isinstance(seed, bool) and seed > MAX_SEED:
-        raise RequestError(field, f"{seed} is above {MAX_SEED} (2**64 - 1, the largest seed there is); use a smaller one")
+        raise RequestError(
+            field, f"{seed} is above {MAX_SEED} (2**64 - 1, the largest seed there is); use a smaller one"
+        )
 
 
 def check_text(text, field: str) -> None:
@@ -29,8 +31,11 @@ def check_text(text, field: str) -> None:
     check_unicode(text, field)
     nul = text.find("\x00")
     if nul >= 0:
-        raise RequestError(field, f"contains a NUL character (\\x00) at character {nul}; remove it "
-                                  "(PostgreSQL cannot store NUL, so no store accepts it)")  # fmt: skip
+        raise RequestError(
+            field,
+            f"contains a NUL character (\\x00) at character {nul}; remove it "
+            "(PostgreSQL cannot store NUL, so no store accepts it)",
+        )
 
 
 def check_messages(messages) -> None:

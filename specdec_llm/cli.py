@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -42,17 +42,19 @@ def _quiet() -> None:
 @app.command()
 def generate(
     prompt: str,
-    pair: Annotated[Optional[str], typer.Option(help="Pair name (default: SPECDEC_DEFAULT_PAIR)")] = None,
+    pair: Annotated[str | None, typer.Option(help="Pair name (default: SPECDEC_DEFAULT_PAIR)")] = None,
     mode: Annotated[str, typer.Option(help="speculative | baseline (target only)")] = "speculative",
     k: Annotated[str, typer.Option("--k", help="Draft length per iteration: an integer or 'auto'")] = "auto",
-    drafter: Annotated[str, typer.Option(help="auto (the pair's drafters, chosen per iteration), or one of them: "
-                                              "lookup, suffix, model")] = "auto",
+    drafter: Annotated[
+        str,
+        typer.Option(help="auto (the pair's drafters, chosen per iteration), or one of them: lookup, suffix, model"),
+    ] = "auto",
     max_new_tokens: int = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    seed: Optional[int] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable)")] = None,
+    seed: int | None = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")] = None,
     chat: Annotated[bool, typer.Option(help="Wrap PROMPT as a user message via the chat template")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
@@ -60,9 +62,18 @@ def generate(
     from .pairs import get_spec, load_pair, use_threads
 
     request = GenerationRequest(
-        prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=seed, k=parse_k(k), stop=list(stop or []), chat=chat, mode=mode, drafter=drafter,
-    )  # fmt: skip
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        k=parse_k(k),
+        stop=list(stop or []),
+        chat=chat,
+        mode=mode,
+        drafter=drafter,
+    )
     with user_errors():
         request.validate()  # fail fast, before loading models
         check_seed(seed)
@@ -113,7 +124,9 @@ def pairs_show(
         info = spec.to_dict()
         info["drafters"] = spec.drafter_names()
         if spec.draft and spec.draft.startswith("layers:"):
-            info["draft_note"] = "PLACEHOLDER draft: untrained target layers; expect ~4% acceptance (k=auto falls back to 0)"
+            info["draft_note"] = (
+                "PLACEHOLDER draft: untrained target layers; expect ~4% acceptance (k=auto falls back to 0)"
+            )
         if load:
             pair = load_pair(spec)
             info["target_fingerprint"] = pair.target_fingerprint
@@ -134,13 +147,17 @@ def main() -> None:  # pragma: no cover
 @app.command()
 def distill(
     out: Annotated[str, typer.Option(help="Where to write the draft (a directory the pair registry loads)")],
-    pair: Annotated[Optional[str], typer.Option(help="Take the target of this pair")] = None,
-    target: Annotated[Optional[str], typer.Option(help="Or a target model reference (dir, hub id, .gguf, pkg:)")] = None,
+    pair: Annotated[str | None, typer.Option(help="Take the target of this pair")] = None,
+    target: Annotated[str | None, typer.Option(help="Or a target model reference (dir, hub id, .gguf, pkg:)")] = None,
     work: Annotated[str, typer.Option(help="Working directory for data shards and checkpoints")] = "runs/distill",
     phase: Annotated[str, typer.Option(help="data | train | all")] = "all",
     layers: Annotated[str, typer.Option(help="Target layers the draft starts from, e.g. 0,1")] = "0,1",
-    prompts: Annotated[str, typer.Option(help="Seed prompts (JSONL with a 'prompt' field)")] = "data/distill_seed_prompts.jsonl",
-    prompt_pool: Annotated[Optional[str], typer.Option(help="A ready prompt pool (JSONL 'prompt'): skips the expansion")] = None,
+    prompts: Annotated[
+        str, typer.Option(help="Seed prompts (JSONL with a 'prompt' field)")
+    ] = "data/distill_seed_prompts.jsonl",
+    prompt_pool: Annotated[
+        str | None, typer.Option(help="A ready prompt pool (JSONL 'prompt'): skips the expansion")
+    ] = None,
     expand_per_seed: int = 4,
     samples: Annotated[int, typer.Option(help="Sampled answers per prompt besides the greedy one")] = 1,
     max_new_tokens: int = 256,
@@ -150,10 +167,17 @@ def distill(
     steps: int = 2000,
     batch_size: int = 16,
     lr: float = 1e-3,
-    vocab_subset: Annotated[int, typer.Option(help="Draft head over this many most frequent tokens (0: full vocabulary)")] = 16384,
+    vocab_subset: Annotated[
+        int, typer.Option(help="Draft head over this many most frequent tokens (0: full vocabulary)")
+    ] = 16384,
     resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint in --work")] = False,
-    init_from: Annotated[Optional[str], typer.Option(help="Warm start from a distilled draft (dir or pkg:...): its layers and vocabulary subset, not --layers")] = None,
-    hours: Annotated[Optional[float], typer.Option(help="Stop each phase after this many hours (resumable)")] = None,
+    init_from: Annotated[
+        str | None,
+        typer.Option(
+            help="Warm start from a distilled draft (dir or pkg:...): its layers and vocabulary subset, not --layers"
+        ),
+    ] = None,
+    hours: Annotated[float | None, typer.Option(help="Stop each phase after this many hours (resumable)")] = None,
 ) -> None:
     """Distil a draft from a target (resumable: data shards and checkpoints live in --work)."""
     import time as _time
@@ -183,13 +207,25 @@ def distill(
         with Progress(*columns, console=err) as progress:
             if phase in ("data", "all"):
                 seeds = [json.loads(line)["prompt"] for line in Path(prompts).read_text().splitlines() if line.strip()]
-                cfg = D.DataConfig(max_new_tokens=max_new_tokens, batch_size=gen_batch, dtype=gen_dtype,
-                                   expand_per_seed=expand_per_seed, samples=samples)  # fmt: skip
+                cfg = D.DataConfig(
+                    max_new_tokens=max_new_tokens,
+                    batch_size=gen_batch,
+                    dtype=gen_dtype,
+                    expand_per_seed=expand_per_seed,
+                    samples=samples,
+                )
                 pool = Path(prompt_pool) if prompt_pool else None
                 manifest = D.build_data(model, tok, seeds, work_dir, cfg, progress, deadline, pool)
                 err.print(f"data: {manifest.get('tokens', 0):,} answer tokens in {manifest.get('shards', 0)} shards")
             if phase in ("train", "all"):
-                cfg = D.TrainConfig(layers=layer_list, steps=steps, batch_size=batch_size, lr=lr, vocab_subset=vocab_subset, init_from=init_from)
+                cfg = D.TrainConfig(
+                    layers=layer_list,
+                    steps=steps,
+                    batch_size=batch_size,
+                    lr=lr,
+                    vocab_subset=vocab_subset,
+                    init_from=init_from,
+                )
                 summary = D.train(model, work_dir, Path(out), cfg, resume, progress, deadline)
                 err.print(f"train: {json.dumps(summary)}")
 
@@ -197,12 +233,17 @@ def distill(
 @app.command("eval-pair")
 def eval_pair(
     prompts: Annotated[str, typer.Option(help="JSONL with 'prompt' (or Spec-Bench 'turns') and optional 'category'")],
-    pair: Annotated[Optional[str], typer.Option(help="Pair name (default: SPECDEC_DEFAULT_PAIR)")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="First N prompts of each category")] = None,
+    pair: Annotated[str | None, typer.Option(help="Pair name (default: SPECDEC_DEFAULT_PAIR)")] = None,
+    limit: Annotated[int | None, typer.Option(help="First N prompts of each category")] = None,
     max_new_tokens: int = 128,
     k: Annotated[int, typer.Option("--k", help="Fixed draft length")] = 4,
-    drafter: Annotated[str, typer.Option(help="The drafter measured (default: the draft model, distilled or "
-                                              "quantized, if the pair has one, else auto)")] = "",
+    drafter: Annotated[
+        str,
+        typer.Option(
+            help="The drafter measured (default: the draft model, distilled or "
+            "quantized, if the pair has one, else auto)"
+        ),
+    ] = "",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Greedy acceptance rate, mean accepted length and per-position acceptance of a pair's drafter."""
@@ -232,7 +273,9 @@ def eval_pair(
             nonlocal done
             done += 1
             if not as_json:
-                err.print(f"[dim]{done}/{len(rows)} {row['category']}: acceptance {res.stats.acceptance_rate:.2f}[/dim]")
+                err.print(
+                    f"[dim]{done}/{len(rows)} {row['category']}: acceptance {res.stats.acceptance_rate:.2f}[/dim]"
+                )
 
         report = evaluate(decoder, rows, max_new_tokens, k, on_row=show, drafter=drafter)
     if as_json:
@@ -240,8 +283,14 @@ def eval_pair(
         return
     table = Table("category", "prompts", "acceptance", "tokens/target fwd", "per-position acceptance", "tok/s")
     for name, s in [*report.get("categories", {}).items(), ("overall", report["overall"])]:
-        table.add_row(name, str(s["prompts"]), f"{s['acceptance_rate']:.3f}", f"{s['mean_accepted_length']:.2f}",
-                      " ".join(f"{x:.2f}" for x in s["per_position_acceptance"]), f"{s['tokens_per_s']:.1f}")
+        table.add_row(
+            name,
+            str(s["prompts"]),
+            f"{s['acceptance_rate']:.3f}",
+            f"{s['mean_accepted_length']:.2f}",
+            " ".join(f"{x:.2f}" for x in s["per_position_acceptance"]),
+            f"{s['tokens_per_s']:.1f}",
+        )
     console.print(table)
 
 

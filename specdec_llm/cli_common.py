@@ -53,6 +53,8 @@ def check_batching(max_batch: int, concurrency: int) -> None:
     if max_batch < 1:
         fail("max-batch: use at least 1")
     if max_batch > 1 and concurrency > 1:
-        fail(f"--concurrency {concurrency} with --max-batch {max_batch}: a batching worker is one process per "
-             "device (its task threads share one batch); drop --concurrency, and start one worker per device "
-             "for more devices")  # fmt: skip
+        fail(
+            f"--concurrency {concurrency} with --max-batch {max_batch}: a batching worker is one process per "
+            "device (its task threads share one batch); drop --concurrency, and start one worker per device "
+            "for more devices"
+        )

@@ -91,10 +91,17 @@ def _generate(model, tok, prompts: list[list[int]], max_new: int, sample: bool, 
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = model.generate(
-        input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new, do_sample=sample,
-        temperature=temperature if sample else None, top_p=None, top_k=None,
-        output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
-    )  # fmt: skip
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
+        max_new_tokens=max_new,
+        do_sample=sample,
+        temperature=temperature if sample else None,
+        top_p=None,
+        top_k=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=pad,
+    )
     logits = torch.stack(out.logits, 1).float()  # [B, T, V]
     logp, top = torch.topk(torch.log_softmax(logits, -1), topk, dim=-1)
     answers = out.sequences[:, width:].cpu()
@@ -158,7 +165,14 @@ class DataStore:
 
 
 def build_data(
-    target, tok, seed_prompts: list[str], work: Path, cfg: DataConfig, progress=None, deadline=None, pool: Path | None = None
+    target,
+    tok,
+    seed_prompts: list[str],
+    work: Path,
+    cfg: DataConfig,
+    progress=None,
+    deadline=None,
+    pool: Path | None = None,
 ) -> dict:
     """Phase 1 (resumable): expand the prompts (or take a ready ``pool``), then generate answers shard by shard."""
     store = DataStore(work / "data")
@@ -187,7 +201,10 @@ def build_data(
     # work items: (prompt index, variant); variant 0 greedy, others sampled. Shuffled once,
     # fixed, in blocks of one kind: each batch is one full-width `generate` call.
     blocks = []
-    for kind in ([(i, 0) for i in range(len(pool))], [(i, v) for i in range(len(pool)) for v in range(1, 1 + cfg.samples)]):
+    for kind in (
+        [(i, 0) for i in range(len(pool))],
+        [(i, v) for i in range(len(pool)) for v in range(1, 1 + cfg.samples)],
+    ):
         rng.shuffle(kind)
         blocks += [kind[j : j + cfg.batch_size] for j in range(0, len(kind), cfg.batch_size)]
     rng.shuffle(blocks)
@@ -340,7 +357,11 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
     resuming = state is not None
     if resuming:  # the checkpoint's shape wins over the command line's; weights are loaded below
         cfg.layers = state["config"]["layers"]
-        subset = load_file(str(ckpt / "subset.safetensors"))[VOCAB_SUBSET].long() if (ckpt / "subset.safetensors").exists() else None
+        subset = (
+            load_file(str(ckpt / "subset.safetensors"))[VOCAB_SUBSET].long()
+            if (ckpt / "subset.safetensors").exists()
+            else None
+        )
         draft = shared_draft(target, cfg.layers, subset)
     elif cfg.init_from:  # warm start: an existing draft's layers, weights and vocabulary subset
         draft, meta = load_draft_dir(draft_dir(cfg.init_from), target, fingerprint(target))
@@ -350,7 +371,9 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
         subset = None
         if cfg.vocab_subset and cfg.vocab_subset < target.config.vocab_size:
             eos = target.generation_config.eos_token_id
-            subset = choose_subset(store, cfg.vocab_subset, target.config.vocab_size, [eos] if isinstance(eos, int) else list(eos or []))
+            subset = choose_subset(
+                store, cfg.vocab_subset, target.config.vocab_size, [eos] if isinstance(eos, int) else list(eos or [])
+            )
         draft = shared_draft(target, cfg.layers, subset)
     draft.train()
     subset_pos = None
@@ -367,7 +390,11 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
         opt_state = load_file(str(ckpt / "optim.safetensors"), device=str(draft.device))
         for i, p in enumerate(params):
             if f"{i}.exp_avg" in opt_state:
-                opt.state[p] = {"step": torch.tensor(float(state["step"])), "exp_avg": opt_state[f"{i}.exp_avg"], "exp_avg_sq": opt_state[f"{i}.exp_avg_sq"]}
+                opt.state[p] = {
+                    "step": torch.tensor(float(state["step"])),
+                    "exp_avg": opt_state[f"{i}.exp_avg"],
+                    "exp_avg_sq": opt_state[f"{i}.exp_avg_sq"],
+                }
         step, history, tokens_seen = state["step"], state.get("history", []), state.get("tokens_seen", 0)
 
     def lr_at(s: int) -> float:
@@ -385,9 +412,14 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
         if heldout and history and "heldout_agreement" not in history[-1]:
             history[-1]["heldout_agreement"] = round(heldout_agreement(draft, heldout, cfg.max_len), 4)
             if progress:
-                progress.console.print(f"train: step {step} tokens {tokens_seen:,} held-out agreement {history[-1]['heldout_agreement']:.3f}")
+                progress.console.print(
+                    f"train: step {step} tokens {tokens_seen:,} held-out agreement {history[-1]['heldout_agreement']:.3f}"
+                )
         ckpt.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items() if k.startswith("model.layers")}, str(ckpt / "draft.safetensors"))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items() if k.startswith("model.layers")},
+            str(ckpt / "draft.safetensors"),
+        )
         opt_state = {}
         for i, p in enumerate(params):
             if p in opt.state:
@@ -396,9 +428,29 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
         save_file({k: v.cpu() for k, v in opt_state.items()}, str(ckpt / "optim.safetensors"))
         if subset is not None:
             save_file({VOCAB_SUBSET: subset.to(torch.int32)}, str(ckpt / "subset.safetensors"))
-        (ckpt / "state.json").write_text(json.dumps({"step": step, "tokens_seen": tokens_seen, "history": history, "config": asdict(cfg)}))
-        save_draft(draft.eval(), out, target, cfg.layers, {"train": {"steps": step, "tokens_seen": tokens_seen, "data_tokens": store.manifest.get("tokens"), "config": asdict(cfg),
-                   "heldout_curve": [{k: h[k] for k in ("step", "tokens_seen", "heldout_agreement")} for h in history if "heldout_agreement" in h]}}, cfg.save_dtype)
+        (ckpt / "state.json").write_text(
+            json.dumps({"step": step, "tokens_seen": tokens_seen, "history": history, "config": asdict(cfg)})
+        )
+        save_draft(
+            draft.eval(),
+            out,
+            target,
+            cfg.layers,
+            {
+                "train": {
+                    "steps": step,
+                    "tokens_seen": tokens_seen,
+                    "data_tokens": store.manifest.get("tokens"),
+                    "config": asdict(cfg),
+                    "heldout_curve": [
+                        {k: h[k] for k in ("step", "tokens_seen", "heldout_agreement")}
+                        for h in history
+                        if "heldout_agreement" in h
+                    ],
+                }
+            },
+            cfg.save_dtype,
+        )
         draft.train()
 
     while step < cfg.steps:
@@ -420,7 +472,9 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
             if progress:
                 progress.update(task, completed=step, description=f"training kl={mk:.3f} agree={ma:.3f}")
                 if step % 50 == 0:
-                    progress.console.print(f"train: step {step}/{cfg.steps} tokens {tokens_seen:,} kl {mk:.3f} agreement {ma:.3f}")
+                    progress.console.print(
+                        f"train: step {step}/{cfg.steps} tokens {tokens_seen:,} kl {mk:.3f} agreement {ma:.3f}"
+                    )
         if step % cfg.checkpoint_every == 0:
             checkpoint()
     checkpoint()

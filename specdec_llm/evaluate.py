@@ -38,7 +38,11 @@ def _summary(stats: list) -> dict:
     per_pos = []
     for i in range(width):
         # weight each request's position-i rate by how often it proposed position i
-        num = sum(s.per_position_acceptance[i] * sum(k > i for k in s.k_values) for s in stats if i < len(s.per_position_acceptance))
+        num = sum(
+            s.per_position_acceptance[i] * sum(k > i for k in s.k_values)
+            for s in stats
+            if i < len(s.per_position_acceptance)
+        )
         den = sum(sum(k > i for k in s.k_values) for s in stats)
         per_pos.append(num / den if den else 0.0)
     return {
@@ -51,8 +55,14 @@ def _summary(stats: list) -> dict:
     }
 
 
-def evaluate(decoder: SpeculativeDecoder, rows: list[dict], max_new_tokens: int = 128, k: int = 4, on_row=None,
-             drafter: str = "auto") -> dict:
+def evaluate(
+    decoder: SpeculativeDecoder,
+    rows: list[dict],
+    max_new_tokens: int = 128,
+    k: int = 4,
+    on_row=None,
+    drafter: str = "auto",
+) -> dict:
     """Greedy speculative decoding at a fixed k over ``rows`` with ``drafter`` ("auto": the
     first of the pair's drafters that proposes, each iteration); figures overall and per category."""
     by_cat: dict[str, list] = defaultdict(list)
@@ -62,8 +72,12 @@ def evaluate(decoder: SpeculativeDecoder, rows: list[dict], max_new_tokens: int 
         by_cat[row["category"]].append(res.stats)
         if on_row:
             on_row(row, res)
-    out = {"overall": _summary([s for v in by_cat.values() for s in v]), "k": k, "drafter": drafter,
-           "max_new_tokens": max_new_tokens}
+    out = {
+        "overall": _summary([s for v in by_cat.values() for s in v]),
+        "k": k,
+        "drafter": drafter,
+        "max_new_tokens": max_new_tokens,
+    }
     if len(by_cat) > 1 or "all" not in by_cat:
         out["categories"] = {c: _summary(v) for c, v in sorted(by_cat.items())}
     return out

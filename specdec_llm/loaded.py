@@ -39,8 +39,16 @@ def get(pair, *, threads: int | None = None, max_batch: int = 1, max_wait_ms: fl
     from .pairs import get_spec, load_pair, use_threads
 
     spec = get_spec(pair) if isinstance(pair, str) else pair
-    key = (spec.name, spec.target, spec.draft, spec.dtype, spec.device, spec.k, tuple(spec.drafters or ()),
-           spec.trust_remote_code)  # fmt: skip
+    key = (
+        spec.name,
+        spec.target,
+        spec.draft,
+        spec.dtype,
+        spec.device,
+        spec.k,
+        tuple(spec.drafters or ()),
+        spec.trust_remote_code,
+    )
     with _lock:
         entry = _cache.get(key)
         if entry is None:
@@ -48,7 +56,11 @@ def get(pair, *, threads: int | None = None, max_batch: int = 1, max_wait_ms: fl
             loaded = load_pair(spec)
             entry = _cache[key] = Loaded(spec, loaded, loaded.decoder(), None)
         server = entry.server
-        if server is None or server.closed.is_set() or (server.max_batch, server.max_wait) != (max_batch, max_wait_ms / 1000):
+        if (
+            server is None
+            or server.closed.is_set()
+            or (server.max_batch, server.max_wait) != (max_batch, max_wait_ms / 1000)
+        ):
             if server is not None:
                 server.close()
             entry.server = BatchServer(entry.decoder, max_batch=max_batch, max_wait_ms=max_wait_ms)

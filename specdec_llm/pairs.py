@@ -88,7 +88,7 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
             raise PairError(f"{source}: pair {name!r} needs a 'target' (model dir, hub id or .gguf file)")
         k = fields.get("k", "auto")
         if k != "auto" and not (isinstance(k, int) and k >= 0):
-            raise PairError(f"{source}: pair {name!r}: k must be \"auto\" or an integer >= 0, not {k!r}")
+            raise PairError(f'{source}: pair {name!r}: k must be "auto" or an integer >= 0, not {k!r}')
         draft = fields.get("draft")
         quantized = isinstance(draft, str) and draft.startswith(QUANTIZED)
         if quantized:
@@ -101,11 +101,17 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
                 raise PairError(f"{source}: pair {name!r}: drafters must be a list of names, e.g. {list(KNOWN)}")
             bad = [d for d in drafters if d not in KNOWN]
             if bad:
-                raise PairError(f"{source}: pair {name!r}: unknown drafter {bad[0]!r}; known drafters: {', '.join(KNOWN)}")
+                raise PairError(
+                    f"{source}: pair {name!r}: unknown drafter {bad[0]!r}; known drafters: {', '.join(KNOWN)}"
+                )
             if "model" in drafters and (not draft or quantized):
-                raise PairError(f"{source}: pair {name!r}: drafter 'model' needs a draft model; set draft = ... or drop 'model'")
+                raise PairError(
+                    f"{source}: pair {name!r}: drafter 'model' needs a draft model; set draft = ... or drop 'model'"
+                )
             if "quantized" in drafters and not quantized:
-                raise PairError(f"{source}: pair {name!r}: drafter 'quantized' needs draft = \"quantized:int4\" (or int8)")
+                raise PairError(
+                    f"{source}: pair {name!r}: drafter 'quantized' needs draft = \"quantized:int4\" (or int8)"
+                )
         out[name] = PairSpec(name=name, source=source, **fields)
     return out
 
@@ -151,7 +157,9 @@ def _package_file(ref: str) -> Path:
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
-        raise PairError(f"{ref}: the Python package {dist_name!r} is not installed; pip install --no-deps {dist_name}") from None
+        raise PairError(
+            f"{ref}: the Python package {dist_name!r} is not installed; pip install --no-deps {dist_name}"
+        ) from None
     for f in dist.files or []:
         if str(f).endswith(rel):
             return Path(dist.locate_file(f))
@@ -225,10 +233,12 @@ def load_model(ref: str, dtype: str, device: str, trust_remote_code: bool = Fals
 
 def remote_code_refused(ref: str, pair: str = "NAME") -> str:
     """Why a model that needs its repository's own Python code was not loaded, and how to allow it."""
-    return (f"model {ref!r} needs custom code from its repository (its config's auto_map), and repository "
-            "code is never run unless the pair allows it; after reading that code, set "
-            f"`trust_remote_code = true` under the pair's [pairs.{pair}] entry in your pairs file "
-            "(SPECDEC_CONFIG_FILE)")  # fmt: skip
+    return (
+        f"model {ref!r} needs custom code from its repository (its config's auto_map), and repository "
+        "code is never run unless the pair allows it; after reading that code, set "
+        f"`trust_remote_code = true` under the pair's [pairs.{pair}] entry in your pairs file "
+        "(SPECDEC_CONFIG_FILE)"
+    )
 
 
 def load_tokenizer(ref: str, trust_remote_code: bool = False):
@@ -317,7 +327,9 @@ def load_draft_dir(path: Path, target, target_fp: str):
     missing = draft.load_state_dict({k: v.to(dtype) for k, v in own.items()}, strict=False)
     bad = [k for k in missing.missing_keys if not any(k.startswith(s) for s in SHARED_TENSORS)]
     if bad or missing.unexpected_keys:
-        raise PairError(f"draft {path}: tensors do not fit the target (missing {bad[:3]}, unexpected {missing.unexpected_keys[:3]})")
+        raise PairError(
+            f"draft {path}: tensors do not fit the target (missing {bad[:3]}, unexpected {missing.unexpected_keys[:3]})"
+        )
     return draft, meta
 
 
@@ -333,9 +345,15 @@ class Pair:
     draft_info: dict = field(default_factory=dict)
 
     def decoder(self) -> SpeculativeDecoder:
-        return SpeculativeDecoder(self.target, self.draft, self.tokenizer, drafters=self.spec.drafter_names(),
-                                  vocab_size=self.vocab_size, default_k=self.spec.k,
-                                  kernel_cache=get_settings().cache_dir / "kernels.json")  # fmt: skip
+        return SpeculativeDecoder(
+            self.target,
+            self.draft,
+            self.tokenizer,
+            drafters=self.spec.drafter_names(),
+            vocab_size=self.vocab_size,
+            default_k=self.spec.k,
+            kernel_cache=get_settings().cache_dir / "kernels.json",
+        )
 
 
 def check_vocab(target_ref: str, tok_t, draft_ref: str, tok_d, vt: int, vd: int) -> int:
@@ -406,8 +424,12 @@ def quantized_draft(spec: PairSpec, target):
     if scheme == "int4" and ref.endswith(".gguf"):
         blocks = gguf_blocks(Path(ref).expanduser(), target)
     draft = quantized_copy(target, scheme, blocks=blocks)
-    info = {"kind": "quantized", **draft.quantization, "draft_bytes": model_bytes(draft, target),
-            "target_bytes": model_bytes(target)}
+    info = {
+        "kind": "quantized",
+        **draft.quantization,
+        "draft_bytes": model_bytes(draft, target),
+        "target_bytes": model_bytes(target),
+    }
     return draft, info
 
 

@@ -23,10 +23,18 @@ def tiny_llama(seed: int, vocab: int = 256, layers: int = 2, hidden: int = 64, e
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=ctx,
-        bos_token_id=None, eos_token_id=eos, pad_token_id=0, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=ctx,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = eos
     return model
@@ -93,9 +101,10 @@ def tiny_tokenizer(vocab: int = 512):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        vocab_size=vocab,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     text = ["The quick brown fox jumps over the lazy dog. Speculative decoding drafts and verifies."] * 20
     tok.train_from_iterator(text, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")

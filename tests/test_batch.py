@@ -25,13 +25,17 @@ def target():
 def test_batched_greedy_equals_one_at_a_time(target, draft_kind):
     """Mixed prompt lengths, mixed k, rows finishing early (length and EOS): each row equals
     the target's own greedy output, exactly as when it decodes alone."""
-    draft = {"same": target, "partial": perturbed(target, 0.2, seed=3), "unrelated": tiny_llama(7, layers=1)}[draft_kind]
+    draft = {"same": target, "partial": perturbed(target, 0.2, seed=3), "unrelated": tiny_llama(7, layers=1)}[
+        draft_kind
+    ]
     eos_model = tiny_llama(0, eos=greedy_reference(target, PROMPTS[1], 30)[9])  # same weights, an EOS the output hits
     for model in (target, eos_model):
         dec = SpeculativeDecoder(model, draft if model is target else model)
         reqs = [
             GenerationRequest(prompt=p, max_new_tokens=n, k=k)
-            for p, n, k in zip(itertools.cycle(PROMPTS), (40, 7, 33, 1, 25, 40, 12, 30), (0, 1, 3, 6, "auto", 4, 2, "auto"))
+            for p, n, k in zip(
+                itertools.cycle(PROMPTS), (40, 7, 33, 1, 25, 40, 12, 30), (0, 1, 3, 6, "auto", 4, 2, "auto")
+            )
         ]
         single = [dec.generate(r) for r in reqs]
         for max_batch in (3, 8):
@@ -53,7 +57,9 @@ def test_rows_join_between_iterations(target):
         if step in (2, 5):
             rows.append(batch.add(GenerationRequest(prompt=PROMPTS[step % 5], max_new_tokens=15, k=2)))
         if step == 5:
-            rows.append(batch.add(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=10, temperature=0.8, seed=4, k=3)))
+            rows.append(
+                batch.add(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=10, temperature=0.8, seed=4, k=3))
+            )
         if not batch.rows:
             break
         batch.step()
@@ -163,7 +169,12 @@ def test_speculation_length_falls_to_zero_as_the_batch_grows():
     per_token = 0.0006
     for rows in (1, 16):
         fixed = 0.03 if rows == 1 else 0.008
-        calibrate(costs[rows], lambda k, r=rows, f=fixed: f + per_token * r * (k + 1) + 0.002, lambda r=rows: 0.002 + 0.0001 * r, repeats=1)
+        calibrate(
+            costs[rows],
+            lambda k, r=rows, f=fixed: f + per_token * r * (k + 1) + 0.002,
+            lambda r=rows: 0.002 + 0.0001 * r,
+            repeats=1,
+        )
     assert costs[1].best_k(0.6) >= 2
     assert costs[16].best_k([0.6] * 16) == 0
     assert costs[16].best_k([0.98] * 16) >= 4  # a near-perfect draft still pays
@@ -188,7 +199,9 @@ def test_batch_server_joins_callers_from_threads(target):
 
     dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
     server = BatchServer(dec, max_batch=4, max_wait_ms=50)
-    reqs = [GenerationRequest(prompt=PROMPTS[i % 5], max_new_tokens=10 + 3 * i, k=(0, 2, "auto")[i % 3]) for i in range(10)]
+    reqs = [
+        GenerationRequest(prompt=PROMPTS[i % 5], max_new_tokens=10 + 3 * i, k=(0, 2, "auto")[i % 3]) for i in range(10)
+    ]
     reqs[6] = GenerationRequest(prompt=[1, 9999], max_new_tokens=5)
     seen = []
     try:

@@ -7,17 +7,16 @@ empty report says so. Each test here failed before its fix."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
 from specdec_llm import store
+from specdec_llm.client import rows as R
 from specdec_llm.engine import RequestError
 from specdec_llm.settings import reload_settings
 from specdec_llm.store.testing import sqlite_url
-from specdec_llm.client import rows as R
 
 
 def main_cli():
@@ -77,11 +76,14 @@ def test_extra_csv_fields_fail_their_row(tmp_path):
 
 
 # -- 4. run checks its output first ----------------------------------------------------------------
-@pytest.mark.parametrize("extra, fragment", [
-    (["--format", "xml"], "format: 'xml' unknown"),
-    (["--out", "{file}/out.jsonl"], "out: cannot write"),
-    (["--out", "{dir}"], "is a folder"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--format", "xml"], "format: 'xml' unknown"),
+        (["--out", "{file}/out.jsonl"], "out: cannot write"),
+        (["--out", "{dir}"], "is a folder"),
+    ],
+)
 def test_run_refuses_a_bad_output_before_generating(pairs_file, tmp_path, monkeypatch, extra, fragment):
     from specdec_llm.client.cli import register
 
@@ -120,17 +122,24 @@ def test_a_seed_above_what_torch_takes_is_a_clear_error(tmp_path, pairs_file):
     rows = R.read_rows(path)
     R.check_rows(rows, {})
     assert rows[0].error.startswith("seed: ")  # the row's error, at submit
-    with pytest.raises(RequestError, match="^seed: "):  # a row stored by another path, in the worker
+    with pytest.raises(RequestError, match=r"^seed: "):  # a row stored by another path, in the worker
         build_request({"prompt": "x", "params": {"seed": big, "temperature": 1.0}}, None)
     one_line_exit_2(CliRunner().invoke(main_cli(), ["generate", "x", "--pair", "tiny", "--seed", str(big)]), "seed: ")
     R.check_params({"seed": 2**64 - 1})  # the largest one is fine
 
 
-@pytest.mark.parametrize("args, env, fragment", [
-    (["report", "--since", "99999999d"], {}, "--since: '99999999d' reaches back before the year 1"),
-    (["report"], {"SPECDEC_DATABASE_URL": "mysql://u@127.0.0.1/db"}, "SPECDEC_DATABASE_URL: no usable SQLAlchemy driver"),
-    (["db", "current"], {"SPECDEC_DATABASE_URL": "mysql://u@127.0.0.1/db"}, "SQLite or PostgreSQL"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, env, fragment",
+    [
+        (["report", "--since", "99999999d"], {}, "--since: '99999999d' reaches back before the year 1"),
+        (
+            ["report"],
+            {"SPECDEC_DATABASE_URL": "mysql://u@127.0.0.1/db"},
+            "SPECDEC_DATABASE_URL: no usable SQLAlchemy driver",
+        ),
+        (["db", "current"], {"SPECDEC_DATABASE_URL": "mysql://u@127.0.0.1/db"}, "SQLite or PostgreSQL"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(db, monkeypatch, args, env, fragment):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -143,8 +152,10 @@ def test_bad_input_is_one_line_and_exit_2(db, monkeypatch, args, env, fragment):
 def test_langchain_llm_raises_request_error_for_text_no_store_holds(pairs_file, db, prompt, fragment):
     from specdec_llm.langchain import ChatSpecDec, SpecDecLLM
 
-    for model in (SpecDecLLM(pair="tiny", backend="local", max_new_tokens=2),
-                  ChatSpecDec(pair="tiny", backend="local", max_new_tokens=2)):  # fmt: skip
+    for model in (
+        SpecDecLLM(pair="tiny", backend="local", max_new_tokens=2),
+        ChatSpecDec(pair="tiny", backend="local", max_new_tokens=2),
+    ):
         with pytest.raises(RequestError, match=fragment):
             model.invoke(prompt)
 
@@ -165,8 +176,14 @@ def test_a_password_in_the_url_query_is_masked():
 # -- 7. NUL in prompts: the same on every store -----------------------------------------------------------
 def test_nul_in_a_prompt_fails_its_row_with_a_clear_error(tmp_path):
     path = tmp_path / "in.jsonl"
-    path.write_text(json.dumps({"prompt": "a\x00b"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "\x00"}]})
-                    + "\n" + json.dumps({"prompt": "fine"}) + "\n")  # fmt: skip
+    path.write_text(
+        json.dumps({"prompt": "a\x00b"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "\x00"}]})
+        + "\n"
+        + json.dumps({"prompt": "fine"})
+        + "\n"
+    )
     path_csv = tmp_path / "in.csv"
     path_csv.write_bytes(b"prompt\na\x00b\n")
     rows = R.read_rows(path)
@@ -204,8 +221,17 @@ def test_every_error_derives_from_spec_dec_error_and_keeps_its_base():
     from specdec_llm.pairs import PairError
     from specdec_llm.store import ReportInputError, SchemaError, StoreError
 
-    bases = {RequestError: ValueError, PairError: ValueError, StoreError: RuntimeError, SchemaError: StoreError,
-             ReportInputError: ValueError, QueueError: RuntimeError, InputError: ValueError,
-             GenerationTimeout: TimeoutError, BrokerUnavailable: ConnectionError, GenerationFailed: RuntimeError}  # fmt: skip
+    bases = {
+        RequestError: ValueError,
+        PairError: ValueError,
+        StoreError: RuntimeError,
+        SchemaError: StoreError,
+        ReportInputError: ValueError,
+        QueueError: RuntimeError,
+        InputError: ValueError,
+        GenerationTimeout: TimeoutError,
+        BrokerUnavailable: ConnectionError,
+        GenerationFailed: RuntimeError,
+    }
     for error, base in bases.items():
         assert issubclass(error, SpecDecError) and issubclass(error, base), error

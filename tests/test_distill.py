@@ -37,7 +37,13 @@ def distilled(tmp_path_factory):
     examples = list(D.DataStore(work / "data").examples())
     before = agreement(shared_draft(target, [0]), examples)
     out = work / "draft"
-    D.train(target, work, out, D.TrainConfig(layers=[0], steps=80, batch_size=4, lr=3e-3, warmup=5, checkpoint_every=40), resume=False)
+    D.train(
+        target,
+        work,
+        out,
+        D.TrainConfig(layers=[0], steps=80, batch_size=4, lr=3e-3, warmup=5, checkpoint_every=40),
+        resume=False,
+    )
     return target, out, examples, before
 
 
@@ -60,7 +66,11 @@ def test_interrupted_data_phase_resumes_at_the_next_batch(distilled, tmp_path):
     store.manifest.update(items_done=len(kept), tokens=sum(len(s) - p for s, p, _, _ in kept))
     store.save_manifest()
     again = D.build_data(target, tiny_tokenizer(), SEEDS, data.parent, cfg)
-    assert (again["shards"], again["tokens"], again["items_done"]) == (full["shards"], full["tokens"], full["items_done"])
+    assert (again["shards"], again["tokens"], again["items_done"]) == (
+        full["shards"],
+        full["tokens"],
+        full["items_done"],
+    )
     resumed = list(D.DataStore(data).examples())
     assert len(resumed) == len(examples)
     for (s1, p1, t1, _), (s2, p2, t2, _) in zip(resumed, examples):
@@ -80,7 +90,9 @@ def test_training_raises_agreement(distilled):
 def test_resume_continues_from_checkpoint(distilled, tmp_path):
     target, out, _, _ = distilled
     work = out.parent
-    summary = D.train(target, work, out, D.TrainConfig(layers=[0], steps=90, batch_size=4, lr=3e-3, warmup=5), resume=True)
+    summary = D.train(
+        target, work, out, D.TrainConfig(layers=[0], steps=90, batch_size=4, lr=3e-3, warmup=5), resume=True
+    )
     assert summary["steps"] == 90  # 80 from the checkpoint + 10 more
 
 

@@ -42,9 +42,15 @@ def test_lookup_proposes_the_continuation_of_the_longest_match():
 
 def test_each_drafter_alone_and_mixed_in_one_batch_is_greedy_identical(target):
     dec = decoder(target)
-    reqs = [GenerationRequest(prompt=p, max_new_tokens=n, k=k, drafter=d)
-            for p, n, k, d in zip(PROMPTS * 4, (30, 12, 25, 40, 9) * 4, (3, "auto", 5, 2) * 5,
-                                  ("lookup", "suffix", "model", "auto", "lookup") * 4)]  # fmt: skip
+    reqs = [
+        GenerationRequest(prompt=p, max_new_tokens=n, k=k, drafter=d)
+        for p, n, k, d in zip(
+            PROMPTS * 4,
+            (30, 12, 25, 40, 9) * 4,
+            (3, "auto", 5, 2) * 5,
+            ("lookup", "suffix", "model", "auto", "lookup") * 4,
+        )
+    ]
     dec.generate_many(reqs[:5], max_batch=2)  # the suffix index learns these texts
     for max_batch in (1, 3, 8):
         out = dec.generate_many(reqs, max_batch=max_batch)
@@ -55,7 +61,9 @@ def test_each_drafter_alone_and_mixed_in_one_batch_is_greedy_identical(target):
             assert sum(c["proposed"] for c in s.drafter_tokens.values()) == s.draft_tokens_proposed == sum(s.k_values)
             assert sum(c["accepted"] for c in s.drafter_tokens.values()) == s.draft_tokens_accepted
             assert s.output_tokens == s.draft_tokens_accepted + s.target_forwards
-    used = {d: sum(r.stats.drafter_tokens.get(d, {}).get("accepted", 0) for r in out) for d in ("lookup", "suffix", "model")}
+    used = {
+        d: sum(r.stats.drafter_tokens.get(d, {}).get("accepted", 0) for r in out) for d in ("lookup", "suffix", "model")
+    }
     assert all(used.values()), used  # every drafter's tokens were accepted somewhere
 
 
@@ -63,12 +71,16 @@ def test_rows_join_and_leave_with_mixed_drafters_caches_exact(target):
     dec = decoder(target)
     dec.generate_many([GenerationRequest(prompt=p, max_new_tokens=20) for p in PROMPTS], max_batch=5)
     batch = Batch(dec)
-    rows = [batch.add(GenerationRequest(prompt=PROMPTS[i], max_new_tokens=25, k=k, drafter=d))
-            for i, k, d in ((0, 3, "lookup"), (1, "auto", "auto"))]  # fmt: skip
+    rows = [
+        batch.add(GenerationRequest(prompt=PROMPTS[i], max_new_tokens=25, k=k, drafter=d))
+        for i, k, d in ((0, 3, "lookup"), (1, "auto", "auto"))
+    ]
     for step in range(60):
         if step in (2, 6):
             rows.append(batch.add(GenerationRequest(prompt=PROMPTS[step % 5], max_new_tokens=15, k=4, drafter="model")))
-            rows.append(batch.add(GenerationRequest(prompt=PROMPTS[(step + 1) % 5], max_new_tokens=18, k=2, drafter="suffix")))
+            rows.append(
+                batch.add(GenerationRequest(prompt=PROMPTS[(step + 1) % 5], max_new_tokens=18, k=2, drafter="suffix"))
+            )
         if not batch.rows:
             break
         batch.step()
@@ -89,7 +101,9 @@ def test_sampling_with_a_deterministic_drafter_keeps_the_target_distribution():
     with torch.no_grad():
         target.lm_head.weight.mul_(40)
     exact = exact_two_token_distribution(target, prompt, 1.0, 0, 1.0)
-    assert 0.05 < exact[1, 1] and exact[1].sum() < 0.9, "the lookup draft must be plausible but not certain for the test to have power"
+    assert 0.05 < exact[1, 1] and exact[1].sum() < 0.9, (
+        "the lookup draft must be plausible but not certain for the test to have power"
+    )
     dec = SpeculativeDecoder(target, drafters=["lookup"])
     reqs = [GenerationRequest(prompt=prompt, max_new_tokens=2, k=1 + i % 2, seed=i, temperature=1.0) for i in range(N)]
     out = dec.generate_many(reqs, max_batch=256)
@@ -123,7 +137,9 @@ def test_suffix_drafter_never_reads_another_scope(target):
     text = dec.generate(GenerationRequest(prompt=[40, 41, 42], max_new_tokens=30, k=0, scope="job-a")).token_ids
     assert text == greedy_reference(target, [40, 41, 42], 30)
     mine = dec.generate(GenerationRequest(prompt=[40, 41, 42], max_new_tokens=30, k=4, drafter="suffix", scope="job-a"))
-    theirs = dec.generate(GenerationRequest(prompt=[40, 41, 42], max_new_tokens=30, k=4, drafter="suffix", scope="job-b"))
+    theirs = dec.generate(
+        GenerationRequest(prompt=[40, 41, 42], max_new_tokens=30, k=4, drafter="suffix", scope="job-b")
+    )
     assert mine.stats.drafter_tokens["suffix"]["accepted"] >= 20  # its own scope: the whole answer is known
     assert "suffix" not in theirs.stats.drafter_tokens  # another scope: nothing to read
     assert mine.token_ids == theirs.token_ids == text
@@ -142,7 +158,9 @@ def test_seeded_sampling_does_not_depend_on_other_requests(target):
 
 def test_unknown_drafter_is_a_clear_error(target):
     dec = decoder(target)
-    with pytest.raises(RequestError, match="unknown drafter 'bogus' for this pair; use one of: auto, lookup, suffix, model"):
+    with pytest.raises(
+        RequestError, match="unknown drafter 'bogus' for this pair; use one of: auto, lookup, suffix, model"
+    ):
         dec.generate(GenerationRequest(prompt=[1, 2], drafter="bogus"))
     with pytest.raises(ValueError, match="known drafters: lookup, suffix, model"):
         SpeculativeDecoder(target, drafters=["lookup", "eagle"])

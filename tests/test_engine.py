@@ -22,7 +22,9 @@ def target():
 
 @pytest.mark.parametrize("draft_kind", ["same", "unrelated", "partial"])
 def test_greedy_is_token_identical_to_generate(target, draft_kind):
-    draft = {"same": target, "unrelated": tiny_llama(7, layers=1), "partial": perturbed(target, 0.2, seed=3)}[draft_kind]
+    draft = {"same": target, "unrelated": tiny_llama(7, layers=1), "partial": perturbed(target, 0.2, seed=3)}[
+        draft_kind
+    ]
     dec = SpeculativeDecoder(target, draft)
     acceptance = []
     for prompt, n, k in itertools.product(PROMPTS, (1, 17, 48), (0, 1, 3, 6, "auto")):
@@ -85,8 +87,12 @@ def test_sampling_preserves_target_distribution(temperature, top_k, top_p):
     dec = SpeculativeDecoder(target, draft)
     counts = torch.zeros(V, V)
     accepted = 0
-    reqs = [GenerationRequest(prompt=prompt, max_new_tokens=2, k=1 + i % 2, seed=i,
-                              temperature=temperature, top_k=top_k, top_p=top_p) for i in range(N)]  # fmt: skip
+    reqs = [
+        GenerationRequest(
+            prompt=prompt, max_new_tokens=2, k=1 + i % 2, seed=i, temperature=temperature, top_k=top_k, top_p=top_p
+        )
+        for i in range(N)
+    ]
     # rows decode independently (each its own seeded generator; test_batch shows batched rows
     # equal one-at-a-time rows): a wide batch runs the same rule twice as fast as 20,000 calls
     for res in dec.generate_many(reqs, max_batch=256):
@@ -121,7 +127,9 @@ def test_kv_caches_hold_exactly_the_emitted_prefix(target, monkeypatch):
     dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
     for k in (2, 5, "auto"):
         for temperature in (0.0, 1.0):
-            res = dec.generate(GenerationRequest(prompt=[9, 8, 7, 6], max_new_tokens=25, k=k, temperature=temperature, seed=1))
+            res = dec.generate(
+                GenerationRequest(prompt=[9, 8, 7, 6], max_new_tokens=25, k=k, temperature=temperature, seed=1)
+            )
             assert res.stats.output_tokens == 25
 
 
@@ -137,7 +145,9 @@ def test_stats_invariants(target):
         # emitted = accepted + one target token per iteration (nothing cut here)
         assert s.output_tokens == s.draft_tokens_accepted + s.target_forwards
         assert s.mean_accepted_length == pytest.approx(s.output_tokens / s.target_forwards)
-        assert s.acceptance_rate == (s.draft_tokens_accepted / s.draft_tokens_proposed if s.draft_tokens_proposed else 0)
+        assert s.acceptance_rate == (
+            s.draft_tokens_accepted / s.draft_tokens_proposed if s.draft_tokens_proposed else 0
+        )
         assert all(0 <= a <= 1 for a in s.per_position_acceptance)
         assert len(s.per_position_acceptance) == max(s.k_values)
         assert 0 < s.time_to_first_token_s <= s.wall_time_s
@@ -187,7 +197,9 @@ def test_stop_strings_cut_text_and_stream(tiny_pair_dir):
     assert len(full.text) > 12
     stop = full.text[8:11]
     chunks = []
-    res = dec.generate(GenerationRequest(prompt="The quick brown", max_new_tokens=40, k=3, stop=[stop]), on_text=chunks.append)
+    res = dec.generate(
+        GenerationRequest(prompt="The quick brown", max_new_tokens=40, k=3, stop=[stop]), on_text=chunks.append
+    )
     cut = full.text.index(stop)
     assert res.finish_reason == "stop"
     assert res.text == full.text[:cut]

@@ -37,13 +37,25 @@ def run_example(tiny_long, tmp_path):
     pairs = tmp_path / "pairs.toml"
     pairs.write_text(f'[pairs.tiny]\ntarget = "{tiny_long / "target"}"\ndraft = "{tiny_long / "draft"}"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
-    env.update(SPECDEC_DATA_DIR=str(tmp_path / "data"), SPECDEC_CONFIG_FILE=str(pairs), SPECDEC_DEFAULT_PAIR="tiny",
-               SPECDEC_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))  # fmt: skip
+    env.update(
+        SPECDEC_DATA_DIR=str(tmp_path / "data"),
+        SPECDEC_CONFIG_FILE=str(pairs),
+        SPECDEC_DEFAULT_PAIR="tiny",
+        SPECDEC_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+    )
 
     def run(name: str, *args: str, timeout: float = 180) -> str:
-        proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, str(EXAMPLES / name), *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
         return proc.stdout + proc.stderr
 
@@ -109,12 +121,14 @@ def test_agent_loop_plumbing_with_a_scripted_llm():
             self.prompts.append((prompt, stop))
             return super()._call(prompt, stop, run_manager, **kwargs)
 
-    llm = Scripted(responses=[
-        " I should compute it.\nAction: calculator\nAction Input: 17 * 23 + 4\n",
-        " Let me count.\nAction: word_count[one two three]\n",
-        " gibberish",
-        " I know the answer\nFinal Answer: 395",
-    ])  # fmt: skip
+    llm = Scripted(
+        responses=[
+            " I should compute it.\nAction: calculator\nAction Input: 17 * 23 + 4\n",
+            " Let me count.\nAction: word_count[one two three]\n",
+            " gibberish",
+            " I know the answer\nFinal Answer: 395",
+        ]
+    )
     result = agent.run_agent(llm, "What is 17 * 23 + 4?", max_steps=5, log=lambda *_: None)
     assert result["answer"] == "395"
     steps = result["steps"]

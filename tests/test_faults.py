@@ -25,16 +25,26 @@ from pathlib import Path
 
 import pytest
 from test_workers import (  # noqa: F401 - fixtures reused
-    _unavailable, assert_exactly_once, free_port, make_fleet, pairs_toml, redis_url, use, wait_for, write_prompts,
-)  # fmt: skip
+    _unavailable,
+    assert_exactly_once,
+    free_port,
+    make_fleet,
+    pairs_toml,
+    redis_url,
+    use,
+    wait_for,
+    write_prompts,
+)
 
+from specdec_llm import client
 from specdec_llm.settings import reload_settings
 from specdec_llm.store.testing import sqlite_url
-from specdec_llm import client
 
 pytestmark = pytest.mark.slow
-FAST_RESTORE = ("broker_transport_options = {'visibility_timeout': 3, 'unacked_restore_interval': 1,"
-                " 'unacked_restore_throttle': 1}\n")  # fmt: skip
+FAST_RESTORE = (
+    "broker_transport_options = {'visibility_timeout': 3, 'unacked_restore_interval': 1,"
+    " 'unacked_restore_throttle': 1}\n"
+)
 
 
 def fast_restore(folder: Path) -> dict:
@@ -62,8 +72,15 @@ def running_on(job: str, proc) -> list[str]:
     from specdec_llm.store.models import Request
 
     with store.session_scope() as s:
-        return list(s.scalars(select(Request.id).where(
-            Request.job_id == job, Request.status == "running", Request.lease_owner.like(f"specdec-tiny-{proc.pid}@%"))))
+        return list(
+            s.scalars(
+                select(Request.id).where(
+                    Request.job_id == job,
+                    Request.status == "running",
+                    Request.lease_owner.like(f"specdec-tiny-{proc.pid}@%"),
+                )
+            )
+        )
 
 
 def kill_mid_row(job: str, proc) -> bool:
@@ -140,8 +157,10 @@ class Redis:
 
     def start(self) -> None:
         aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
-        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *aof,
-                                      "--dir", str(self.folder)], stdout=subprocess.DEVNULL)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *aof, "--dir", str(self.folder)],
+            stdout=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -199,7 +218,9 @@ def test_broker_restarted_mid_job(tmp_path, pairs_toml, use, persistent):  # noq
 
 
 # -- a pair that cannot be loaded ---------------------------------------------------------------
-OOM_AT_LOAD = FAST_RESTORE + """
+OOM_AT_LOAD = (
+    FAST_RESTORE
+    + """
 import torch as _torch
 import specdec_llm.pairs as _pairs
 
@@ -208,6 +229,7 @@ def _out_of_memory(*args, **kwargs):
 
 _pairs.load_pair = _out_of_memory
 """
+)
 
 
 def test_a_worker_that_cannot_load_exits_nonzero_and_rows_wait(tmp_path, redis_url, pairs_toml, use):  # noqa: F811
@@ -224,7 +246,7 @@ def test_a_worker_that_cannot_load_exits_nonzero_and_rows_wait(tmp_path, redis_u
             ("missing-prefork", (), {"SPECDEC_CONFIG_FILE": str(broken), **fast}, "could not load pair tiny"),
             ("oom-prefork", (), oom, "out of memory while loading"),
             ("oom-batching", ("--max-batch", "2"), oom, "out of memory while loading"),
-        ):  # fmt: skip
+        ):
             proc = fleet.start_worker(name, args, **env)
             assert proc.wait(120) == 3, (name, proc.log_path.read_text()[-3000:])
             log = proc.log_path.read_text()
@@ -244,11 +266,27 @@ def test_run_interrupted_then_run_again_resumes(tmp_path, pairs_toml, monkeypatc
     with every row exactly once."""
     ROWS = 600  # ~20 rows/s on a quiet 2-core machine: the SIGINT after 20 must land mid-job
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
-    env.update(SPECDEC_DATA_DIR=str(tmp_path / "data"), SPECDEC_CONFIG_FILE=str(pairs_toml), SPECDEC_THREADS="1",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    env.update(
+        SPECDEC_DATA_DIR=str(tmp_path / "data"),
+        SPECDEC_CONFIG_FILE=str(pairs_toml),
+        SPECDEC_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     path = write_prompts(tmp_path / "p.jsonl", ROWS, "sigint")
-    cmd = [sys.executable, "-m", "specdec_llm", "run", str(path), "--pair", "tiny", "--max-new-tokens", "16",
-           "--out", str(tmp_path / "out.jsonl")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec_llm",
+        "run",
+        str(path),
+        "--pair",
+        "tiny",
+        "--max-new-tokens",
+        "16",
+        "--out",
+        str(tmp_path / "out.jsonl"),
+    ]
     from specdec_llm.client.rows import job_id_for
 
     job = job_id_for(path, "tiny", {"max_new_tokens": 16})
@@ -262,12 +300,18 @@ def test_run_interrupted_then_run_again_resumes(tmp_path, pairs_toml, monkeypatc
         # a child inherits an ignored SIGINT (something earlier in the suite ignores it in this
         # process: the run then finished all rows); a terminal's Ctrl-C meets the default
         inherited = signal.getsignal(signal.SIGINT)
-        first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        first = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         db = tmp_path / "data" / "specdec.db"
         wait_for(lambda: _ok_in(db, job) >= 20, 120)
         first.send_signal(signal.SIGINT)  # Ctrl-C in a terminal (the worker is in its own session)
-        out, err = first.communicate(timeout=60)
+        _, err = first.communicate(timeout=60)
         assert first.returncode == 130, (inherited, err[-3000:])
         assert f"interrupted; run the same command again to resume job {job}" in err
         done_before = _ok_in(db, job)
@@ -317,11 +361,28 @@ def test_run_embedded_survives_its_worker_sigkilled(tmp_path, pairs_toml, monkey
 
     ROWS = 20
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
-    env.update(SPECDEC_DATA_DIR=str(tmp_path / "data"), SPECDEC_CONFIG_FILE=str(pairs_toml), SPECDEC_THREADS="1",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **LEASES)  # fmt: skip
+    env.update(
+        SPECDEC_DATA_DIR=str(tmp_path / "data"),
+        SPECDEC_CONFIG_FILE=str(pairs_toml),
+        SPECDEC_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        **LEASES,
+    )
     path = write_prompts(tmp_path / "p.jsonl", ROWS, "emb")
-    cmd = [sys.executable, "-m", "specdec_llm", "run", str(path), "--pair", "tiny", "--max-new-tokens", "32",
-           "--out", str(tmp_path / "out.jsonl")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec_llm",
+        "run",
+        str(path),
+        "--pair",
+        "tiny",
+        "--max-new-tokens",
+        "32",
+        "--out",
+        str(tmp_path / "out.jsonl"),
+    ]
     db = tmp_path / "data" / "specdec.db"
 
     def running() -> list[tuple[str, str]]:
@@ -378,17 +439,23 @@ def test_a_row_longer_than_the_lease_timeout_is_not_requeued(tmp_path, redis_url
     from test_workers import Fleet
 
     (tmp_path / "slow_rows.py").write_text(SLOW_ROWS)
-    env = {"SPECDEC_DATABASE_URL": sqlite_url(tmp_path), "SPECDEC_DATA_DIR": str(tmp_path / "data"),
-           "SPECDEC_CONFIG_FILE": str(pairs_toml), "SPECDEC_THREADS": "1", "SPECDEC_LEASE_HEARTBEAT_S": "0.3",
-           "SPECDEC_LEASE_TIMEOUT_S": "1.5"}  # fmt: skip
+    env = {
+        "SPECDEC_DATABASE_URL": sqlite_url(tmp_path),
+        "SPECDEC_DATA_DIR": str(tmp_path / "data"),
+        "SPECDEC_CONFIG_FILE": str(pairs_toml),
+        "SPECDEC_THREADS": "1",
+        "SPECDEC_LEASE_HEARTBEAT_S": "0.3",
+        "SPECDEC_LEASE_TIMEOUT_S": "1.5",
+    }
     if broker != "embedded":
         env["SPECDEC_BROKER_URL"] = f"{redis_url}/5"
     fleet = Fleet(tmp_path, env)
     use(fleet)
     args = ("--no-calibrate", *(("--max-batch", "2") if broker == "redis-batching" else ()))
     try:
-        worker = fleet.start_worker("slow", args, SPECDEC_CELERY_CONFIG="slow_rows",
-                                    PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))  # fmt: skip
+        worker = fleet.start_worker(
+            "slow", args, SPECDEC_CELERY_CONFIG="slow_rows", PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path])
+        )
         sub = client.submit(write_prompts(tmp_path / "p.jsonl", 2, f"slow-{broker}"), "tiny", {"max_new_tokens": 4})
         client.wait(sub["job_id"], workers=[worker], timeout_s=120)
         assert_exactly_once(sub["job_id"], 2)

@@ -75,17 +75,47 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     bundle = tmp_path / "bundle"
     wheels = probe_wheel(tmp_path / "wheels").parent
     # 40 MiB per call: the ~94 MiB GGUF travels in 3 parts, as on the device
-    subprocess.run([sys.executable, SCRIPTS / "gpu_tools.py", "pack", "--gguf", gguf, "--wheels", wheels,
-                    "--dest", bundle, "--budget-mib", "40"], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            SCRIPTS / "gpu_tools.py",
+            "pack",
+            "--gguf",
+            gguf,
+            "--wheels",
+            wheels,
+            "--dest",
+            bundle,
+            "--budget-mib",
+            "40",
+        ],
+        check=True,
+    )
     assert len(list(bundle.glob("call*/*.part*of3"))) == 3
 
     out, work = tmp_path / "out", tmp_path / "work"
-    env = {**os.environ, "OUT": str(out), "GPU_CHECK_WORK": str(work), "PYTHON": sys.executable,
-           "PYTHONPATH": str(REPO)}  # fmt: skip
-    for key in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND", "SPECDEC_DATABASE_URL", "SPECDEC_DEVICE", "SPECDEC_DTYPE"):
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "GPU_CHECK_WORK": str(work),
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(REPO),
+    }
+    for key in (
+        "SPECDEC_BROKER_URL",
+        "SPECDEC_RESULT_BACKEND",
+        "SPECDEC_DATABASE_URL",
+        "SPECDEC_DEVICE",
+        "SPECDEC_DTYPE",
+    ):
         env.pop(key, None)
-    proc = subprocess.run(["bash", SCRIPTS / "gpu_check.sh", "--device", "cpu", "--quick", "--bundle", bundle,
-                           "--threads", "1"], env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", SCRIPTS / "gpu_check.sh", "--device", "cpu", "--quick", "--bundle", bundle, "--threads", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     print(proc.stdout[-4000:], proc.stderr[-4000:])
     summary = json.loads((out / "summary.json").read_text())
     stages = summary["stages"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,10 +21,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from specdec_llm.engine import GenerationRequest, RequestError
-from specdec_llm.pairs import PairError, PairSpec, load_pair
 from specdec_llm.client import rows as R
 from specdec_llm.client.rows import build_request
+from specdec_llm.engine import GenerationRequest, RequestError
+from specdec_llm.pairs import PairError, PairSpec, load_pair
 
 FIELDS = ("prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "k", "stop", "chat", "mode")
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -31,11 +32,16 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 # -- strategies: anything a JSON row or a Python caller could put in a field ------------------
 PIECES = ["\x00", "\x1b", "\u202e", "\ufeff", "\r", "\n", "\ud800", "<|im_end|>", "<|im_start|>", "\U0001f600", " "]
 weird_text = st.lists(st.text(max_size=8) | st.sampled_from(PIECES), max_size=8).map("".join)
-numbers = (st.integers(min_value=-(10**30), max_value=10**30) | st.sampled_from([0, 1, -1, 2**63, -(2**63), 10**400])
-           | st.floats(allow_nan=True, allow_infinity=True) | st.booleans())  # fmt: skip
+numbers = (
+    st.integers(min_value=-(10**30), max_value=10**30)
+    | st.sampled_from([0, 1, -1, 2**63, -(2**63), 10**400])
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.booleans()
+)
 scalars = numbers | weird_text | st.none()
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(weird_text, inner, max_size=4),
-                      max_leaves=8)  # fmt: skip
+values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(weird_text, inner, max_size=4), max_leaves=8
+)
 prompts = weird_text | st.lists(numbers, max_size=8) | values
 
 
@@ -45,11 +51,16 @@ non_finite = st.sampled_from([math.nan, math.inf, -math.inf])
 def plausible(name: str):
     """Mostly the field's own kind (so valid requests happen too), sometimes anything."""
     own = {
-        "max_new_tokens": st.integers(-5, 6), "temperature": st.floats(-1, 3) | non_finite,
-        "top_p": st.floats(-0.5, 1.5) | non_finite, "top_k": st.integers(-3, 50), "seed": st.integers(-3, 2**70),
-        "k": st.integers(-2, 80) | st.just("auto"), "stop": st.lists(weird_text, max_size=3),
-        "chat": st.booleans(), "mode": st.sampled_from(["speculative", "baseline", "fast", ""]),
-    }[name]  # fmt: skip
+        "max_new_tokens": st.integers(-5, 6),
+        "temperature": st.floats(-1, 3) | non_finite,
+        "top_p": st.floats(-0.5, 1.5) | non_finite,
+        "top_k": st.integers(-3, 50),
+        "seed": st.integers(-3, 2**70),
+        "k": st.integers(-2, 80) | st.just("auto"),
+        "stop": st.lists(weird_text, max_size=3),
+        "chat": st.booleans(),
+        "mode": st.sampled_from(["speculative", "baseline", "fast", ""]),
+    }[name]
     return st.one_of(own, own, own, values)
 
 
@@ -102,35 +113,84 @@ def test_a_huge_prompt_is_refused_quickly(tiny_decoder):
 
 # -- the worker path: job rows -> stored request -> build_request -> prepare -------------------
 row_objects = st.fixed_dictionaries(
-    {}, optional={"id": values, "prompt": prompts, "messages": values, "params": values, "metadata": values,
-                  "category": values, "max_new_tokens": plausible("max_new_tokens"), "temperature": plausible("temperature"),
-                  "stop": plausible("stop"), "chat": plausible("chat"), "k": plausible("k"), "bogus": values},
-)  # fmt: skip
-good_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
-                                                "content": weird_text}), min_size=1, max_size=3)  # fmt: skip
-openai_messages = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]) | values,
-     "content": weird_text | st.lists(st.fixed_dictionaries({"type": st.just("text") | values, "text": weird_text}),
-                                      max_size=2) | values},
-    optional={"name": values, "tool_calls": values}), max_size=3) | values  # fmt: skip
+    {},
+    optional={
+        "id": values,
+        "prompt": prompts,
+        "messages": values,
+        "params": values,
+        "metadata": values,
+        "category": values,
+        "max_new_tokens": plausible("max_new_tokens"),
+        "temperature": plausible("temperature"),
+        "stop": plausible("stop"),
+        "chat": plausible("chat"),
+        "k": plausible("k"),
+        "bogus": values,
+    },
+)
+good_messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]), "content": weird_text}),
+    min_size=1,
+    max_size=3,
+)
+openai_messages = (
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]) | values,
+                "content": weird_text
+                | st.lists(st.fixed_dictionaries({"type": st.just("text") | values, "text": weird_text}), max_size=2)
+                | values,
+            },
+            optional={"name": values, "tool_calls": values},
+        ),
+        max_size=3,
+    )
+    | values
+)
 openai_lines = st.fixed_dictionaries(  # OpenAI Batch input lines (workers/openai_batch.py)
-    {"custom_id": weird_text | values, "url": st.sampled_from(["/v1/chat/completions", "/v1/completions"]) | values,
-     "body": st.fixed_dictionaries({}, optional={
-         "messages": openai_messages, "prompt": prompts, "model": values, "max_tokens": plausible("max_new_tokens"),
-         "max_completion_tokens": plausible("max_new_tokens"), "temperature": plausible("temperature"),
-         "top_p": plausible("top_p"), "seed": plausible("seed"), "stop": plausible("stop") | weird_text,
-         "n": st.sampled_from([1, 2, True]) | values, "logprobs": values, "tools": values}) | values},
+    {
+        "custom_id": weird_text | values,
+        "url": st.sampled_from(["/v1/chat/completions", "/v1/completions"]) | values,
+        "body": st.fixed_dictionaries(
+            {},
+            optional={
+                "messages": openai_messages,
+                "prompt": prompts,
+                "model": values,
+                "max_tokens": plausible("max_new_tokens"),
+                "max_completion_tokens": plausible("max_new_tokens"),
+                "temperature": plausible("temperature"),
+                "top_p": plausible("top_p"),
+                "seed": plausible("seed"),
+                "stop": plausible("stop") | weird_text,
+                "n": st.sampled_from([1, 2, True]) | values,
+                "logprobs": values,
+                "tools": values,
+            },
+        )
+        | values,
+    },
     optional={"method": st.sampled_from(["POST", "GET"]) | values, "bogus": values},
-)  # fmt: skip
+)
 raw_lines = st.one_of(
     row_objects.map(lambda o: json.dumps(o, ensure_ascii=False)),
     openai_lines.map(lambda o: json.dumps(o, ensure_ascii=False)),
     st.fixed_dictionaries({"messages": good_messages}).map(json.dumps),
     weird_text.map(lambda t: t.replace("\n", " ").replace("\r", " ")),
     st.binary(max_size=40).map(lambda b: b.replace(b"\n", b" ").decode("latin-1")),
-    st.sampled_from(['{"prompt": "x", "max_new_tokens": 1' + "0" * 5000 + "}", "[" * 100_000, "NaN",
-                     '{"prompt": "x", "temperature": NaN}', '{"prompt": "\\ud800"}', '{"prompt": 1e999}']),
-)  # fmt: skip
+    st.sampled_from(
+        [
+            '{"prompt": "x", "max_new_tokens": 1' + "0" * 5000 + "}",
+            "[" * 100_000,
+            "NaN",
+            '{"prompt": "x", "temperature": NaN}',
+            '{"prompt": "\\ud800"}',
+            '{"prompt": 1e999}',
+        ]
+    ),
+)
 
 
 def _storable(item: dict) -> None:
@@ -180,11 +240,16 @@ def test_hostile_rows_are_stored_on_sqlite_and_postgresql(tmp_path):
 
     lines = [
         '{"id": "ok", "prompt": "The quick brown fox"}',
-        '{"prompt": "x", "temperature": NaN}', '{"prompt": "x", "metadata": {"v": Infinity}}',
-        '{"prompt": "lone \\ud800 surrogate"}', '{"prompt": "nul \\u0000 inside"}', "[" * 50_000,
-        '{"prompt": "x", "seed": ' + "9" * 5000 + "}", '{"prompt": "x", "max_new_tokens": 1e999}',
-        '{"messages": [{"role": "user", "content": "\\udfff"}]}', '{"id": "\\ud800", "prompt": "x"}',
-    ]  # fmt: skip
+        '{"prompt": "x", "temperature": NaN}',
+        '{"prompt": "x", "metadata": {"v": Infinity}}',
+        '{"prompt": "lone \\ud800 surrogate"}',
+        '{"prompt": "nul \\u0000 inside"}',
+        "[" * 50_000,
+        '{"prompt": "x", "seed": ' + "9" * 5000 + "}",
+        '{"prompt": "x", "max_new_tokens": 1e999}',
+        '{"messages": [{"role": "user", "content": "\\udfff"}]}',
+        '{"id": "\\ud800", "prompt": "x"}',
+    ]
     path = tmp_path / "hostile.jsonl"
     path.write_text("\n".join(lines) + "\n")
     rows = R.read_rows(path)
@@ -203,18 +268,24 @@ def test_hostile_rows_are_stored_on_sqlite_and_postgresql(tmp_path):
             with temporary_postgres() as pg:
                 store.create_job(items, pair="tiny", job_id="hostile", url=pg)
                 assert store.get_request("hostile-4", url=pg)["prompt"] == "lone \ufffd surrogate"
-                assert store.get_request("hostile-5", url=pg)["params"]["_input_error"].startswith("line 5: prompt: contains a NUL")
+                assert store.get_request("hostile-5", url=pg)["params"]["_input_error"].startswith(
+                    "line 5: prompt: contains a NUL"
+                )
         else:
             store.create_job(items, pair="tiny", job_id="hostile", url=url)
             assert store.get_request("hostile-5", url=url)["prompt"] == "nul \ufffd inside"
-            assert store.get_request("hostile-5", url=url)["params"]["_input_error"].startswith("line 5: prompt: contains a NUL")
+            assert store.get_request("hostile-5", url=url)["params"]["_input_error"].startswith(
+                "line 5: prompt: contains a NUL"
+            )
 
 
 # -- malformed files ---------------------------------------------------------------------------
 def test_invalid_utf8_and_broken_json_fail_their_rows_only(tmp_path):
     path = tmp_path / "mixed.jsonl"
-    path.write_bytes(b'{"id": "a", "prompt": "fine"}\n{"id": "b", "prompt": "caf\xe9 latin-1"}\n{"prompt": oops\n'
-                     b'\xff\xfe\x00garbage\n{"id": "e", "prompt": "also fine"}\n')  # fmt: skip
+    path.write_bytes(
+        b'{"id": "a", "prompt": "fine"}\n{"id": "b", "prompt": "caf\xe9 latin-1"}\n{"prompt": oops\n'
+        b'\xff\xfe\x00garbage\n{"id": "e", "prompt": "also fine"}\n'
+    )
     rows = R.read_rows(path)
     assert [r.id for r in rows] == ["a", "2", "3", "4", "e"]
     assert rows[0].error is None and rows[4].error is None
@@ -222,15 +293,21 @@ def test_invalid_utf8_and_broken_json_fail_their_rows_only(tmp_path):
     assert "not valid UTF-8 (byte 0xff at byte 1" in rows[3].error
     text = tmp_path / "mixed.txt"
     text.write_bytes(b"one\n\xc3\x28 two\nthree\n")
-    assert [(r.prompt, r.error is None) for r in R.read_rows(text)] == [("one", True), ("\ufffd( two", False),
-                                                                         ("three", True)]  # fmt: skip
+    assert [(r.prompt, r.error is None) for r in R.read_rows(text)] == [
+        ("one", True),
+        ("\ufffd( two", False),
+        ("three", True),
+    ]
 
 
 def test_csv_quirks(tmp_path):
     path = tmp_path / "in.csv"
     long_prompt = "word " * 60_000  # 300,000 characters: over csv's default 131,072 field limit
-    path.write_bytes(b'id,prompt,topic\nq1,"Hello, world",greeting\nq2,"caf\xe9",bad\n'
-                     + f'q3,"{long_prompt}",long\n'.encode() + b'q4,"multi\nline prompt",ok\n')  # fmt: skip
+    path.write_bytes(
+        b'id,prompt,topic\nq1,"Hello, world",greeting\nq2,"caf\xe9",bad\n'
+        + f'q3,"{long_prompt}",long\n'.encode()
+        + b'q4,"multi\nline prompt",ok\n'
+    )
     rows = R.read_rows(path)
     assert [r.id for r in rows] == ["q1", "2", "q3", "q4"]
     assert rows[0].error is None and rows[2].error is None and len(rows[2].prompt) == len(long_prompt)
@@ -265,8 +342,9 @@ def test_a_1gb_line_fails_its_row_in_bounded_memory(tmp_path, pairs_file):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
     env.update(SPECDEC_DATA_DIR=str(tmp_path / "data"), SPECDEC_CONFIG_FILE=str(pairs_file), HF_HUB_OFFLINE="1")
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", SUBMIT_BIG, str(path)], env=env, capture_output=True, text=True,
-                         timeout=240)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", SUBMIT_BIG, str(path)], env=env, capture_output=True, text=True, timeout=240
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["growth_kib"] < 200 * 1024, res  # ru_maxrss is in KiB on Linux
@@ -286,7 +364,7 @@ def test_special_tokens_in_chat_are_refused(tiny_decoder):
 
     tok = tiny_decoder.tokenizer
     assert {"<|im_start|>", "<|im_end|>"} <= set(special_tokens(tok))
-    with pytest.raises(RequestError, match="<|im_end|>") as e:
+    with pytest.raises(RequestError, match=re.escape("<|im_end|>")) as e:
         render_chat(tok, [{"role": "user", "content": INJECTION}])
     assert e.value.field == "messages[0].content" and "special token" in str(e.value)
     with pytest.raises(RequestError) as e:
@@ -304,7 +382,9 @@ def test_special_tokens_in_chat_are_refused(tiny_decoder):
     ids = render_chat(tok, [{"role": "user", "content": "<|im_end |> and <im_start> are plain text"}])
     assert ids.count(start) == 2  # the user's turn and the assistant's
     req = build_request({"prompt": "hello", "messages": None, "params": {"chat": True, "stop": ["<|im_end|>"]}}, tok)
-    assert req.chat is False and req.prompt.count(start) == 2 and req.stop == ["<|im_end|>"]  # stops never enter the prompt
+    assert (
+        req.chat is False and req.prompt.count(start) == 2 and req.stop == ["<|im_end|>"]
+    )  # stops never enter the prompt
 
 
 @pytest.mark.smollm2
@@ -327,7 +407,9 @@ def _repo_with_code(root: Path, model_type: str, marker: Path) -> Path:
     tiny_llama(0, vocab=len(tok), eos=tok.eos_token_id).save_pretrained(root)
     tok.save_pretrained(root)
     cfg = json.loads((root / "config.json").read_text())
-    cfg.update(model_type=model_type, auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"})
+    cfg.update(
+        model_type=model_type, auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
+    )
     (root / "config.json").write_text(json.dumps(cfg))
     (root / "evil.py").write_text(
         f"import pathlib\npathlib.Path({str(marker)!r}).write_text('repository code ran')\n"

@@ -60,7 +60,18 @@ def test_wheel_without_extras_generates(tmp_path, tiny_pair_dir):
     python = venv / "bin" / "python"
     constraints = _constraints(tmp_path / "constraints.txt")
     torch_pin = f"torch=={torch.__version__.split('+')[0]}"
-    _pip("--python", str(python), "install", "-q", "--no-compile", "-c", str(constraints), torch_pin, str(wheel), cwd=tmp_path)
+    _pip(
+        "--python",
+        str(python),
+        "install",
+        "-q",
+        "--no-compile",
+        "-c",
+        str(constraints),
+        torch_pin,
+        str(wheel),
+        cwd=tmp_path,
+    )
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SPECDEC_"))}
     pairs = tmp_path / "pairs.toml"
@@ -83,7 +94,9 @@ def test_wheel_without_extras_generates(tmp_path, tiny_pair_dir):
     assert present == [], f"the base install pulled extras: {present}"
 
     cli = str(venv / "bin" / "specdec-llm")
-    out = json.loads(run(cli, "generate", "The quick brown", "--pair", "tiny", "--max-new-tokens", "8", "--k", "2", "--json"))
+    out = json.loads(
+        run(cli, "generate", "The quick brown", "--pair", "tiny", "--max-new-tokens", "8", "--k", "2", "--json")
+    )
     assert out["stats"]["output_tokens"] == 8 and isinstance(out["text"], str)
     # the SQLite store (migrations ship in the wheel) and a report over it
     run(cli, "db", "upgrade")

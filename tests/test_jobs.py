@@ -11,12 +11,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from specdec_llm import store
-from specdec_llm.settings import get_settings, reload_settings
-from specdec_llm import client
+from specdec_llm import client, store
 from specdec_llm.client.broker import get_app, is_embedded
 from specdec_llm.client.cli import register
 from specdec_llm.client.rows import InputError, job_id_for, read_rows
+from specdec_llm.settings import get_settings, reload_settings
 
 cli = typer.Typer()
 register(cli)
@@ -47,13 +46,15 @@ def jsonl(path: Path, *objects) -> Path:
 
 # -- reading input files ---------------------------------------------------------------------
 def test_jsonl_rows(tmp_path):
-    rows = read_rows(jsonl(
-        tmp_path / "in.jsonl",
-        {"id": "x", "prompt": "hi", "max_new_tokens": 5, "params": {"temperature": 0.5}, "metadata": {"k": 1}},
-        "",
-        {"messages": [{"role": "user", "content": "hey"}], "category": "chat"},
-        {"id": 7, "prompt": "seven"},
-    ))  # fmt: skip
+    rows = read_rows(
+        jsonl(
+            tmp_path / "in.jsonl",
+            {"id": "x", "prompt": "hi", "max_new_tokens": 5, "params": {"temperature": 0.5}, "metadata": {"k": 1}},
+            "",
+            {"messages": [{"role": "user", "content": "hey"}], "category": "chat"},
+            {"id": 7, "prompt": "seven"},
+        )
+    )
     assert [(r.index, r.line, r.id, r.error) for r in rows] == [(0, 1, "x", None), (1, 3, "2", None), (2, 4, "7", None)]
     assert rows[0].params == {"max_new_tokens": 5, "temperature": 0.5} and rows[0].metadata == {"k": 1}
     assert rows[1].messages[0]["content"] == "hey" and rows[1].category == "chat"
@@ -67,13 +68,20 @@ def test_csv_and_text_rows(tmp_path):
     assert rows[1].error == "empty prompt"
     text = tmp_path / "in.txt"
     text.write_text("first prompt\n\n  second prompt\n")
-    assert [(r.id, r.prompt, r.line) for r in read_rows(text)] == [("1", "first prompt", 1), ("2", "  second prompt", 3)]
+    assert [(r.id, r.prompt, r.line) for r in read_rows(text)] == [
+        ("1", "first prompt", 1),
+        ("2", "  second prompt", 3),
+    ]
 
 
 def test_unreadable_files_fail_the_command(tmp_path):
     (tmp_path / "nohead.csv").write_text("text\nhello\n")
     (tmp_path / "empty.txt").write_text("\n\n")
-    for name, fragment in (("nohead.csv", "'prompt' column"), ("empty.txt", "no prompts"), ("missing.jsonl", "no such file")):
+    for name, fragment in (
+        ("nohead.csv", "'prompt' column"),
+        ("empty.txt", "no prompts"),
+        ("missing.jsonl", "no such file"),
+    ):
         with pytest.raises(InputError, match=fragment):
             read_rows(tmp_path / name)
 
@@ -142,13 +150,21 @@ def test_run_embedded_end_to_end_and_resume(embedded, tmp_path):
         *({"id": f"r{i}", "prompt": f"The quick brown fox {i}"} for i in range(5)),
         {"id": "chat", "messages": [{"role": "user", "content": "Say hello"}]},
         {"id": "bad"},
-    )  # fmt: skip
+    )
     args = ["run", path, "--pair", "tiny", "--max-new-tokens", "6", "--chat", "--out", tmp_path / "out.jsonl"]
     # an earlier, interrupted run: submitted, two rows finished, then stopped
     job = client.submit(path, "tiny", {"max_new_tokens": 6, "chat": True})["job_id"]
     for rid in (f"{job}-1", f"{job}-2"):
-        store.record_result(rid, {"text": "from before", "token_ids": [1], "finish_reason": "length", "stats": {}},
-                            worker=None, device="cpu", queue_wait_s=None, pair="tiny", job_id=job, price_per_hour=None)  # fmt: skip
+        store.record_result(
+            rid,
+            {"text": "from before", "token_ids": [1], "finish_reason": "length", "stats": {}},
+            worker=None,
+            device="cpu",
+            queue_wait_s=None,
+            pair="tiny",
+            job_id=job,
+            price_per_hour=None,
+        )
 
     res = invoke(*args)
     assert res.exit_code == 0, res.output

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
 from langchain_core.messages import HumanMessage, SystemMessage
 from sqlalchemy import select
+from test_workers import free_port, make_fleet, redis_url, use, wait_for  # noqa: F401 - fixtures reused
 
-from specdec_llm import store
+from specdec_llm import client, store
 from specdec_llm.engine import GenerationRequest, RequestError
 from specdec_llm.langchain import (
     BrokerUnavailable,
@@ -30,12 +31,21 @@ from specdec_llm.langchain import (
 from specdec_llm.settings import reload_settings
 from specdec_llm.store.models import Output, Request, Telemetry
 from specdec_llm.store.testing import sqlite_url
-from test_workers import free_port, make_fleet, redis_url, use, wait_for  # noqa: F401 - fixtures reused
-from specdec_llm import client
 
 PROMPTS = ["The quick brown fox", "Speculative decoding", "over the lazy dog", "drafts and verifies"]
-INFO_KEYS = {"finish_reason", "prompt_tokens", "output_tokens", "acceptance_rate", "mean_accepted_length",
-             "tokens_per_s", "time_to_first_token_s", "wall_time_s", "request_id", "job_id", "pair"}  # fmt: skip
+INFO_KEYS = {
+    "finish_reason",
+    "prompt_tokens",
+    "output_tokens",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "tokens_per_s",
+    "time_to_first_token_s",
+    "wall_time_s",
+    "request_id",
+    "job_id",
+    "pair",
+}
 
 
 class Recorder(BaseCallbackHandler):
@@ -108,8 +118,11 @@ def test_local_invoke_is_the_engine_and_is_recorded(local):
     assert INFO_KEYS <= set(info) and info["pair"] == "tiny" and info["output_tokens"] > 0
     assert res.llm_output["model_name"] == "tiny"
     usage = res.llm_output["token_usage"]
-    assert usage == {"prompt_tokens": info["prompt_tokens"], "completion_tokens": info["output_tokens"],
-                     "total_tokens": info["prompt_tokens"] + info["output_tokens"]}  # fmt: skip
+    assert usage == {
+        "prompt_tokens": info["prompt_tokens"],
+        "completion_tokens": info["output_tokens"],
+        "total_tokens": info["prompt_tokens"] + info["output_tokens"],
+    }
     assert_matches_store(info, gen.text, metadata={"who": "test"})
     assert store.get_job(info["job_id"])["name"] == "notebook"
 
@@ -230,8 +243,10 @@ def test_bad_input_raises_before_any_work(local):
 def lc_pairs(tiny_pair_dir, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("lc_pairs") / "pairs.toml"
     target, draft = tiny_pair_dir / "target", tiny_pair_dir / "draft"
-    path.write_text(f'[pairs.tiny]\ntarget = "{target}"\ndraft = "{draft}"\n'
-                    f'[pairs.tiny-idle]\ntarget = "{target}"\ndraft = "{draft}"\n')  # no worker serves tiny-idle
+    path.write_text(
+        f'[pairs.tiny]\ntarget = "{target}"\ndraft = "{draft}"\n'
+        f'[pairs.tiny-idle]\ntarget = "{target}"\ndraft = "{draft}"\n'
+    )  # no worker serves tiny-idle
     return path
 
 
@@ -305,7 +320,7 @@ def test_remote_stream_arrives_while_the_worker_generates(remote):
     arrivals, chunks = [], []
     for chunk in llm.stream(PROMPTS[2], config={"callbacks": [rec]}):
         chunks.append(chunk)
-        arrivals.append(datetime.now(timezone.utc).replace(tzinfo=None))
+        arrivals.append(datetime.now(UTC).replace(tzinfo=None))
     text = "".join(chunks)
     assert text == engine_text(PROMPTS[2], max_new_tokens=400)
     assert "".join(rec.tokens) == text and rec.events == ["start", "end"]

@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("langchain_tests")
 
-from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
-from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
 
-from specdec_llm.langchain import ChatSpecDec  # noqa: E402
+from specdec_llm.langchain import ChatSpecDec
 
 pytestmark = pytest.mark.smollm2
 

@@ -111,10 +111,22 @@ def test_the_arrows_go_one_way():
     outside = {(a, b) for a, b in arrows(g, engine, "specdec_llm") if not inside(b, engine, "specdec_llm.errors")}
     assert not outside, "the engine imports nothing of the project but errors"
     assert arrows(g, "specdec_llm.errors", "specdec_llm", "workers") == []
-    assert arrows(g, "specdec_llm.pairs", "specdec_llm.store", "specdec_llm.client", "specdec_llm.langchain",
-                  "specdec_llm.cli", "workers") == []  # fmt: skip
-    assert arrows(g, "specdec_llm.store", "specdec_llm.client", "specdec_llm.langchain", "specdec_llm.cli",
-                  "workers") == []  # fmt: skip
+    assert (
+        arrows(
+            g,
+            "specdec_llm.pairs",
+            "specdec_llm.store",
+            "specdec_llm.client",
+            "specdec_llm.langchain",
+            "specdec_llm.cli",
+            "workers",
+        )
+        == []
+    )
+    assert (
+        arrows(g, "specdec_llm.store", "specdec_llm.client", "specdec_llm.langchain", "specdec_llm.cli", "workers")
+        == []
+    )
     assert arrows(g, "specdec_llm.client", "specdec_llm.langchain", "specdec_llm.cli") == []
     assert arrows(g, "specdec_llm.client", "workers") == [WORKER_ENTRY]
     assert arrows(g, "specdec_llm", "workers") == [WORKER_ENTRY]
@@ -162,8 +174,12 @@ def test_local_mode_does_not_import_celery(pairs_file, tmp_path):
     from specdec_llm.store.testing import sqlite_url
 
     env = {k: v for k, v in os.environ.items() if k not in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND")}
-    env.update(PYTHONPATH=str(ROOT), SPECDEC_DATABASE_URL=sqlite_url(tmp_path), SPECDEC_DATA_DIR=str(tmp_path / "data"),
-               SPECDEC_THREADS="1")  # fmt: skip
+    env.update(
+        PYTHONPATH=str(ROOT),
+        SPECDEC_DATABASE_URL=sqlite_url(tmp_path),
+        SPECDEC_DATA_DIR=str(tmp_path / "data"),
+        SPECDEC_THREADS="1",
+    )
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.startswith("ok")

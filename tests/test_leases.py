@@ -19,8 +19,9 @@ from specdec_llm.store.testing import sqlite_url
 @pytest.fixture
 def url(tmp_path):
     u = sqlite_url(tmp_path)
-    store.create_job([{"id": f"r{i}", "prompt": f"p{i}", "params": {"_row": i}} for i in range(4)],
-                     pair="tiny", job_id="job", url=u)  # fmt: skip
+    store.create_job(
+        [{"id": f"r{i}", "prompt": f"p{i}", "params": {"_row": i}} for i in range(4)], pair="tiny", job_id="job", url=u
+    )
     return u
 
 
@@ -46,8 +47,17 @@ def test_a_live_lease_is_kept_an_expired_one_is_requeued_exactly_once(url):
     c = jobs.counts("job", lease_timeout_s=60, url=url)
     assert (c["queued"], c["running"], c["lost"], c["requeued"]) == (4, 0, 0, 1)
     assert jobs.take("r0", "w2@h", lease_timeout_s=60, url=url)  # another worker runs it now
-    store.record_result("r0", {"text": "x", "token_ids": [1], "stats": {}}, worker=None, device="cpu",
-                        queue_wait_s=None, pair="tiny", job_id="job", price_per_hour=None, url=url)  # fmt: skip
+    store.record_result(
+        "r0",
+        {"text": "x", "token_ids": [1], "stats": {}},
+        worker=None,
+        device="cpu",
+        queue_wait_s=None,
+        pair="tiny",
+        job_id="job",
+        price_per_hour=None,
+        url=url,
+    )
     assert jobs.counts("job", lease_timeout_s=60, url=url)["requeued"] == 0  # done: no longer shown as lost
     assert not jobs.take("r0", "w1@h", lease_timeout_s=60, url=url)  # finished rows are never taken
 
@@ -88,11 +98,29 @@ def test_the_job_row_is_not_recounted_per_finished_row(url, monkeypatch):
     calls = []
     monkeypatch.setattr(record, "_refresh_job", lambda s, job: calls.append(job))
     for i in range(3):
-        store.record_result(f"r{i}", {"text": "x", "token_ids": [1], "stats": {}}, worker=None, device="cpu",
-                            queue_wait_s=None, pair="tiny", job_id="job", price_per_hour=None, url=url)  # fmt: skip
+        store.record_result(
+            f"r{i}",
+            {"text": "x", "token_ids": [1], "stats": {}},
+            worker=None,
+            device="cpu",
+            queue_wait_s=None,
+            pair="tiny",
+            job_id="job",
+            price_per_hour=None,
+            url=url,
+        )
     assert calls == []  # before: one full recount per row
-    store.record_result("r3", {"text": "x", "token_ids": [1], "stats": {}}, worker=None, device="cpu",
-                        queue_wait_s=None, pair="tiny", job_id="job", price_per_hour=None, url=url)  # fmt: skip
+    store.record_result(
+        "r3",
+        {"text": "x", "token_ids": [1], "stats": {}},
+        worker=None,
+        device="cpu",
+        queue_wait_s=None,
+        pair="tiny",
+        job_id="job",
+        price_per_hour=None,
+        url=url,
+    )
     assert calls == ["job"]
     monkeypatch.undo()
     job = store.get_job("job", url=url)
@@ -103,8 +131,8 @@ def test_status_shows_lost_rows_instead_of_a_false_eta(url, monkeypatch):
     import typer
     from typer.testing import CliRunner
 
-    from specdec_llm.settings import reload_settings
     from specdec_llm.client.cli import register
+    from specdec_llm.settings import reload_settings
 
     cli = typer.Typer()
     register(cli)
@@ -113,8 +141,17 @@ def test_status_shows_lost_rows_instead_of_a_false_eta(url, monkeypatch):
     try:
         for rid in ("r0", "r1"):
             assert jobs.take(rid, "w1@h", lease_timeout_s=60, url=url)
-        store.record_result("r1", {"text": "x", "token_ids": [1], "stats": {}}, worker=None, device="cpu",
-                            queue_wait_s=None, pair="tiny", job_id="job", price_per_hour=None, url=url)  # fmt: skip
+        store.record_result(
+            "r1",
+            {"text": "x", "token_ids": [1], "stats": {}},
+            worker=None,
+            device="cpu",
+            queue_wait_s=None,
+            pair="tiny",
+            job_id="job",
+            price_per_hour=None,
+            url=url,
+        )
         age(url, "r0", 61)  # its worker was SIGKILLed a minute ago
         out = CliRunner().invoke(cli, ["status", "job"]).output
         assert "1 lost, being requeued" in out and "ETA - s" in out

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from specdec_llm import store
+from specdec_llm import client, store
 from specdec_llm.settings import reload_settings
 from specdec_llm.store.models import Telemetry
 from specdec_llm.store.testing import sqlite_url
-from specdec_llm import client
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The quick brown fox", "Speculative decoding", "over the lazy dog", "drafts and verifies"]
@@ -38,8 +37,11 @@ def scrape(port: int) -> dict[tuple, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {(s.name, *sorted(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+    return {
+        (s.name, *sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def total(samples: dict, name: str, **labels) -> float:
@@ -50,9 +52,13 @@ def total(samples: dict, name: str, **labels) -> float:
 def env(tmp_path, tiny_pair_dir, monkeypatch):
     pairs = tmp_path / "pairs.toml"
     pairs.write_text(f'[pairs.tiny]\ntarget = "{tiny_pair_dir / "target"}"\ndraft = "{tiny_pair_dir / "draft"}"\n')
-    values = {"SPECDEC_DATA_DIR": str(tmp_path / "data"), "SPECDEC_DATABASE_URL": sqlite_url(tmp_path),
-              "SPECDEC_CONFIG_FILE": str(pairs), "SPECDEC_CACHE_DIR": str(tmp_path / "cache"),
-              "SPECDEC_THREADS": "1"}  # fmt: skip
+    values = {
+        "SPECDEC_DATA_DIR": str(tmp_path / "data"),
+        "SPECDEC_DATABASE_URL": sqlite_url(tmp_path),
+        "SPECDEC_CONFIG_FILE": str(pairs),
+        "SPECDEC_CACHE_DIR": str(tmp_path / "cache"),
+        "SPECDEC_THREADS": "1",
+    }
     for k in [k for k in os.environ if k.startswith("SPECDEC_")]:
         monkeypatch.delenv(k)
     for k, v in values.items():
@@ -68,9 +74,24 @@ def start_worker(env: dict, folder: Path, port: int, *args: str) -> subprocess.P
     full.update(env, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     log = folder / f"worker-{port}.log"
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "specdec_llm", "worker", "--pair", "tiny", "--no-calibrate",
-                                 "--metrics-port", str(port), *args], env=full, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "specdec_llm",
+                "worker",
+                "--pair",
+                "tiny",
+                "--no-calibrate",
+                "--metrics-port",
+                str(port),
+                *args,
+            ],
+            env=full,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     proc.log_path = log
     return proc
 
@@ -81,7 +102,9 @@ def test_metrics_are_scraped_from_a_decoding_worker(env, tmp_path, pool):
     worker = start_worker(env, tmp_path, port, *pool)
     try:
         path = tmp_path / "p.jsonl"
-        path.write_text("".join(json.dumps({"id": f"m{i}", "prompt": f"{PROMPTS[i % 4]} {i}"}) + "\n" for i in range(16)))
+        path.write_text(
+            "".join(json.dumps({"id": f"m{i}", "prompt": f"{PROMPTS[i % 4]} {i}"}) + "\n" for i in range(16))
+        )
         sub = client.submit(path, "tiny", {"max_new_tokens": 160, "k": 2})
         job, during = sub["job_id"], []
         deadline = time.monotonic() + 180
@@ -113,9 +136,14 @@ def test_metrics_are_scraped_from_a_decoding_worker(env, tmp_path, pool):
     assert ("specdec_queue_depth", ("pair", "tiny"), ("queue", "specdec.tiny")) in final
     # the counters sum every process's requests and agree with the store's telemetry
     with store.session_scope() as s:
-        sums = s.execute(select(func.sum(Telemetry.draft_tokens_proposed), func.sum(Telemetry.draft_tokens_accepted),
-                                func.sum(Telemetry.output_tokens), func.count())
-                         .where(Telemetry.job_id == job)).one()  # fmt: skip
+        sums = s.execute(
+            select(
+                func.sum(Telemetry.draft_tokens_proposed),
+                func.sum(Telemetry.draft_tokens_accepted),
+                func.sum(Telemetry.output_tokens),
+                func.count(),
+            ).where(Telemetry.job_id == job)
+        ).one()
         per_drafter = [t for (t,) in s.execute(select(Telemetry.drafter_tokens).where(Telemetry.job_id == job))]
     assert total(final, "specdec_spec_decode_num_draft_tokens_total", pair="tiny") == sums[0] > 0
     assert total(final, "specdec_spec_decode_num_accepted_tokens_total", pair="tiny") == sums[1]
@@ -124,8 +152,13 @@ def test_metrics_are_scraped_from_a_decoding_worker(env, tmp_path, pool):
     drafts = sum(c["drafts"] for t in per_drafter for c in t.values())
     assert total(final, "specdec_spec_decode_num_drafts_total") == drafts
     assert total(final, "specdec_spec_decode_num_accepted_tokens_per_pos_total") == sums[1]  # positions add up
-    for name in ("specdec_e2e_request_latency_seconds", "specdec_time_to_first_token_seconds",
-                 "specdec_request_tokens_per_second", "specdec_request_acceptance_rate", "specdec_request_speedup"):
+    for name in (
+        "specdec_e2e_request_latency_seconds",
+        "specdec_time_to_first_token_seconds",
+        "specdec_request_tokens_per_second",
+        "specdec_request_acceptance_rate",
+        "specdec_request_speedup",
+    ):
         assert total(final, f"{name}_count", pair="tiny") == 16, name
     drafters = {dict(ls)["drafter"] for (n, *ls) in final if n == "specdec_spec_decode_num_drafts_total"}
     assert drafters and drafters <= {"lookup", "suffix", "model"}

@@ -102,9 +102,15 @@ def test_env_py_reads_the_url_from_settings(tmp_path, monkeypatch):
 
 def test_concurrent_first_upgrades(empty_url):
     """Several workers starting at once on an empty database: all succeed, one schema."""
-    code = f"from specdec_llm.store import db; db.ensure_schema({empty_url!r}); print(db.current_revision({empty_url!r}))"
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    code = (
+        f"from specdec_llm.store import db; db.ensure_schema({empty_url!r}); print(db.current_revision({empty_url!r}))"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
     results = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in results]
     assert {out.strip() for out, _ in results} == {db.head_revision()}
@@ -113,13 +119,15 @@ def test_concurrent_first_upgrades(empty_url):
 
 # --- an older schema: a copy of migrations/ with one more revision on top ---------------
 
+
 @pytest.fixture
 def newer_code(tmp_path, monkeypatch):
     """Pretend this code is one revision ahead: the real migrations plus "scratch" (an id
     no real revision will take)."""
     scripts = tmp_path / "migrations"
     shutil.copytree(db.MIGRATIONS_DIR, scripts, ignore=shutil.ignore_patterns("__pycache__"))
-    (scripts / "versions" / "9999_scratch.py").write_text(textwrap.dedent(f'''
+    (scripts / "versions" / "9999_scratch.py").write_text(
+        textwrap.dedent(f'''
         import sqlalchemy as sa
         from alembic import op
         revision = "scratch"
@@ -129,7 +137,8 @@ def newer_code(tmp_path, monkeypatch):
             op.create_table("scratch", sa.Column("id", sa.Integer, primary_key=True))
         def downgrade():
             op.drop_table("scratch")
-    '''))
+    ''')
+    )
     old_head = db.head_revision()
     monkeypatch.setattr(db, "MIGRATIONS_DIR", scripts)
     return old_head
@@ -178,6 +187,7 @@ def test_missing_sqlite_file_is_not_created_by_readers(tmp_path):
 
 
 # --- `specdec-llm db ...` ----------------------------------------------------------------
+
 
 def test_db_commands(tmp_path, monkeypatch):
     app = typer.Typer()
@@ -230,9 +240,25 @@ def test_the_wheel_ships_the_migrations_and_the_bundled_files(tmp_path):
     import zipfile
 
     src = tmp_path / "src"  # a copy: no build/ or egg-info of an earlier build can fill gaps
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "runs", "tests", "__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(src)],
-                   check=True, capture_output=True)  # fmt: skip
+    shutil.copytree(
+        REPO, src, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "runs", "tests", "__pycache__")
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("specdec_llm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     package = REPO / "specdec_llm"

@@ -9,8 +9,8 @@ import json
 from datetime import datetime
 
 import pytest
-
 from test_jobs import embedded, invoke, jsonl  # noqa: F401 - embedded is a fixture
+
 from specdec_llm import client
 from specdec_llm.client.openai_batch import CHAT, COMPLETIONS, output_line
 from specdec_llm.client.rows import check_rows, read_rows, to_request
@@ -21,33 +21,71 @@ from openai.types.chat import ChatCompletion  # noqa: E402
 
 
 def chat_line(custom_id: str, content="Say hello", **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": CHAT,
-            "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": content}], **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": CHAT,
+        "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": content}], **body},
+    }
 
 
 def completion_line(custom_id: str, prompt="The quick brown fox", **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": COMPLETIONS,
-            "body": {"model": "gpt-3.5-turbo-instruct", "prompt": prompt, **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": COMPLETIONS,
+        "body": {"model": "gpt-3.5-turbo-instruct", "prompt": prompt, **body},
+    }
 
 
 # -- in ----------------------------------------------------------------------------------------------
 def test_lines_become_rows(tmp_path):
-    rows = read_rows(jsonl(
-        tmp_path / "batch.jsonl",
-        chat_line("c1", max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop="\n", n=1, logprobs=False,
-                  presence_penalty=0.0, user="u-1", metadata={"team": "a"}),
-        {"custom_id": "c2", "method": "POST", "url": CHAT, "body": {
-            "messages": [{"role": "developer", "content": "Be brief."},
-                         {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Hi"},
-                                                                      {"type": "text", "text": "there"}]}],
-            "max_completion_tokens": 9, "max_tokens": 100, "stop": ["a", "b"]}},
-        completion_line("p1", max_tokens=5),
-        completion_line("p2", prompt=["one prompt in a list"]),
-        {"id": "ours", "prompt": "our own format, in the same file"},
-    ))  # fmt: skip
+    rows = read_rows(
+        jsonl(
+            tmp_path / "batch.jsonl",
+            chat_line(
+                "c1",
+                max_tokens=7,
+                temperature=0.5,
+                top_p=0.9,
+                seed=3,
+                stop="\n",
+                n=1,
+                logprobs=False,
+                presence_penalty=0.0,
+                user="u-1",
+                metadata={"team": "a"},
+            ),
+            {
+                "custom_id": "c2",
+                "method": "POST",
+                "url": CHAT,
+                "body": {
+                    "messages": [
+                        {"role": "developer", "content": "Be brief."},
+                        {
+                            "role": "user",
+                            "name": "ann",
+                            "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
+                        },
+                    ],
+                    "max_completion_tokens": 9,
+                    "max_tokens": 100,
+                    "stop": ["a", "b"],
+                },
+            },
+            completion_line("p1", max_tokens=5),
+            completion_line("p2", prompt=["one prompt in a list"]),
+            {"id": "ours", "prompt": "our own format, in the same file"},
+        )
+    )
     assert [(r.id, r.error, r.endpoint) for r in rows] == [
-        ("c1", None, CHAT), ("c2", None, CHAT), ("p1", None, COMPLETIONS), ("p2", None, COMPLETIONS),
-        ("ours", None, None)]  # fmt: skip
+        ("c1", None, CHAT),
+        ("c2", None, CHAT),
+        ("p1", None, COMPLETIONS),
+        ("p2", None, COMPLETIONS),
+        ("ours", None, None),
+    ]
     c1, c2, p1, p2, _ = rows
     assert c1.messages == [{"role": "user", "content": "Say hello"}] and c1.prompt is None
     assert c1.params == {"max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["\n"]}
@@ -59,37 +97,47 @@ def test_lines_become_rows(tmp_path):
     assert stored["params"]["_endpoint"] == CHAT and stored["params"]["max_new_tokens"] == 7
 
 
-@pytest.mark.parametrize("line, error", [
-    (chat_line("x", tools=[{"type": "function", "function": {"name": "f"}}]), "body.tools: not supported"),
-    (chat_line("x", n=2), "body.n: 2 is not supported by specdec-llm; use 1 or leave it out"),
-    (chat_line("x", n=True), "body.n: true is not supported"),
-    (chat_line("x", logprobs=True, top_logprobs=2), "body.logprobs: true is not supported"),
-    (chat_line("x", response_format={"type": "json_object"}), "body.response_format: {\"type\": \"json_object\"} is not"),
-    (chat_line("x", stream=True), "body.stream: true is not supported"),
-    (chat_line("x", frequency_penalty=0.5), "body.frequency_penalty: 0.5 is not supported"),
-    (chat_line("x", logit_bias={"50256": -100}), "body.logit_bias: not supported by specdec-llm; remove it"),
-    (chat_line("x", temperature=-1), "body.temperature: -1 must be >= 0"),
-    (chat_line("x", max_tokens=0), "body.max_tokens: "),
-    (chat_line("x", max_completion_tokens="many"), "body.max_completion_tokens: "),
-    (chat_line("x", seed=2**64), "body.seed: "),
-    (chat_line("x", stop=[""]), "body.stop: "),
-    (chat_line("x", prompt="also a prompt"), "body.prompt: not a field of /v1/chat/completions; use body.messages"),
-    (chat_line("x", content=[{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]),
-     "body.messages[0].content[0]: 'image_url' parts are not supported"),
-    (chat_line("x", content="a\x00b"), "body.messages[0].content: contains a NUL character"),
-    ({**chat_line("x"), "body": {"messages": [{"role": "tool", "content": "42", "tool_call_id": "t"}]}},
-     "body.messages[0].tool_call_id: not supported"),
-    ({**chat_line("x"), "body": {"messages": []}}, "body.messages: must be a non-empty list"),
-    (completion_line("x", prompt=["a", "b"]), "body.prompt: a list of 2 prompts is not supported"),
-    (completion_line("x", prompt=[1, 2, 3]), "body.prompt: must be text"),
-    (completion_line("x", echo=True), "body.echo: true is not supported"),
-    (completion_line("x", suffix="end"), "body.suffix: not supported"),
-    ({**chat_line("x"), "url": "/v1/embeddings"}, "url: '/v1/embeddings' is not supported"),
-    ({**chat_line("x"), "method": "GET"}, "method: 'GET' is not supported; use POST"),
-    ({**chat_line("x"), "body": "hello"}, "body: must be an object"),
-    ({**chat_line("x"), "extra": 1}, "unknown field 'extra' in an OpenAI Batch line"),
-    ({**chat_line("x"), "custom_id": 5}, "custom_id: must be non-empty text"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "line, error",
+    [
+        (chat_line("x", tools=[{"type": "function", "function": {"name": "f"}}]), "body.tools: not supported"),
+        (chat_line("x", n=2), "body.n: 2 is not supported by specdec-llm; use 1 or leave it out"),
+        (chat_line("x", n=True), "body.n: true is not supported"),
+        (chat_line("x", logprobs=True, top_logprobs=2), "body.logprobs: true is not supported"),
+        (
+            chat_line("x", response_format={"type": "json_object"}),
+            'body.response_format: {"type": "json_object"} is not',
+        ),
+        (chat_line("x", stream=True), "body.stream: true is not supported"),
+        (chat_line("x", frequency_penalty=0.5), "body.frequency_penalty: 0.5 is not supported"),
+        (chat_line("x", logit_bias={"50256": -100}), "body.logit_bias: not supported by specdec-llm; remove it"),
+        (chat_line("x", temperature=-1), "body.temperature: -1 must be >= 0"),
+        (chat_line("x", max_tokens=0), "body.max_tokens: "),
+        (chat_line("x", max_completion_tokens="many"), "body.max_completion_tokens: "),
+        (chat_line("x", seed=2**64), "body.seed: "),
+        (chat_line("x", stop=[""]), "body.stop: "),
+        (chat_line("x", prompt="also a prompt"), "body.prompt: not a field of /v1/chat/completions; use body.messages"),
+        (
+            chat_line("x", content=[{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]),
+            "body.messages[0].content[0]: 'image_url' parts are not supported",
+        ),
+        (chat_line("x", content="a\x00b"), "body.messages[0].content: contains a NUL character"),
+        (
+            {**chat_line("x"), "body": {"messages": [{"role": "tool", "content": "42", "tool_call_id": "t"}]}},
+            "body.messages[0].tool_call_id: not supported",
+        ),
+        ({**chat_line("x"), "body": {"messages": []}}, "body.messages: must be a non-empty list"),
+        (completion_line("x", prompt=["a", "b"]), "body.prompt: a list of 2 prompts is not supported"),
+        (completion_line("x", prompt=[1, 2, 3]), "body.prompt: must be text"),
+        (completion_line("x", echo=True), "body.echo: true is not supported"),
+        (completion_line("x", suffix="end"), "body.suffix: not supported"),
+        ({**chat_line("x"), "url": "/v1/embeddings"}, "url: '/v1/embeddings' is not supported"),
+        ({**chat_line("x"), "method": "GET"}, "method: 'GET' is not supported; use POST"),
+        ({**chat_line("x"), "body": "hello"}, "body: must be an object"),
+        ({**chat_line("x"), "extra": 1}, "unknown field 'extra' in an OpenAI Batch line"),
+        ({**chat_line("x"), "custom_id": 5}, "custom_id: must be non-empty text"),
+    ],
+)
 def test_a_bad_line_fails_its_row_naming_the_field(tmp_path, line, error):
     rows = read_rows(jsonl(tmp_path / "batch.jsonl", chat_line("good"), line, chat_line("good too")))
     check_rows(rows, {})
@@ -98,11 +146,30 @@ def test_a_bad_line_fails_its_row_naming_the_field(tmp_path, line, error):
 
 
 # -- out ---------------------------------------------------------------------------------------------
-ITEM = {"id": "c1", "request_id": "job-1", "pair": "tiny", "status": "ok", "text": "Hello!", "finish_reason": "eos",
-        "error": None, "prompt_tokens": 12, "output_tokens": 3, "tokens_per_s": 30.0, "acceptance_rate": 0.5,
-        "mean_accepted_length": 2.0, "draft_tokens_proposed": 4, "draft_tokens_accepted": 2, "drafter": "model",
-        "wall_time_s": 0.1, "time_to_first_token_s": 0.02, "endpoint": CHAT, "chat": None, "refused": False,
-        "finished_at": datetime(2026, 5, 4, 9, 0), "metadata": None}  # fmt: skip
+ITEM = {
+    "id": "c1",
+    "request_id": "job-1",
+    "pair": "tiny",
+    "status": "ok",
+    "text": "Hello!",
+    "finish_reason": "eos",
+    "error": None,
+    "prompt_tokens": 12,
+    "output_tokens": 3,
+    "tokens_per_s": 30.0,
+    "acceptance_rate": 0.5,
+    "mean_accepted_length": 2.0,
+    "draft_tokens_proposed": 4,
+    "draft_tokens_accepted": 2,
+    "drafter": "model",
+    "wall_time_s": 0.1,
+    "time_to_first_token_s": 0.02,
+    "endpoint": CHAT,
+    "chat": None,
+    "refused": False,
+    "finished_at": datetime(2026, 5, 4, 9, 0),
+    "metadata": None,
+}
 
 
 def check_line(line: dict, endpoint: str = CHAT):
@@ -134,8 +201,15 @@ def test_output_lines_read_as_openai_types():
     text = check_line(done, COMPLETIONS)
     assert (text.object, text.choices[0].text, text.choices[0].finish_reason) == ("text_completion", "Hello!", "length")
 
-    refused = output_line({**ITEM, "status": "failed", "refused": True, "text": None,
-                           "error": "line 7: body.tools: not supported by specdec-llm"})  # fmt: skip
+    refused = output_line(
+        {
+            **ITEM,
+            "status": "failed",
+            "refused": True,
+            "text": None,
+            "error": "line 7: body.tools: not supported by specdec-llm",
+        }
+    )
     error = check_line(refused)
     assert (error.code, error.param, error.line) == ("invalid_request", "tools", 7)
     assert refused["response"]["status_code"] == 400
@@ -147,9 +221,12 @@ def test_output_lines_read_as_openai_types():
     assert check_line(crashed).code == "generation_failed" and crashed["response"]["status_code"] == 500
     cancelled = output_line({**ITEM, "status": "cancelled", "text": None, "error": "cancelled"})
     assert check_line(cancelled).code == "batch_cancelled" and cancelled["response"] is None
-    with pytest.raises(Exception):  # the types can fail: a finish reason OpenAI does not have
-        ChatCompletion.model_validate({**chat.model_dump(), "choices": [{**chat.choices[0].model_dump(),
-                                                                          "finish_reason": "eos"}]})  # fmt: skip
+    with pytest.raises(
+        ValueError
+    ):  # the types can fail (pydantic's ValidationError is a ValueError): a finish reason OpenAI does not have
+        ChatCompletion.model_validate(
+            {**chat.model_dump(), "choices": [{**chat.choices[0].model_dump(), "finish_reason": "eos"}]}
+        )
 
 
 # -- the whole job path ------------------------------------------------------------------------------
@@ -157,8 +234,10 @@ def test_a_20_row_batch_file_with_2_bad_rows_round_trips(embedded, tmp_path):  #
     """OpenAI Batch input -> `run` (the real job path: store, filesystem broker, a local worker
     process, the tiny pair) -> OpenAI Batch output: 18 completions and 2 errors, one line per
     input line, in order, each readable by the openai package's types."""
-    lines = [chat_line(f"request-{i}", f"Say hello number {i}", max_tokens=4 + i % 3, **({"seed": i} if i % 2 else {}))
-             for i in range(20)]  # fmt: skip
+    lines = [
+        chat_line(f"request-{i}", f"Say hello number {i}", max_tokens=4 + i % 3, **({"seed": i} if i % 2 else {}))
+        for i in range(20)
+    ]
     lines[5] = chat_line("request-5", tools=[{"type": "function", "function": {"name": "lookup"}}])
     lines[13] = chat_line("request-13", n=3)
     path = jsonl(tmp_path / "batch.jsonl", *lines)

@@ -44,7 +44,9 @@ def test_bad_user_file_names_the_key(tmp_path, monkeypatch):
         with pytest.raises(PairError, match=r"pair 'x' has unknown keys \['draftt'\]"):
             registry()
         path.write_text('[pairs.x]\ntarget = "a"\ndrafters = ["lookup", "medusa"]\n')
-        with pytest.raises(PairError, match=r"pair 'x': unknown drafter 'medusa'; known drafters: lookup, suffix, model"):
+        with pytest.raises(
+            PairError, match=r"pair 'x': unknown drafter 'medusa'; known drafters: lookup, suffix, model"
+        ):
             registry()
         path.write_text('[pairs.x]\ntarget = "a"\ndrafters = ["model"]\n')
         with pytest.raises(PairError, match=r"drafter 'model' needs a draft"):
@@ -106,21 +108,37 @@ def test_padded_embedding_compares_only_the_shared_vocabulary(tmp_path, tiny_pai
 
 
 def test_cli_generate_json(pairs_file):
-    r = runner.invoke(app, ["generate", "The quick brown", "--pair", "tiny", "--max-new-tokens", "9", "--k", "2", "--json"])
+    r = runner.invoke(
+        app, ["generate", "The quick brown", "--pair", "tiny", "--max-new-tokens", "9", "--k", "2", "--json"]
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
     assert out["stats"]["output_tokens"] == len(out["token_ids"]) <= 9
     assert out["stats"]["k_values"][0] == 2
-    for field in ("prompt_tokens", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate",
-                  "mean_accepted_length", "per_position_acceptance", "target_forwards", "draft_forwards",
-                  "draft_time_s", "target_time_s", "wall_time_s", "time_to_first_token_s", "tokens_per_s",
-                  "finish_reason"):  # fmt: skip
+    for field in (
+        "prompt_tokens",
+        "draft_tokens_proposed",
+        "draft_tokens_accepted",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "per_position_acceptance",
+        "target_forwards",
+        "draft_forwards",
+        "draft_time_s",
+        "target_time_s",
+        "wall_time_s",
+        "time_to_first_token_s",
+        "tokens_per_s",
+        "finish_reason",
+    ):
         assert field in out["stats"]
 
 
 def test_cli_generate_chat_and_baseline(pairs_file):
-    r = runner.invoke(app, ["generate", "hello", "--pair", "tiny", "--chat", "--mode", "baseline", "--max-new-tokens", "5", "--json"])
+    r = runner.invoke(
+        app, ["generate", "hello", "--pair", "tiny", "--chat", "--mode", "baseline", "--max-new-tokens", "5", "--json"]
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["stats"]["draft_forwards"] == 0
@@ -139,8 +157,10 @@ def test_cli_generate_chat_and_baseline(pairs_file):
         (["generate", "hi", "--k", "lots"], "k: 'lots' is not a number"),
         (["generate", "hi", "--pair", "nope"], "pair: unknown pair 'nope'"),
         (["generate", "hi", "--mode", "warp"], "mode: unknown mode"),
-        (["generate", "hi", "--pair", "smollm2-135m", "--drafter", "eagle"],
-         "drafter: unknown drafter 'eagle' for pair smollm2-135m; use one of: auto, lookup, suffix, model"),
+        (
+            ["generate", "hi", "--pair", "smollm2-135m", "--drafter", "eagle"],
+            "drafter: unknown drafter 'eagle' for pair smollm2-135m; use one of: auto, lookup, suffix, model",
+        ),
         (["generate", "x " * 600, "--pair", "tiny"], "prompt: is .* tokens but the model's context is 512"),
     ],
 )
@@ -173,8 +193,23 @@ def test_cli_eval_pair_per_category(pairs_file, tmp_path):
     path = tmp_path / "p.jsonl"
     rows = [{"prompt": f"The quick {i}", "category": c} for i, c in enumerate(["a", "a", "a", "b", "b"])]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    r = runner.invoke(app, ["eval-pair", "--pair", "tiny-shared", "--prompts", str(path), "--limit", "2",
-                            "--max-new-tokens", "8", "--k", "3", "--json"])  # fmt: skip
+    r = runner.invoke(
+        app,
+        [
+            "eval-pair",
+            "--pair",
+            "tiny-shared",
+            "--prompts",
+            str(path),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--k",
+            "3",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["overall"]["prompts"] == 4 and set(out["categories"]) == {"a", "b"}

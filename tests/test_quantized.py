@@ -47,14 +47,24 @@ def test_quantized_drafter_alone_and_mixed_is_greedy_identical(target, scheme, h
     assert not any(isinstance(m, torch.nn.Linear) for n, m in draft.model.layers.named_modules())
     assert draft.model.embed_tokens is target.model.embed_tokens  # shared, not copied
     dec = SpeculativeDecoder(target, draft, drafters=["lookup", "suffix", "quantized"])
-    reqs = [GenerationRequest(prompt=p, max_new_tokens=n, k=k, drafter=d)
-            for p, n, k, d in zip(PROMPTS * 3, (30, 12, 25, 40, 9) * 3, (3, "auto", 5, 2) * 4,
-                                  ("quantized", "quantized", "auto", "lookup", "quantized") * 3)]  # fmt: skip
+    reqs = [
+        GenerationRequest(prompt=p, max_new_tokens=n, k=k, drafter=d)
+        for p, n, k, d in zip(
+            PROMPTS * 3,
+            (30, 12, 25, 40, 9) * 3,
+            (3, "auto", 5, 2) * 4,
+            ("quantized", "quantized", "auto", "lookup", "quantized") * 3,
+        )
+    ]
     for max_batch in (1, 4):
         out = dec.generate_many(reqs, max_batch=max_batch)
         for req, res in zip(reqs, out):
             assert res.token_ids == greedy_reference(target, req.prompt, req.max_new_tokens), (req, max_batch)
-    q = [r.stats.drafter_tokens["quantized"] for req, r in zip(reqs, out) if req.drafter == "quantized" and req.k != "auto"]
+    q = [
+        r.stats.drafter_tokens["quantized"]
+        for req, r in zip(reqs, out)
+        if req.drafter == "quantized" and req.k != "auto"
+    ]
     proposed, accepted = sum(c["proposed"] for c in q), sum(c["accepted"] for c in q)
     assert accepted > 0.6 * proposed, (accepted, proposed)  # a faithful copy of the target agrees with it
 
@@ -65,7 +75,9 @@ def test_quantized_rows_join_and_leave_caches_exact(target):
     rows = [batch.add(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=25, k=3, drafter="quantized"))]
     for step in range(60):
         if step in (1, 5):
-            rows.append(batch.add(GenerationRequest(prompt=PROMPTS[step % 5], max_new_tokens=15, k=4, drafter="quantized")))
+            rows.append(
+                batch.add(GenerationRequest(prompt=PROMPTS[step % 5], max_new_tokens=15, k=4, drafter="quantized"))
+            )
             rows.append(batch.add(GenerationRequest(prompt=PROMPTS[(step + 2) % 5], max_new_tokens=18)))
         if not batch.rows:
             break

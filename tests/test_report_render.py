@@ -37,14 +37,30 @@ def url(tmp_path_factory):
             for j in range(3 + day):
                 n += 1
                 tps = 12.0 + 3 * day + 4 * pair_i + j
-                stats = dict(prompt_tokens=40, output_tokens=64, draft_tokens_proposed=100,
-                             draft_tokens_accepted=30 + 10 * day + 5 * pair_i, acceptance_rate=0.3 + 0.1 * day,
-                             mean_accepted_length=1.5 + 0.2 * day, tokens_per_s=tps, wall_time_s=64 / tps,
-                             time_to_first_token_s=0.2, finish_reason="length")  # fmt: skip
-                record.record_result(f"r{n}", {"text": "x", "token_ids": [1], "finish_reason": "length", "stats": stats},
-                                     worker={"host": "node1", "pid": 7, "device_name": "cpu"}, device="cpu",
-                                     queue_wait_s=0.1, pair=pair, job_id=None, price_per_hour=0.05,
-                                     finished_at=T0 + timedelta(days=day, hours=j), url=u)  # fmt: skip
+                stats = dict(
+                    prompt_tokens=40,
+                    output_tokens=64,
+                    draft_tokens_proposed=100,
+                    draft_tokens_accepted=30 + 10 * day + 5 * pair_i,
+                    acceptance_rate=0.3 + 0.1 * day,
+                    mean_accepted_length=1.5 + 0.2 * day,
+                    tokens_per_s=tps,
+                    wall_time_s=64 / tps,
+                    time_to_first_token_s=0.2,
+                    finish_reason="length",
+                )
+                record.record_result(
+                    f"r{n}",
+                    {"text": "x", "token_ids": [1], "finish_reason": "length", "stats": stats},
+                    worker={"host": "node1", "pid": 7, "device_name": "cpu"},
+                    device="cpu",
+                    queue_wait_s=0.1,
+                    pair=pair,
+                    job_id=None,
+                    price_per_hour=0.05,
+                    finished_at=T0 + timedelta(days=day, hours=j),
+                    url=u,
+                )
     yield u
     db.dispose_engine(u)
 
@@ -89,11 +105,18 @@ def test_table_at_80_columns_shows_every_rows_key_figures(app, group_by):
     costs = render.cells("cost_usd", rows)
     for r, cost in zip(rows, costs):
         assert re.fullmatch(r"0\.0*[1-9]\d", cost), cost  # below a cent, yet two significant digits
-        figures = [render.fmt("requests", r["requests"]), render.fmt("tokens_per_s_mean", r["tokens_per_s_mean"]),
-                   render.fmt("acceptance_rate", r["acceptance_rate"]), render.fmt("speedup", r["speedup"]), cost]
+        figures = [
+            render.fmt("requests", r["requests"]),
+            render.fmt("tokens_per_s_mean", r["tokens_per_s_mean"]),
+            render.fmt("acceptance_rate", r["acceptance_rate"]),
+            render.fmt("speedup", r["speedup"]),
+            cost,
+        ]
         label = str(r[group_by.split(",")[-1]])[:8]
-        assert any(label in line and all(f" {f}" in line for f in figures) for line in first_table(res.stdout)), \
-            (r, figures)
+        assert any(label in line and all(f" {f}" in line for f in figures) for line in first_table(res.stdout)), (
+            r,
+            figures,
+        )
     # every metric of the default table is somewhere
     for header in ("failed", "latency", "TTFT", "device", "$/1M"):
         assert header in res.stdout
@@ -103,8 +126,9 @@ def test_table_at_80_columns_shows_every_rows_key_figures(app, group_by):
 
 
 def test_columns_option_and_bad_names(app):
-    res = CliRunner().invoke(app, ["report", "--columns", "requests,tokens_per_s_p95", "-c", "cost_usd"],
-                             env={"COLUMNS": "80"})  # fmt: skip
+    res = CliRunner().invoke(
+        app, ["report", "--columns", "requests,tokens_per_s_p95", "-c", "cost_usd"], env={"COLUMNS": "80"}
+    )
     assert res.exit_code == 0, res.output
     header = next(line for line in res.stdout.splitlines() if "requests" in line)
     assert re.search(r"requests\s+tok/s p95\s+cost \$", header) and "acceptance" not in res.stdout
@@ -116,7 +140,13 @@ def test_columns_option_and_bad_names(app):
 
 def test_money_keeps_two_significant_digits():
     assert [render.fmt("cost_usd", v) for v in (0.0, 0.000042, 0.0123, 0.5, 12.3456, 1234.5)] == [
-        "0.00", "0.000042", "0.012", "0.50", "12.35", "1,234.50"]  # fmt: skip
+        "0.00",
+        "0.000042",
+        "0.012",
+        "0.50",
+        "12.35",
+        "1,234.50",
+    ]
     rows = [{"cost_usd": 0.01}, {"cost_usd": 0.00042}, {"cost_usd": None}]
     assert render.cells("cost_usd", rows) == ["0.01000", "0.00042", "-"]  # one number of decimals per column
 
@@ -130,6 +160,7 @@ def test_axis_ticks_are_round_and_distinct():
 
 # --- the HTML page, as a browser draws it ------------------------------------------------------
 
+
 def chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
         if shutil.which(name):
@@ -142,11 +173,22 @@ def chromium() -> str:
 
 def screenshot(page: Path, png: Path, width: int = 1280, height: int = 1400) -> Path:
     subprocess.run(
-        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--mute-audio",
-         f"--user-data-dir={png.parent / 'chromium-profile'}", f"--window-size={width},{height}",
-         f"--screenshot={png}", page.as_uri()],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+        [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--mute-audio",
+            f"--user-data-dir={png.parent / 'chromium-profile'}",
+            f"--window-size={width},{height}",
+            f"--screenshot={png}",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return png
 
 

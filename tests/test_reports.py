@@ -41,17 +41,40 @@ def seed(url: str) -> None:
     record.upsert_pair("beta", target="t-b", draft="d-b", dtype="bfloat16", device="cuda:0", url=url)
     record.record_baseline("alpha", device="cpu", dtype="float32", tokens_per_s=10.0, url=url)
     record.record_baseline("beta", device="cuda:0", dtype="bfloat16", tokens_per_s=50.0, url=url)
-    job = record.create_job([{"prompt": f"p{i}", "category": "chat" if i % 2 else "code"} for i in range(7)],
-                            job_id="job-1", pair="alpha", url=url)
+    job = record.create_job(
+        [{"prompt": f"p{i}", "category": "chat" if i % 2 else "code"} for i in range(7)],
+        job_id="job-1",
+        pair="alpha",
+        url=url,
+    )
     ids = job["request_ids"]
     for rid, (pair, device, at, tps, wall, ttft, out, acc, mal), drafter in zip(ids, ROWS, DRAFTERS):
-        stats = dict(prompt_tokens=5, output_tokens=out, draft_tokens_proposed=10, draft_tokens_accepted=acc,
-                     acceptance_rate=acc / 10, mean_accepted_length=mal, tokens_per_s=tps, wall_time_s=wall,
-                     time_to_first_token_s=ttft, finish_reason="length", drafter=drafter,
-                     drafter_tokens={drafter: {"proposed": 10, "accepted": acc}})
-        record.record_result(rid, {"text": "x", "token_ids": [1], "finish_reason": "length", "stats": stats},
-                             worker=WORKER, device=device, queue_wait_s=0.1, pair=pair, job_id=None,
-                             price_per_hour=3.6, finished_at=at, url=url)
+        stats = dict(
+            prompt_tokens=5,
+            output_tokens=out,
+            draft_tokens_proposed=10,
+            draft_tokens_accepted=acc,
+            acceptance_rate=acc / 10,
+            mean_accepted_length=mal,
+            tokens_per_s=tps,
+            wall_time_s=wall,
+            time_to_first_token_s=ttft,
+            finish_reason="length",
+            drafter=drafter,
+            drafter_tokens={drafter: {"proposed": 10, "accepted": acc}},
+        )
+        record.record_result(
+            rid,
+            {"text": "x", "token_ids": [1], "finish_reason": "length", "stats": stats},
+            worker=WORKER,
+            device=device,
+            queue_wait_s=0.1,
+            pair=pair,
+            job_id=None,
+            price_per_hour=3.6,
+            finished_at=at,
+            url=url,
+        )
     record.mark_request(ids[6], "failed", error="boom", worker=WORKER, url=url)
     with db.session_scope(url) as s:  # the failure happened on the first day, between two alpha rows
         s.execute(update(Request).where(Request.id == ids[6]).values(finished_at=T0 + timedelta(minutes=1)))
@@ -81,15 +104,22 @@ def expected(rows, prices=None):
         cost = sum(r[4] / 3600 * 3.6 for r in rows)
     base = {"alpha": 10.0, "beta": 50.0}
     return {
-        "ok": len(rows), "prompt_tokens": 5 * len(rows), "output_tokens": out,
+        "ok": len(rows),
+        "prompt_tokens": 5 * len(rows),
+        "output_tokens": out,
         "tokens_per_s_mean": tps.mean(),
-        "tokens_per_s_p50": np.percentile(tps, 50), "tokens_per_s_p95": np.percentile(tps, 95),
-        "latency_p50_s": np.percentile(wall, 50), "latency_p95_s": np.percentile(wall, 95),
-        "ttft_p50_s": np.percentile(ttft, 50), "ttft_p95_s": np.percentile(ttft, 95),
+        "tokens_per_s_p50": np.percentile(tps, 50),
+        "tokens_per_s_p95": np.percentile(tps, 95),
+        "latency_p50_s": np.percentile(wall, 50),
+        "latency_p95_s": np.percentile(wall, 95),
+        "ttft_p50_s": np.percentile(ttft, 50),
+        "ttft_p95_s": np.percentile(ttft, 95),
         "acceptance_rate": sum(r[7] for r in rows) / (10 * len(rows)),
         "mean_accepted_length": np.mean([r[8] for r in rows]),
         "speedup": np.mean([r[3] / base[r[0]] for r in rows]),
-        "device_seconds": wall.sum(), "cost_usd": cost, "cost_per_1m_output_tokens": cost / out * 1e6,
+        "device_seconds": wall.sum(),
+        "cost_usd": cost,
+        "cost_per_1m_output_tokens": cost / out * 1e6,
     }
 
 
@@ -128,7 +158,11 @@ def test_by_day_hour_worker_job_category(url):
     check(days[0], expected(ROWS[:4]))
     hours = reports.summary(group_by="hour", url=url)
     assert [(r["hour"], r["ok"], r["failed"]) for r in hours] == [
-        ("2026-03-01 10:00", 2, 1), ("2026-03-01 11:00", 2, 0), ("2026-03-02 10:00", 1, 0), ("2026-03-02 12:00", 1, 0)]
+        ("2026-03-01 10:00", 2, 1),
+        ("2026-03-01 11:00", 2, 0),
+        ("2026-03-02 10:00", 1, 0),
+        ("2026-03-02 12:00", 1, 0),
+    ]
     (w,) = reports.summary(group_by=["worker"], url=url)
     assert (w["worker"], w["ok"], w["failed"]) == ("node1:42", 6, 1)
     check(w, expected(ROWS))
@@ -148,12 +182,17 @@ def test_by_drafter(url):
     """Grouped by each request's main drafter; a failed request has none."""
     rows = reports.summary(group_by=["drafter"], url=url)
     assert [(r["drafter"], r["ok"], r["failed"]) for r in rows] == [
-        ("lookup", 3, 0), ("model", 1, 0), ("suffix", 2, 0), (None, 0, 1)]
+        ("lookup", 3, 0),
+        ("model", 1, 0),
+        ("suffix", 2, 0),
+        (None, 0, 1),
+    ]
     for r in rows[:3]:
         check(r, expected([row for row, d in zip(ROWS, DRAFTERS) if d == r["drafter"]]))
     with db.session_scope(url) as s:
         assert s.execute(select(Telemetry.drafter_tokens).where(Telemetry.drafter == "model")).scalar_one() == {
-            "model": {"proposed": 10, "accepted": 6}}
+            "model": {"proposed": 10, "accepted": 6}
+        }
 
 
 def test_filters(url):
@@ -195,6 +234,7 @@ def test_sqlite_reports_read_only_the_covering_index(url):
 
 # --- parsing -------------------------------------------------------------------------------
 
+
 def test_parse_when():
     now = datetime(2026, 5, 10, 12, 0)
     assert reports.parse_when("7d", now=now) == datetime(2026, 5, 3, 12, 0)
@@ -208,19 +248,31 @@ def test_parse_when():
     assert reports.parse_when(None) is None
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: reports.parse_group_by(["pair", "model"]),
-     "--group-by: unknown field 'model'; use one or more of pair, day, hour, job, worker, category"),
-    (lambda: reports.parse_when("yesterday", "since"),
-     "--since: cannot read 'yesterday'; use a duration like 7d, 12h or 30m, or a UTC date/time like "
-     "2026-01-31 or 2026-01-31T12:00"),
-    (lambda: reports.parse_when("2026-13-01", "until"), "--until: cannot read '2026-13-01'"),
-    (lambda: reports.summary(since="2026-03-02", until="2026-03-01T00:00", url="sqlite://"),
-     "--since (2026-03-02 00:00) must be before --until (2026-03-01 00:00)"),
-    (lambda: reports.parse_prices(["cuda=lots"]), "--price-per-hour: cannot read 'cuda=lots'"),
-    (lambda: reports.parse_prices({"cpu": -1}), "--price-per-hour: cpu=-1.0 is not a price"),
-    (lambda: render.report("pdf", url="sqlite://"), "--format: unknown format 'pdf'; use one of table, csv, json, html"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda: reports.parse_group_by(["pair", "model"]),
+            "--group-by: unknown field 'model'; use one or more of pair, day, hour, job, worker, category",
+        ),
+        (
+            lambda: reports.parse_when("yesterday", "since"),
+            "--since: cannot read 'yesterday'; use a duration like 7d, 12h or 30m, or a UTC date/time like "
+            "2026-01-31 or 2026-01-31T12:00",
+        ),
+        (lambda: reports.parse_when("2026-13-01", "until"), "--until: cannot read '2026-13-01'"),
+        (
+            lambda: reports.summary(since="2026-03-02", until="2026-03-01T00:00", url="sqlite://"),
+            "--since (2026-03-02 00:00) must be before --until (2026-03-01 00:00)",
+        ),
+        (lambda: reports.parse_prices(["cuda=lots"]), "--price-per-hour: cannot read 'cuda=lots'"),
+        (lambda: reports.parse_prices({"cpu": -1}), "--price-per-hour: cpu=-1.0 is not a price"),
+        (
+            lambda: render.report("pdf", url="sqlite://"),
+            "--format: unknown format 'pdf'; use one of table, csv, json, html",
+        ),
+    ],
+)
 def test_bad_input_is_one_clear_line(call, message):
     with pytest.raises(reports.ReportInputError) as e:
         call()
@@ -235,11 +287,14 @@ def test_group_by_accepts_commas_and_repeats():
 
 # --- renderers ---------------------------------------------------------------------------
 
+
 def test_csv_json_table(url):
     rows = reports.summary(group_by=["pair", "day"], url=url)
     parsed = list(csv.DictReader(io.StringIO(render.to_csv(rows))))
-    assert [(r["pair"], r["day"], r["requests"]) for r in parsed] == [("alpha", "2026-03-01", "5"),
-                                                                     ("beta", "2026-03-02", "2")]
+    assert [(r["pair"], r["day"], r["requests"]) for r in parsed] == [
+        ("alpha", "2026-03-01", "5"),
+        ("beta", "2026-03-02", "2"),
+    ]
     assert float(parsed[0]["tokens_per_s_mean"]) == pytest.approx(25.0)
     assert json.loads(render.to_json(rows)) == json.loads(json.dumps(rows))
     text = render.table_text(rows)
@@ -252,11 +307,29 @@ def test_html_is_self_contained_and_escaped(tmp_path):
     record.record_baseline(evil, device="cpu", dtype="float32", tokens_per_s=5.0, url=url)
     record.upsert_pair(evil, dtype="float32", url=url)
     for i, day in enumerate([1, 2, 3]):
-        record.record_result(f"h{i}", {"text": "x", "token_ids": [], "finish_reason": "eos",
-                                       "stats": {"output_tokens": 10, "tokens_per_s": 10.0 + i, "wall_time_s": 1.0,
-                                                 "draft_tokens_proposed": 4, "draft_tokens_accepted": 2}},
-                             worker=None, device="cpu", queue_wait_s=None, pair=evil, job_id=None,
-                             price_per_hour=1.0, finished_at=datetime(2026, 4, day, 9), url=url)
+        record.record_result(
+            f"h{i}",
+            {
+                "text": "x",
+                "token_ids": [],
+                "finish_reason": "eos",
+                "stats": {
+                    "output_tokens": 10,
+                    "tokens_per_s": 10.0 + i,
+                    "wall_time_s": 1.0,
+                    "draft_tokens_proposed": 4,
+                    "draft_tokens_accepted": 2,
+                },
+            },
+            worker=None,
+            device="cpu",
+            queue_wait_s=None,
+            pair=evil,
+            job_id=None,
+            price_per_hour=1.0,
+            finished_at=datetime(2026, 4, day, 9),
+            url=url,
+        )
     page = render.report("html", url=url)
     db.dispose_engine(url)
     assert page.startswith("<!doctype html>")
@@ -264,8 +337,12 @@ def test_html_is_self_contained_and_escaped(tmp_path):
     assert "<script" not in page and evil not in page
     assert "&lt;script&gt;" in page
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)  # nothing fetched
-    for title in ["Acceptance rate by day", "Tokens/s (mean) by day", "Cost per day (USD)",
-                  "Speedup over target-only, by pair"]:
+    for title in [
+        "Acceptance rate by day",
+        "Tokens/s (mean) by day",
+        "Cost per day (USD)",
+        "Speedup over target-only, by pair",
+    ]:
         assert title in page
 
 
@@ -275,6 +352,7 @@ def test_html_uses_hours_for_a_short_span(url):
 
 
 # --- the CLI -------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def app(url, monkeypatch):
@@ -292,8 +370,20 @@ def test_cli_report_formats(app, tmp_path):
     r = runner.invoke(app, ["report"])
     assert r.exit_code == 0, r.output
     assert "alpha" in r.output and "beta" in r.output
-    r = runner.invoke(app, ["report", "--format", "json", "-g", "pair,day", "--price-per-hour", "cpu=0.36",
-                            "--price-per-hour", "cuda=7.2"])
+    r = runner.invoke(
+        app,
+        [
+            "report",
+            "--format",
+            "json",
+            "-g",
+            "pair,day",
+            "--price-per-hour",
+            "cpu=0.36",
+            "--price-per-hour",
+            "cuda=7.2",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)
     assert [(x["pair"], x["day"]) for x in rows] == [("alpha", "2026-03-01"), ("beta", "2026-03-02")]
@@ -307,13 +397,16 @@ def test_cli_report_formats(app, tmp_path):
     assert page.read_text().count("<svg") == 4
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--group-by", "model"], "error: --group-by: unknown field 'model'"),
-    (["--since", "last tuesday"], "error: --since: cannot read 'last tuesday'"),
-    (["--until", "2026-02-30"], "error: --until: cannot read '2026-02-30'"),
-    (["--format", "xml"], "error: --format: unknown format 'xml'"),
-    (["--price-per-hour", "cheap"], "error: --price-per-hour: cannot read 'cheap'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--group-by", "model"], "error: --group-by: unknown field 'model'"),
+        (["--since", "last tuesday"], "error: --since: cannot read 'last tuesday'"),
+        (["--until", "2026-02-30"], "error: --until: cannot read '2026-02-30'"),
+        (["--format", "xml"], "error: --format: unknown format 'xml'"),
+        (["--price-per-hour", "cheap"], "error: --price-per-hour: cannot read 'cheap'"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line_and_writes_nothing(app, tmp_path, args, message):
     out = tmp_path / "report.out"
     r = CliRunner().invoke(app, ["report", *args, "--out", str(out)])
@@ -340,12 +433,29 @@ def test_cli_unreachable_database(monkeypatch, tmp_path):
 
 def test_recent_rows_and_durations(tmp_path):
     url = sqlite_url(tmp_path)
-    record.record_result("now", {"text": "", "token_ids": [], "finish_reason": "eos", "stats": {"tokens_per_s": 5.0}},
-                         worker=None, device="cpu", queue_wait_s=None, pair="p", job_id=None, price_per_hour=None,
-                         url=url)
-    record.record_result("old", {"text": "", "token_ids": [], "finish_reason": "eos", "stats": {"tokens_per_s": 9.0}},
-                         worker=None, device="cpu", queue_wait_s=None, pair="p", job_id=None, price_per_hour=None,
-                         finished_at=utcnow() - timedelta(days=8), url=url)
+    record.record_result(
+        "now",
+        {"text": "", "token_ids": [], "finish_reason": "eos", "stats": {"tokens_per_s": 5.0}},
+        worker=None,
+        device="cpu",
+        queue_wait_s=None,
+        pair="p",
+        job_id=None,
+        price_per_hour=None,
+        url=url,
+    )
+    record.record_result(
+        "old",
+        {"text": "", "token_ids": [], "finish_reason": "eos", "stats": {"tokens_per_s": 9.0}},
+        worker=None,
+        device="cpu",
+        queue_wait_s=None,
+        pair="p",
+        job_id=None,
+        price_per_hour=None,
+        finished_at=utcnow() - timedelta(days=8),
+        url=url,
+    )
     (row,) = reports.summary(since="7d", url=url)
     assert row["ok"] == 1 and row["tokens_per_s_mean"] == 5.0
     assert row["cost_usd"] is None and row["cost_per_1m_output_tokens"] is None  # no price anywhere
@@ -361,14 +471,28 @@ def test_speedup_is_the_recorded_counterfactual_over_the_time_taken(tmp_path):
     url = sqlite_url(tmp_path)
     record.record_baseline("p", device="cpu", dtype="float32", tokens_per_s=1.0, url=url)  # a very slow start-up
     record.record_baseline("old", device="cpu", dtype="float32", tokens_per_s=10.0, url=url)
-    for rid, pair, wall, base in (("a", "p", 2.0, 3.0), ("b", "p", 4.0, 3.6), ("c", "p", 1.0, None),
-                                  ("d", "old", 1.0, None), ("e", "old", 1.0, None)):  # fmt: skip
+    for rid, pair, wall, base in (
+        ("a", "p", 2.0, 3.0),
+        ("b", "p", 4.0, 3.6),
+        ("c", "p", 1.0, None),
+        ("d", "old", 1.0, None),
+        ("e", "old", 1.0, None),
+    ):
         stats = {"tokens_per_s": 20.0, "wall_time_s": wall, "output_tokens": 20}
         if base is not None:
             stats["baseline_s"] = base
-        record.record_result(rid, {"text": "", "token_ids": [], "finish_reason": "length", "stats": stats},
-                             worker=None, device="cpu", queue_wait_s=None, pair=pair, job_id=None,
-                             price_per_hour=None, dtype="float32", url=url)  # fmt: skip
+        record.record_result(
+            rid,
+            {"text": "", "token_ids": [], "finish_reason": "length", "stats": stats},
+            worker=None,
+            device="cpu",
+            queue_wait_s=None,
+            pair=pair,
+            job_id=None,
+            price_per_hour=None,
+            dtype="float32",
+            url=url,
+        )
     old, p = reports.summary(url=url)
     assert p["speedup"] == pytest.approx((3.0 + 3.6) / (2.0 + 4.0)) and p["speedup_basis"] == reports.SPEEDUP_BASIS
     assert old["speedup"] == pytest.approx(2.0) and old["speedup_basis"] == reports.LEGACY_BASIS

@@ -100,8 +100,9 @@ def test_a_second_cli_generate_spends_no_time_calibrating(pairs_file, tmp_path, 
     monkeypatch.setattr(SpeculativeDecoder, "calibrate", lambda self, *a, **kw: (calls.append(a), real(self, *a, **kw)))
     runs = []
     for _ in range(2):
-        r = CliRunner().invoke(app, ["generate", "The quick brown fox", "--pair", "tiny", "--max-new-tokens", "12",
-                                     "--json"])  # fmt: skip
+        r = CliRunner().invoke(
+            app, ["generate", "The quick brown fox", "--pair", "tiny", "--max-new-tokens", "12", "--json"]
+        )
         assert r.exit_code == 0, r.output
         runs.append(json.loads(r.stdout)["stats"])
     assert len(calls) == 1  # the first call measured (before its clock started), the second read the cache

@@ -54,17 +54,37 @@ def url(request, tmp_path, sqlite_template):
 
 
 def make_result(**stats) -> dict:
-    base = dict(prompt_tokens=7, output_tokens=12, draft_tokens_proposed=16, draft_tokens_accepted=10,
-                acceptance_rate=0.625, mean_accepted_length=3.0, per_position_acceptance=[0.9, 0.7, 0.5, 0.4],
-                target_forwards=4, draft_forwards=16, draft_time_s=0.02, target_time_s=0.08, wall_time_s=0.12,
-                time_to_first_token_s=0.03, tokens_per_s=100.0, k_values=[4, 4, 4, 4], finish_reason="length")
+    base = dict(
+        prompt_tokens=7,
+        output_tokens=12,
+        draft_tokens_proposed=16,
+        draft_tokens_accepted=10,
+        acceptance_rate=0.625,
+        mean_accepted_length=3.0,
+        per_position_acceptance=[0.9, 0.7, 0.5, 0.4],
+        target_forwards=4,
+        draft_forwards=16,
+        draft_time_s=0.02,
+        target_time_s=0.08,
+        wall_time_s=0.12,
+        time_to_first_token_s=0.03,
+        tokens_per_s=100.0,
+        k_values=[4, 4, 4, 4],
+        finish_reason="length",
+    )
     base.update(stats)
-    return GenerationResult(text="hello world", token_ids=list(range(12)), finish_reason=base["finish_reason"],
-                            stats=Stats(**base)).to_dict()
+    return GenerationResult(
+        text="hello world", token_ids=list(range(12)), finish_reason=base["finish_reason"], stats=Stats(**base)
+    ).to_dict()
 
 
-WORKER = {"host": "node1", "pid": 42, "device_name": "NVIDIA H200", "torch_version": "2.13.0",
-          "transformers_version": "5.24.0"}
+WORKER = {
+    "host": "node1",
+    "pid": 42,
+    "device_name": "NVIDIA H200",
+    "torch_version": "2.13.0",
+    "transformers_version": "5.24.0",
+}
 
 
 def count(url, model) -> int:
@@ -94,16 +114,30 @@ def test_record_result_stores_every_field_once(url):
         assert (w.host, w.pid, w.device_name, w.torch_version) == ("node1", 42, "NVIDIA H200", "2.13.0")
     got = record.get_request("r1", url=url)
     assert got["status"] == "ok" and got["attempts"] == 1
-    assert got["output"] == {"text": "hello world", "token_ids": list(range(12)), "finish_reason": "length",
-                             "prompt_tokens": 7, "output_tokens": 12}
+    assert got["output"] == {
+        "text": "hello world",
+        "token_ids": list(range(12)),
+        "finish_reason": "length",
+        "prompt_tokens": 7,
+        "output_tokens": 12,
+    }
 
 
 def test_concurrent_deliveries_write_one_row(url):
     record.upsert_pair("p", url=url)
 
     def deliver(_):
-        return record.record_result("dup", make_result(), worker=WORKER, device="cpu", queue_wait_s=None,
-                                    pair="p", job_id=None, price_per_hour=None, url=url)
+        return record.record_result(
+            "dup",
+            make_result(),
+            worker=WORKER,
+            device="cpu",
+            queue_wait_s=None,
+            pair="p",
+            job_id=None,
+            price_per_hour=None,
+            url=url,
+        )
 
     with ThreadPoolExecutor(6) as pool:
         wrote = list(pool.map(deliver, range(6)))
@@ -114,15 +148,18 @@ def test_concurrent_deliveries_write_one_row(url):
 
 
 def test_jobs_are_idempotent_on_idempotency_keys(url):
-    items = [{"prompt": "a", "idempotency_key": "k-a", "category": "chat", "params": {"max_new_tokens": 8}},
-             {"messages": [{"role": "user", "content": "b"}], "idempotency_key": "k-b"},
-             "plain prompt"]
+    items = [
+        {"prompt": "a", "idempotency_key": "k-a", "category": "chat", "params": {"max_new_tokens": 8}},
+        {"messages": [{"role": "user", "content": "b"}], "idempotency_key": "k-b"},
+        "plain prompt",
+    ]
     job = record.create_job(items, name="batch 1", pair="p", params={"temperature": 0}, url=url)
     assert job["created"] == 3 and len(set(job["request_ids"])) == 3
     again = record.create_job(items[:2], name="batch 1", job_id=job["job_id"], url=url)
     assert again["created"] == 0 and again["request_ids"] == job["request_ids"][:2]
-    other = record.create_job([{"prompt": "a", "idempotency_key": "k-a"}, {"prompt": "c", "idempotency_key": "k-c"}],
-                              url=url)
+    other = record.create_job(
+        [{"prompt": "a", "idempotency_key": "k-a"}, {"prompt": "c", "idempotency_key": "k-c"}], url=url
+    )
     assert other["request_ids"][0] == job["request_ids"][0] and other["created"] == 1
     info = record.get_job(job["job_id"], url=url)
     assert (info["status"], info["n_requests"], info["n_ok"], info["n_failed"]) == ("queued", 3, 0, 0)
@@ -138,8 +175,17 @@ def test_request_lifecycle_and_job_counts(url):
     assert record.get_job(job["job_id"], url=url)["status"] == "running"
     assert record.mark_request(a, "queued", error="worker lost", url=url)  # a retry
     assert record.mark_request(a, "running", url=url)
-    assert record.record_result(a, make_result(), worker=WORKER, device="cpu", queue_wait_s=1.0, pair="p",
-                                job_id=None, price_per_hour=None, url=url)
+    assert record.record_result(
+        a,
+        make_result(),
+        worker=WORKER,
+        device="cpu",
+        queue_wait_s=1.0,
+        pair="p",
+        job_id=None,
+        price_per_hour=None,
+        url=url,
+    )
     got = record.get_request(a, url=url)
     assert (got["status"], got["attempts"], got["error"]) == ("ok", 2, None)
     # a late failure from a duplicate delivery can't undo the result
@@ -159,8 +205,18 @@ def test_request_lifecycle_and_job_counts(url):
 
 def test_record_result_creates_missing_rows_and_keeps_the_job(url):
     """Direct engine use: no request row, job or pair beforehand."""
-    assert record.record_result("x1", make_result(), worker=None, device="cpu", queue_wait_s=None, pair="new-pair",
-                                job_id="job-9", price_per_hour=None, category="code", url=url)
+    assert record.record_result(
+        "x1",
+        make_result(),
+        worker=None,
+        device="cpu",
+        queue_wait_s=None,
+        pair="new-pair",
+        job_id="job-9",
+        price_per_hour=None,
+        category="code",
+        url=url,
+    )
     with db.session_scope(url) as s:
         t = s.get(Telemetry, "x1")
         assert (t.job_id, t.category, t.worker_id) == ("job-9", "code", None)
@@ -169,8 +225,15 @@ def test_record_result_creates_missing_rows_and_keeps_the_job(url):
 
 
 def test_pairs_workers_and_baselines_upsert(url):
-    pid = record.upsert_pair("p", target="HuggingFaceTB/SmolLM2-135M", draft="layers:0", dtype="float32", device="cpu",
-                             target_fingerprint="abc", url=url)
+    pid = record.upsert_pair(
+        "p",
+        target="HuggingFaceTB/SmolLM2-135M",
+        draft="layers:0",
+        dtype="float32",
+        device="cpu",
+        target_fingerprint="abc",
+        url=url,
+    )
     assert record.upsert_pair("p", dtype="bfloat16", url=url) == pid  # partial update keeps the rest
     wid = record.upsert_worker(WORKER, url=url)
     assert record.upsert_worker({**WORKER, "torch_version": "2.14.0"}, url=url) == wid
@@ -185,8 +248,9 @@ def test_pairs_workers_and_baselines_upsert(url):
     assert (b["device_kind"], b["tokens_per_s"], b["source"]) == ("cuda", 50.0, "calibration")
     b = record.record_baseline("p", device="cuda:1", dtype="bfloat16", tokens_per_s=40.0, source="shadow", url=url)
     assert (b["tokens_per_s"], b["samples"], b["source"]) == (40.0, 1, "shadow")  # replaces calibration
-    b = record.record_baseline("p", device="cuda", dtype="bfloat16", tokens_per_s=60.0, source="shadow", samples=3,
-                               url=url)
+    b = record.record_baseline(
+        "p", device="cuda", dtype="bfloat16", tokens_per_s=60.0, source="shadow", samples=3, url=url
+    )
     assert (b["tokens_per_s"], b["samples"]) == (pytest.approx(55.0), 4)  # (40*1 + 60*3) / 4
     b = record.record_baseline("p", device="cuda", dtype="bfloat16", tokens_per_s=45.0, url=url)
     assert (b["tokens_per_s"], b["samples"], b["source"]) == (45.0, 1, "calibration")
@@ -242,8 +306,18 @@ def test_mask_url():
 
 
 def test_timestamps_are_naive_utc(url):
-    record.record_result("t1", make_result(), worker=None, device="cpu", queue_wait_s=None, pair="p", job_id=None,
-                         price_per_hour=None, finished_at=datetime(2026, 3, 1, 12, 30), url=url)
+    record.record_result(
+        "t1",
+        make_result(),
+        worker=None,
+        device="cpu",
+        queue_wait_s=None,
+        pair="p",
+        job_id=None,
+        price_per_hour=None,
+        finished_at=datetime(2026, 3, 1, 12, 30),
+        url=url,
+    )
     with db.session_scope(url) as s:
         t = s.get(Telemetry, "t1")
         assert t.finished_at == datetime(2026, 3, 1, 12, 30) and t.finished_at.tzinfo is None

@@ -18,14 +18,13 @@ from test_jobs import embedded  # noqa: F401 - fixture reused
 from test_workers import make_fleet, pairs_toml, redis_url, use  # noqa: F401 - fixtures reused
 from typer.testing import CliRunner
 
-from specdec_llm import store
+from specdec_llm import client, store
+from specdec_llm.client.cli import register
 from specdec_llm.engine import GenerationRequest
 from specdec_llm.settings import reload_settings
 from specdec_llm.store.models import Output, Request, Telemetry
 from specdec_llm.store.testing import sqlite_url
-from specdec_llm import client
 from workers.app import TASK, get_app, queue_name
-from specdec_llm.client.cli import register
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 24
@@ -109,8 +108,10 @@ def test_rows_share_batches_and_equal_one_at_a_time(batch_fleet, reference, use,
 def test_streaming_per_request_while_batched(batch_fleet, reference, use):  # noqa: F811
     """Streaming rows beside plain ones: each stream carries exactly its own row's text."""
     use(batch_fleet)
-    items = [{"id": f"s{i}", "prompt": prompt(i, "stream"), "params": {"max_new_tokens": MAX_NEW, "_stream": i < 2}}
-             for i in range(4)]  # fmt: skip
+    items = [
+        {"id": f"s{i}", "prompt": prompt(i, "stream"), "params": {"max_new_tokens": MAX_NEW, "_stream": i < 2}}
+        for i in range(4)
+    ]
     store.create_job(items, pair="tiny", job_id="streamjob")
     pieces: dict[str, list[str]] = {"s0": [], "s1": []}
 
@@ -138,8 +139,10 @@ def test_soft_time_limit_is_a_deadline_in_the_threads_pool(batch_fleet, referenc
     """Celery's soft time limit does nothing in the threads pool: the task's deadline does.
     The late row fails alone with the usual message; its batch neighbour finishes."""
     use(batch_fleet)
-    items = [{"id": "slow", "prompt": prompt(1, "slow"), "params": {"max_new_tokens": 450}},
-             {"id": "quick", "prompt": prompt(2, "quick"), "params": {"max_new_tokens": MAX_NEW}}]  # fmt: skip
+    items = [
+        {"id": "slow", "prompt": prompt(1, "slow"), "params": {"max_new_tokens": 450}},
+        {"id": "quick", "prompt": prompt(2, "quick"), "params": {"max_new_tokens": MAX_NEW}},
+    ]
     store.create_job(items, pair="tiny", job_id="deadlinejob")
     get_app().send_task(TASK, args=["slow", "tiny"], queue=queue_name("tiny"), soft_time_limit=0.2)
     client.enqueue(["quick"], "tiny")
@@ -150,14 +153,27 @@ def test_soft_time_limit_is_a_deadline_in_the_threads_pool(batch_fleet, referenc
 
 
 # -- run --max-batch: the local worker it starts batches ------------------------------------------
-def test_run_passes_max_batch_to_its_local_worker(embedded, tmp_path):
+def test_run_passes_max_batch_to_its_local_worker(embedded, tmp_path):  # noqa: F811 - the imported fixture
     """Embedded broker (files), no servers: `run --max-batch 3` starts a batching worker."""
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"id": f"e{i}", "prompt": prompt(i, "run")}) + "\n" for i in range(6)))
     app = typer.Typer()
     register(app)
-    res = CliRunner().invoke(app, ["run", str(path), "--pair", "tiny", "--max-new-tokens", "12", "--max-batch", "3",
-                                   "--out", str(tmp_path / "out.jsonl")])  # fmt: skip
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            str(path),
+            "--pair",
+            "tiny",
+            "--max-new-tokens",
+            "12",
+            "--max-batch",
+            "3",
+            "--out",
+            str(tmp_path / "out.jsonl"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "started a local worker for tiny" in res.output and "6 ok, 0 failed" in res.output
     log = "".join(p.read_text(errors="replace") for p in (embedded / "logs").glob("worker-tiny-*.log"))

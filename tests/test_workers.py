@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from specdec_llm import store
+from specdec_llm import client, store
 from specdec_llm.settings import reload_settings
 from specdec_llm.store.models import Baseline, Output, Request, Telemetry
 from specdec_llm.store.testing import postgres_available, sqlite_url, temporary_postgres
-from specdec_llm import client
 from workers.app import TASK, get_app, queue_name
 
 pytestmark = pytest.mark.slow
@@ -47,8 +46,10 @@ def redis_url(tmp_path_factory):
     if exe is None:
         _unavailable("redis-server is not installed")
     port, folder = free_port(), tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(folder)], stdout=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)],
+        stdout=subprocess.DEVNULL,
+    )
     for _ in range(100):
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
@@ -80,8 +81,13 @@ class Fleet:
         full.update(self.env, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env)
         log = self.folder / f"{name}.log"
         with open(log, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "specdec_llm", "worker", "--pair", "tiny", *args], env=full,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "specdec_llm", "worker", "--pair", "tiny", *args],
+                env=full,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         proc.log_path = log
         self.procs.append(proc)
         return proc
@@ -95,10 +101,16 @@ class Fleet:
 
 
 def make_fleet(folder: Path, redis: str, db_number: int, database_url: str, pairs: Path) -> Fleet:
-    return Fleet(folder, {
-        "SPECDEC_BROKER_URL": f"{redis}/{db_number}", "SPECDEC_DATABASE_URL": database_url,
-        "SPECDEC_DATA_DIR": str(folder / "data"), "SPECDEC_CONFIG_FILE": str(pairs), "SPECDEC_THREADS": "1",
-    })  # fmt: skip
+    return Fleet(
+        folder,
+        {
+            "SPECDEC_BROKER_URL": f"{redis}/{db_number}",
+            "SPECDEC_DATABASE_URL": database_url,
+            "SPECDEC_DATA_DIR": str(folder / "data"),
+            "SPECDEC_CONFIG_FILE": str(pairs),
+            "SPECDEC_THREADS": "1",
+        },
+    )
 
 
 @pytest.fixture
@@ -127,15 +139,18 @@ def sqlite_fleet(tmp_path_factory, redis_url, pairs_toml):
 def write_prompts(path: Path, n: int, tag: str) -> Path:
     import json
 
-    path.write_text("".join(json.dumps({"id": f"{tag}-{i}", "prompt": f"{PROMPTS[i % 4]} {tag} {i}"}) + "\n"
-                            for i in range(n)))  # fmt: skip
+    path.write_text(
+        "".join(json.dumps({"id": f"{tag}-{i}", "prompt": f"{PROMPTS[i % 4]} {tag} {i}"}) + "\n" for i in range(n))
+    )
     return path
 
 
 def assert_exactly_once(job_id: str, n: int, url: str | None = None) -> None:
     rows = client.job_requests(job_id)
     assert len(rows) == n
-    assert [r["status"] for r in rows] == ["ok"] * n, [(r["id"], r["status"], r["error"]) for r in rows if r["status"] != "ok"]
+    assert [r["status"] for r in rows] == ["ok"] * n, [
+        (r["id"], r["status"], r["error"]) for r in rows if r["status"] != "ok"
+    ]
     with store.session_scope(url) as s:
         outputs = s.scalar(select(func.count()).select_from(Output).join(Request).where(Request.job_id == job_id))
         telemetry = s.scalar(select(func.count()).select_from(Telemetry).where(Telemetry.job_id == job_id))
@@ -178,7 +193,9 @@ def pg_fleet(tmp_path_factory, redis_url, pairs_toml):
         store.ensure_schema(url)
         u = make_url(url)
         proxy = TcpProxy(u.host, u.port or 5432)
-        fleet = make_fleet(folder, redis_url, 1, u.set(port=proxy.port).render_as_string(hide_password=False), pairs_toml)
+        fleet = make_fleet(
+            folder, redis_url, 1, u.set(port=proxy.port).render_as_string(hide_password=False), pairs_toml
+        )
         fleet.direct_url, fleet.proxy = url, proxy
         fleet.start_worker()
         try:
@@ -240,8 +257,10 @@ def test_rows_whose_messages_were_lost_are_sent_again(sqlite_fleet, use):
     worker SIGKILLed between taking a message and recording it): ``wait`` with
     ``requeue_lost_after_s`` (what `run` uses) sends them again once the job stalls."""
     use(sqlite_fleet)
-    rows = [{"id": f"lost-{i}", "prompt": f"{PROMPTS[i]} lost", "params": {"max_new_tokens": 4, "_row": i}}
-            for i in range(3)]  # fmt: skip
+    rows = [
+        {"id": f"lost-{i}", "prompt": f"{PROMPTS[i]} lost", "params": {"max_new_tokens": 4, "_row": i}}
+        for i in range(3)
+    ]
     store.create_job(rows, pair="tiny", job_id="lostjob", params={"max_new_tokens": 4})  # stored, never enqueued
     client.wait("lostjob", workers=sqlite_fleet.procs, timeout_s=60, requeue_lost_after_s=1)
     assert_exactly_once("lostjob", 3)
@@ -252,27 +271,40 @@ def test_bad_rows_fail_alone_with_clear_errors(sqlite_fleet, use, tmp_path):
     use(sqlite_fleet)
     too_long = " ".join(f"zq{i}" for i in range(400))  # > 512 tokens: the tiny target's context
     path = tmp_path / "bad.jsonl"
-    path.write_text("\n".join([
-        '{"id": "a", "prompt": "The quick brown fox"}',
-        '{"id": "b", "prompt": oops}',
-        '{"id": "c"}',
-        '{"id": "d", "prompt": "x", "temperature": -1}',
-        '{"id": "a", "prompt": "a second a"}',
-        '{"id": "f", "prompt": "' + too_long + '"}',
-        '{"id": "g", "prompt": "fine", "max_tokens": 5}',
-        '{"id": "h", "messages": [{"role": "user", "content": "hello there"}]}',
-        '{"id": "i", "messages": "hello"}',
-        '{"id": "j", "prompt": "fine", "params": {"top_p": 0}}',
-    ]) + "\n")  # fmt: skip
+    path.write_text(
+        "\n".join(
+            [
+                '{"id": "a", "prompt": "The quick brown fox"}',
+                '{"id": "b", "prompt": oops}',
+                '{"id": "c"}',
+                '{"id": "d", "prompt": "x", "temperature": -1}',
+                '{"id": "a", "prompt": "a second a"}',
+                '{"id": "f", "prompt": "' + too_long + '"}',
+                '{"id": "g", "prompt": "fine", "max_tokens": 5}',
+                '{"id": "h", "messages": [{"role": "user", "content": "hello there"}]}',
+                '{"id": "i", "messages": "hello"}',
+                '{"id": "j", "prompt": "fine", "params": {"top_p": 0}}',
+            ]
+        )
+        + "\n"
+    )
     sub = client.submit(path, "tiny", {"max_new_tokens": 6})
     assert (sub["rows"], sub["bad"], sub["enqueued"]) == (10, 7, 3)
     client.wait(sub["job_id"], workers=sqlite_fleet.procs, timeout_s=60)
     items = client.results(sub["job_id"])
     assert [i["id"] for i in items] == ["a", "2", "c", "d", "a", "f", "g", "h", "i", "j"]  # input order
     expected = [
-        None, "line 2: invalid JSON", 'exactly one of "prompt"', "temperature", "line 5: duplicate id 'a'",
-        "context is 512", "unknown field 'max_tokens'", None, '"messages" must be', "top_p",
-    ]  # fmt: skip
+        None,
+        "line 2: invalid JSON",
+        'exactly one of "prompt"',
+        "temperature",
+        "line 5: duplicate id 'a'",
+        "context is 512",
+        "unknown field 'max_tokens'",
+        None,
+        '"messages" must be',
+        "top_p",
+    ]
     for item, fragment in zip(items, expected):
         if fragment is None:
             assert item["status"] == "ok" and item["error"] is None and item["text"] is not None, item
@@ -315,8 +347,13 @@ def test_the_pickle_test_would_catch_a_worker_that_accepts_pickle(tmp_path, redi
     use(fleet)
     marker = tmp_path / "unpickled"
     try:
-        fleet.start_worker("accepts-pickle", ("--no-calibrate",), SPECDEC_CELERY_CONFIG="accept_pickle",
-                           PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), C_FORCE_ROOT="1")  # fmt: skip
+        fleet.start_worker(
+            "accepts-pickle",
+            ("--no-calibrate",),
+            SPECDEC_CELERY_CONFIG="accept_pickle",
+            PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]),
+            C_FORCE_ROOT="1",
+        )
         get_app().send_task(TASK, args=[_Payload(str(marker)), "tiny"], queue=queue_name("tiny"), serializer="pickle")
         wait_for(marker.exists, 90)
     finally:
@@ -334,8 +371,21 @@ def test_run_uses_reachable_workers(sqlite_fleet, use, tmp_path):
     app = typer.Typer()
     register(app)
     out = tmp_path / "out.csv"
-    res = CliRunner().invoke(app, ["run", str(write_prompts(tmp_path / "r.jsonl", 3, "run")), "--pair", "tiny",
-                                   "--max-new-tokens", "4", "--out", str(out), "--format", "csv"])  # fmt: skip
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            str(write_prompts(tmp_path / "r.jsonl", 3, "run")),
+            "--pair",
+            "tiny",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(out),
+            "--format",
+            "csv",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "workers for tiny: specdec-tiny-" in res.output and "started a local worker" not in res.output
     assert "3 ok, 0 failed" in res.output
@@ -413,7 +463,6 @@ class TcpProxy:
     close = stop
 
 
-
 # -- the task in-process (Celery's eager apply): what a retry redoes ------------------------------
 def test_a_failed_result_write_retries_the_write_not_the_generation(pairs_file, tmp_path, monkeypatch, request):
     from workers import runtime, tasks
@@ -421,8 +470,9 @@ def test_a_failed_result_write_retries_the_write_not_the_generation(pairs_file, 
     monkeypatch.setenv("SPECDEC_DATABASE_URL", sqlite_url(tmp_path))
     reload_settings()
     monkeypatch.setattr(runtime, "_runtime", None)  # this process loads the tiny pair; forgotten afterwards
-    store.create_job([{"id": "r1", "prompt": "The quick brown fox", "params": {"max_new_tokens": 4}}],
-                     pair="tiny", job_id="j1")  # fmt: skip
+    store.create_job(
+        [{"id": "r1", "prompt": "The quick brown fox", "params": {"max_new_tokens": 4}}], pair="tiny", job_id="j1"
+    )
     server = runtime.get("tiny").server  # every generation goes through the process's BatchServer
     generated, real_submit = [], server.submit
     monkeypatch.setattr(server, "submit", lambda req, **kw: generated.append(req) or real_submit(req, **kw))

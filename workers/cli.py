@@ -16,9 +16,19 @@ from . import runtime
 from .app import get_app
 
 
-def start_worker(pair: str, *, device: str, concurrency: int, queues: str | None, price_per_hour: float | None,
-                 calibrate: bool, max_batch: int, max_wait_ms: float, metrics_port: int | None,
-                 loglevel: str) -> int:  # fmt: skip
+def start_worker(
+    pair: str,
+    *,
+    device: str,
+    concurrency: int,
+    queues: str | None,
+    price_per_hour: float | None,
+    calibrate: bool,
+    max_batch: int,
+    max_wait_ms: float,
+    metrics_port: int | None,
+    loglevel: str,
+) -> int:
     """Run a Celery worker for ``pair`` on ``device`` until it stops; its exit status.
 
     --max-batch B > 1 decodes up to B requests as one batch: one process (Celery's threads
@@ -27,9 +37,16 @@ def start_worker(pair: str, *, device: str, concurrency: int, queues: str | None
     if device == "cpu" and concurrency > 1 and not get_settings().threads:
         threads = max(1, (os.cpu_count() or 1) // concurrency)  # share the cores, don't oversubscribe
     quiet_loading()
-    options = runtime.WorkerOptions(pair, device=device, price_per_hour=price_per_hour, threads=threads,
-                                    calibrate=calibrate, max_batch=max_batch, max_wait_ms=max_wait_ms,
-                                    metrics_port=metrics_port)  # fmt: skip
+    options = runtime.WorkerOptions(
+        pair,
+        device=device,
+        price_per_hour=price_per_hour,
+        threads=threads,
+        calibrate=calibrate,
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        metrics_port=metrics_port,
+    )
     runtime.configure(options)
     queue_list = queues or queue_name(pair)
     if metrics_port is not None:  # before the pool forks: its processes write where this one reads
@@ -39,17 +56,29 @@ def start_worker(pair: str, *, device: str, concurrency: int, queues: str | None
             folder = metrics.serve(metrics_port, pair, queue_name(pair))
         except OSError as e:
             fail(f"metrics-port: cannot serve on port {metrics_port}: {e.strerror or e}")
-        print(f"specdec worker: Prometheus metrics on http://0.0.0.0:{metrics_port}/metrics "
-              f"(multiprocess folder {folder})", file=sys.stderr)  # fmt: skip
+        print(
+            f"specdec worker: Prometheus metrics on http://0.0.0.0:{metrics_port}/metrics "
+            f"(multiprocess folder {folder})",
+            file=sys.stderr,
+        )
     if options.pool == "threads":  # one process, B task threads feeding one batch
         shape, pool_size = f"batches of up to {max_batch} (threads pool, max wait {max_wait_ms:g} ms)", max_batch
     else:
         shape, pool_size = f"concurrency {concurrency}", concurrency
-    print(f"specdec worker: pair {pair} on {device}, queues {queue_list}, {shape}, "
-          f"broker {broker_display()}", file=sys.stderr)  # fmt: skip
-    argv = ["worker", f"--loglevel={loglevel}", f"--concurrency={pool_size}", f"--queues={queue_list}",
-            f"--hostname=specdec-{pair}-{os.getpid()}@%h", f"--pool={options.pool}",
-            "--without-mingle", "--without-gossip"]  # fmt: skip
+    print(
+        f"specdec worker: pair {pair} on {device}, queues {queue_list}, {shape}, broker {broker_display()}",
+        file=sys.stderr,
+    )
+    argv = [
+        "worker",
+        f"--loglevel={loglevel}",
+        f"--concurrency={pool_size}",
+        f"--queues={queue_list}",
+        f"--hostname=specdec-{pair}-{os.getpid()}@%h",
+        f"--pool={options.pool}",
+        "--without-mingle",
+        "--without-gossip",
+    ]
     if is_embedded():
         argv.append("--without-heartbeat")
     code = get_app().start(argv)  # (worker_main drops the exit status)

@@ -103,8 +103,10 @@ def load_error_text(pair: str, e: BaseException) -> str:
     """One line that says why ``pair`` did not load, with a hint for running out of memory."""
     text = f"could not load pair {pair}: {type(e).__name__}: {e}"
     if isinstance(e, MemoryError) or "OutOfMemoryError" in type(e).__name__ or "out of memory" in str(e).lower():
-        text += (" (out of memory while loading: free memory on the device, use a smaller dtype or model, "
-                 "or a device with more memory)")  # fmt: skip
+        text += (
+            " (out of memory while loading: free memory on the device, use a smaller dtype or model, "
+            "or a device with more memory)"
+        )
     return text
 
 
@@ -135,22 +137,38 @@ def load(options: WorkerOptions) -> Runtime:
     spec.device = options.device or spec.device
     if spec.device.startswith("cuda:"):
         torch.cuda.set_device(torch.device(spec.device))  # this process's default GPU (kernels, caches)
-    loaded = loaded_pairs.get(spec, threads=options.threads, max_batch=options.max_batch,
-                              max_wait_ms=options.max_wait_ms)  # fmt: skip
+    loaded = loaded_pairs.get(
+        spec, threads=options.threads, max_batch=options.max_batch, max_wait_ms=options.max_wait_ms
+    )
     rt = Runtime(
-        pair=spec.name, device=spec.device, dtype=spec.dtype, loaded=loaded, worker=store.worker_info(spec.device),
+        pair=spec.name,
+        device=spec.device,
+        dtype=spec.dtype,
+        loaded=loaded,
+        worker=store.worker_info(spec.device),
         price_per_hour=store.price_for(options.price_per_hour, spec.device),
-    )  # fmt: skip
+    )
     log.info(
         "worker %s: pair %s on %s (%s), %s; batches of up to %d (max wait %g ms); store %s",
-        os.getpid(), spec.name, spec.device, spec.dtype, memory_text(rt), options.max_batch, options.max_wait_ms,
+        os.getpid(),
+        spec.name,
+        spec.device,
+        spec.dtype,
+        memory_text(rt),
+        options.max_batch,
+        options.max_wait_ms,
         store.mask_url(get_settings().effective_database_url),
-    )  # fmt: skip
+    )
     try:
         store.upsert_pair(
-            spec.name, target=spec.target, draft=spec.draft, target_fingerprint=loaded.pair.target_fingerprint,
-            draft_fingerprint=loaded.pair.draft_info.get("fingerprint"), dtype=spec.dtype, device=spec.device,
-        )  # fmt: skip
+            spec.name,
+            target=spec.target,
+            draft=spec.draft,
+            target_fingerprint=loaded.pair.target_fingerprint,
+            draft_fingerprint=loaded.pair.draft_info.get("fingerprint"),
+            dtype=spec.dtype,
+            device=spec.device,
+        )
         store.upsert_worker(rt.worker)
     except store.StoreError as e:  # tasks retry their own writes; don't die over bookkeeping
         log.warning("could not register the pair and worker in the store: %s", e)
@@ -194,8 +212,13 @@ def calibrate(rt: Runtime, tokens: int = 32) -> dict:
     base, spec = speeds["baseline"], speeds["speculative"]
     log.info(
         "calibration %s on %s: target-only %.1f tok/s, speculative %.1f tok/s (acceptance %.2f, %.2f tokens/target forward)",
-        rt.pair, rt.device, base.tokens_per_s, spec.tokens_per_s, spec.acceptance_rate, spec.mean_accepted_length,
-    )  # fmt: skip
+        rt.pair,
+        rt.device,
+        base.tokens_per_s,
+        spec.tokens_per_s,
+        spec.acceptance_rate,
+        spec.mean_accepted_length,
+    )
     if base.tokens_per_s > 0:
         try:
             store.record_baseline(rt.pair, device=rt.device, dtype=rt.dtype, tokens_per_s=base.tokens_per_s)
@@ -248,7 +271,9 @@ def _load_before_threads(**_) -> None:
         log.critical("%s; stopping the worker", load_error_text(_options.pair, e))
         if _load_failed is not None:
             _load_failed.value = 1
-        raise SystemExit(LOAD_FAILED_EXIT) from None  # not an Exception: Celery's signal dispatch lets it through to the worker
+        raise SystemExit(
+            LOAD_FAILED_EXIT
+        ) from None  # not an Exception: Celery's signal dispatch lets it through to the worker
     if _options.calibrate:
         calibrate(rt, _options.calibration_tokens)
 

@@ -55,9 +55,13 @@ from . import metrics, runtime
 log = logging.getLogger(__name__)
 
 TRANSIENT: tuple[type[BaseException], ...] = (
-    store.StoreError, sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError,
-    kombu.exceptions.OperationalError, ConnectionError, TimeoutError,
-)  # fmt: skip
+    store.StoreError,
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    kombu.exceptions.OperationalError,
+    ConnectionError,
+    TimeoutError,
+)
 try:
     import redis.exceptions
 
@@ -80,11 +84,19 @@ class GenerateTask(Task):
 
 
 @shared_task(
-    name=TASK, bind=True, base=GenerateTask, acks_late=True, reject_on_worker_lost=True,
-    autoretry_for=TRANSIENT, dont_autoretry_for=(store.SchemaError,), max_retries=MAX_RETRIES,
-    retry_backoff=1, retry_backoff_max=BACKOFF_MAX, retry_jitter=True,
+    name=TASK,
+    bind=True,
+    base=GenerateTask,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    autoretry_for=TRANSIENT,
+    dont_autoretry_for=(store.SchemaError,),
+    max_retries=MAX_RETRIES,
+    retry_backoff=1,
+    retry_backoff_max=BACKOFF_MAX,
+    retry_jitter=True,
     resultrepr_maxsize=160,  # the worker log shows the start of each result, not all its token ids
-)  # fmt: skip
+)
 def generate(self, request_id: str, pair: str, enqueued_at: float | None = None, result: dict | None = None) -> dict:
     started, clock = time.time(), time.monotonic()
     if not runtime.serves(pair):  # routed to a worker of another pair: pass it on
@@ -98,8 +110,10 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
         if row["status"] in ("ok", "failed", "cancelled"):
             return _finished(row)
         if row["status"] == "running" and row["attempts"] >= MAX_ATTEMPTS:
-            error = (f"gave up after {row['attempts']} attempts that ended without a result "
-                     "(the worker died each time: out of memory?)")  # fmt: skip
+            error = (
+                f"gave up after {row['attempts']} attempts that ended without a result "
+                "(the worker died each time: out of memory?)"
+            )
             store.mark_request(request_id, "failed", error=error)
             return {"request_id": request_id, "status": "failed", "error": error}
         try:
@@ -139,14 +153,25 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
     rt = runtime.get(pair)
     try:
         store.record_result(
-            request_id, result, worker=rt.worker, device=rt.device, queue_wait_s=result.get("queue_wait_s"),
-            pair=pair, job_id=result.get("job_id"), price_per_hour=rt.price_per_hour, dtype=rt.dtype,
-        )  # fmt: skip
+            request_id,
+            result,
+            worker=rt.worker,
+            device=rt.device,
+            queue_wait_s=result.get("queue_wait_s"),
+            pair=pair,
+            job_id=result.get("job_id"),
+            price_per_hour=rt.price_per_hour,
+            dtype=rt.dtype,
+        )
     except TRANSIENT as e:
         countdown = get_exponential_backoff_interval(1, self.request.retries, BACKOFF_MAX, full_jitter=True)
         log.warning("request %s: cannot write its result yet (%s); retrying in %s s", request_id, e, countdown)
-        raise self.retry(exc=e, countdown=countdown, kwargs={"enqueued_at": enqueued_at, "result": result})
-    return {"request_id": request_id, "status": "ok", **{k: result[k] for k in ("text", "token_ids", "finish_reason", "stats")}}
+        raise self.retry(exc=e, countdown=countdown, kwargs={"enqueued_at": enqueued_at, "result": result}) from e
+    return {
+        "request_id": request_id,
+        "status": "ok",
+        **{k: result[k] for k in ("text", "token_ids", "finish_reason", "stats")},
+    }
 
 
 def soft_time_limit(task: Task) -> float | None:
@@ -159,8 +184,11 @@ def soft_time_limit(task: Task) -> float | None:
 def _finished(row: dict) -> dict:
     out = {"request_id": row["id"], "status": row["status"], "duplicate": True}
     if row["status"] == "ok" and row.get("output"):
-        out.update(text=row["output"]["text"], token_ids=row["output"]["token_ids"],
-                   finish_reason=row["output"]["finish_reason"])  # fmt: skip
+        out.update(
+            text=row["output"]["text"],
+            token_ids=row["output"]["token_ids"],
+            finish_reason=row["output"]["finish_reason"],
+        )
     elif row.get("error"):
         out["error"] = row["error"]
     return out

@@ -123,8 +123,13 @@ def celery_config(settings: Settings) -> dict:
 def config_key() -> tuple:
     """What a Celery app's configuration depends on (one app per distinct key)."""
     settings = get_settings()
-    return (settings.broker_url, settings.result_backend, str(settings.data_dir), settings.default_pair,
-            os.environ.get(CONFIG_ENV))  # fmt: skip
+    return (
+        settings.broker_url,
+        settings.result_backend,
+        str(settings.data_dir),
+        settings.default_pair,
+        os.environ.get(CONFIG_ENV),
+    )
 
 
 def get_app():
@@ -149,8 +154,10 @@ def reaching(what: str = "", then: str = ""):
     try:
         yield
     except OperationalError as e:
-        raise QueueError(f"{what + ': ' if what else ''}the broker at {broker_display()} is unreachable ({e}); "
-                         f"check SPECDEC_BROKER_URL and that it is running{then}") from None  # fmt: skip
+        raise QueueError(
+            f"{what + ': ' if what else ''}the broker at {broker_display()} is unreachable ({e}); "
+            f"check SPECDEC_BROKER_URL and that it is running{then}"
+        ) from None
 
 
 def check_broker() -> None:

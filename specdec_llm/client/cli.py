@@ -14,34 +14,48 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, List, Optional
+from typing import Annotated
 
 import typer
 
 from specdec_llm.cli_common import check_batching, check_device, fail, parse_k, user_errors
 
-PairOpt = Annotated[Optional[str], typer.Option("--pair", help="Pair name (default: SPECDEC_DEFAULT_PAIR)")]
-NameOpt = Annotated[Optional[str], typer.Option(help="A label for the job (default: the file name)")]
+PairOpt = Annotated[str | None, typer.Option("--pair", help="Pair name (default: SPECDEC_DEFAULT_PAIR)")]
+NameOpt = Annotated[str | None, typer.Option(help="A label for the job (default: the file name)")]
 ChatOpt = Annotated[bool, typer.Option("--chat", help="Wrap each text prompt as a user turn (chat template)")]
-MaxNewOpt = Annotated[Optional[int], typer.Option(help="Tokens to generate per row (default 128)")]
-TempOpt = Annotated[Optional[float], typer.Option(help="0 = greedy (default)")]
-TopPOpt = Annotated[Optional[float], typer.Option(help="Nucleus sampling (1 = off)")]
-TopKOpt = Annotated[Optional[int], typer.Option(help="Top-k sampling (0 = off)")]
-SeedOpt = Annotated[Optional[int], typer.Option(help="Sampling seed")]
-KOpt = Annotated[Optional[str], typer.Option("--k", help="Draft length: an integer or 'auto'")]
-StopOpt = Annotated[Optional[List[str]], typer.Option(help="Stop string (repeatable)")]
-ModeOpt = Annotated[Optional[str], typer.Option(help="speculative | baseline (target only)")]
-PriceOpt = Annotated[List[str], typer.Option("--price-per-hour", help="USD per device-hour: 2.5, or cuda=2.5 (repeat)")]
-DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: the pair's device)")]
+MaxNewOpt = Annotated[int | None, typer.Option(help="Tokens to generate per row (default 128)")]
+TempOpt = Annotated[float | None, typer.Option(help="0 = greedy (default)")]
+TopPOpt = Annotated[float | None, typer.Option(help="Nucleus sampling (1 = off)")]
+TopKOpt = Annotated[int | None, typer.Option(help="Top-k sampling (0 = off)")]
+SeedOpt = Annotated[int | None, typer.Option(help="Sampling seed")]
+KOpt = Annotated[str | None, typer.Option("--k", help="Draft length: an integer or 'auto'")]
+StopOpt = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")]
+ModeOpt = Annotated[str | None, typer.Option(help="speculative | baseline (target only)")]
+PriceOpt = Annotated[list[str], typer.Option("--price-per-hour", help="USD per device-hour: 2.5, or cuda=2.5 (repeat)")]
+DeviceOpt = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: the pair's device)")]
 FormatOpt = Annotated[str, typer.Option("--format", "-f", help="jsonl, csv or openai (OpenAI Batch output lines)")]
-MaxBatchOpt = Annotated[Optional[int], typer.Option(
-    "--max-batch", help="Requests decoded together as one batch (default: SPECDEC_MAX_BATCH or 1); "
-                        "> 1 runs one process with that many task threads (threads pool)")]  # fmt: skip
+MaxBatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-batch",
+        help="Requests decoded together as one batch (default: SPECDEC_MAX_BATCH or 1); "
+        "> 1 runs one process with that many task threads (threads pool)",
+    ),
+]
 
 
 def _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode) -> dict:
-    params = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                  k=parse_k(k), stop=list(stop) if stop else None, chat=chat or None, mode=mode)  # fmt: skip
+    params = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        k=parse_k(k),
+        stop=list(stop) if stop else None,
+        chat=chat or None,
+        mode=mode,
+    )
     return {key: v for key, v in params.items() if v is not None}
 
 
@@ -55,17 +69,27 @@ def register(app: typer.Typer) -> None:
         pair: PairOpt = None,
         device: DeviceOpt = None,
         concurrency: Annotated[int, typer.Option(help="Pool processes, each holding the pair (1 per GPU)")] = 1,
-        queues: Annotated[Optional[str], typer.Option(help="Comma-separated queues (default: specdec.<pair>)")] = None,
-        price_per_hour: Annotated[Optional[float], typer.Option(help="USD per device-hour, for cost estimates")] = None,
+        queues: Annotated[str | None, typer.Option(help="Comma-separated queues (default: specdec.<pair>)")] = None,
+        price_per_hour: Annotated[float | None, typer.Option(help="USD per device-hour, for cost estimates")] = None,
         calibrate: Annotated[bool, typer.Option(help="Measure target-only and speculative tok/s at start")] = True,
         max_batch: MaxBatchOpt = None,
-        max_wait_ms: Annotated[Optional[float], typer.Option(
-            "--max-wait-ms", help="An idle worker waits this long for more requests to start a batch with "
-                                  "(default: SPECDEC_MAX_WAIT_MS or 20)")] = None,  # fmt: skip
-        metrics_port: Annotated[Optional[int], typer.Option(
-            "--metrics-port", help="Serve Prometheus metrics of every pool process on http://0.0.0.0:PORT/metrics "
-                                   "(prometheus_client multiprocess mode; folder: PROMETHEUS_MULTIPROC_DIR or a "
-                                   "temporary one)")] = None,  # fmt: skip
+        max_wait_ms: Annotated[
+            float | None,
+            typer.Option(
+                "--max-wait-ms",
+                help="An idle worker waits this long for more requests to start a batch with "
+                "(default: SPECDEC_MAX_WAIT_MS or 20)",
+            ),
+        ] = None,
+        metrics_port: Annotated[
+            int | None,
+            typer.Option(
+                "--metrics-port",
+                help="Serve Prometheus metrics of every pool process on http://0.0.0.0:PORT/metrics "
+                "(prometheus_client multiprocess mode; folder: PROMETHEUS_MULTIPROC_DIR or a "
+                "temporary one)",
+            ),
+        ] = None,
         loglevel: str = "INFO",
     ) -> None:
         """Start a worker: one pair on one device, consuming the pair's queue.
@@ -89,18 +113,41 @@ def register(app: typer.Typer) -> None:
         device = check_device(device) or spec.device
         from workers.cli import start_worker  # the worker side: Celery, the task, the runtime
 
-        raise typer.Exit(start_worker(spec.name, device=device, concurrency=concurrency, queues=queues,
-                                      price_per_hour=price_per_hour, calibrate=calibrate, max_batch=max_batch,
-                                      max_wait_ms=max_wait_ms, metrics_port=metrics_port, loglevel=loglevel))
+        raise typer.Exit(
+            start_worker(
+                spec.name,
+                device=device,
+                concurrency=concurrency,
+                queues=queues,
+                price_per_hour=price_per_hour,
+                calibrate=calibrate,
+                max_batch=max_batch,
+                max_wait_ms=max_wait_ms,
+                metrics_port=metrics_port,
+                loglevel=loglevel,
+            )
+        )
 
     @app.command()
     def submit(
-        file: Annotated[Path, typer.Argument(help="JSONL (our rows or OpenAI Batch lines), CSV (a prompt column) "
-                                                   "or text (one prompt per line)")],
-        pair: PairOpt = None, name: NameOpt = None, chat: ChatOpt = False, max_new_tokens: MaxNewOpt = None,
-        temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None,
-        k: KOpt = None, stop: StopOpt = None, mode: ModeOpt = None,
-    ) -> None:  # fmt: skip
+        file: Annotated[
+            Path,
+            typer.Argument(
+                help="JSONL (our rows or OpenAI Batch lines), CSV (a prompt column) or text (one prompt per line)"
+            ),
+        ],
+        pair: PairOpt = None,
+        name: NameOpt = None,
+        chat: ChatOpt = False,
+        max_new_tokens: MaxNewOpt = None,
+        temperature: TempOpt = None,
+        top_p: TopPOpt = None,
+        top_k: TopKOpt = None,
+        seed: SeedOpt = None,
+        k: KOpt = None,
+        stop: StopOpt = None,
+        mode: ModeOpt = None,
+    ) -> None:
         """Persist every row as a job, enqueue them, print the job id."""
         from specdec_llm import client
         from specdec_llm.settings import get_settings
@@ -109,8 +156,11 @@ def register(app: typer.Typer) -> None:
         pair = pair or get_settings().default_pair
         with user_errors():
             sub = client.submit(file, pair, params, name=name)
-        print(f"job {sub['job_id']}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} enqueued for "
-              f"pair {pair} via {client.broker_display()}", file=sys.stderr)  # fmt: skip
+        print(
+            f"job {sub['job_id']}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} enqueued for "
+            f"pair {pair} via {client.broker_display()}",
+            file=sys.stderr,
+        )
         print(sub["job_id"])
 
     @app.command()
@@ -135,17 +185,19 @@ def register(app: typer.Typer) -> None:
             parts = [f"{st['lost']} lost, being requeued"] if st["lost"] else []
             parts += [f"{st['requeued']} lost, requeued"] if st["requeued"] else []
             print("  " + "; ".join(parts) + " (their worker stopped; they run again on their own)")
-        print(f"  {st['output_tokens']} tokens, {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s overall, "
-              f"{_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request; acceptance "
-              f"{_fmt(st['acceptance_rate'], '.1%')}, speedup {_fmt(st['speedup'], '.2f')}x "
-              f"(basis: {st['speedup_basis'] or '-'}), cost {cost}")  # fmt: skip
+        print(
+            f"  {st['output_tokens']} tokens, {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s overall, "
+            f"{_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request; acceptance "
+            f"{_fmt(st['acceptance_rate'], '.1%')}, speedup {_fmt(st['speedup'], '.2f')}x "
+            f"(basis: {st['speedup_basis'] or '-'}), cost {cost}"
+        )
         print(f"  elapsed {st['elapsed_s']:.0f} s, ETA {_fmt(st['eta_s'], '.0f')} s")
 
     @app.command()
     def results(
         job: str,
         fmt: FormatOpt = "jsonl",
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write here instead of stdout")] = None,
+        out: Annotated[Path | None, typer.Option("--out", "-o", help="Write here instead of stdout")] = None,
     ) -> None:
         """Export a job's rows in input order: id, text, finish reason, error, key stats
         (--format openai: OpenAI Batch output lines, telemetry under response.body.specdec)."""
@@ -162,8 +214,10 @@ def register(app: typer.Typer) -> None:
 
         with user_errors():
             r = client.retry(job)
-        print(f"job {job}: {r['enqueued']} rows enqueued again"
-              + (f"; {r['bad_input']} refused at submit (fix the input and submit it again)" if r["bad_input"] else ""))
+        print(
+            f"job {job}: {r['enqueued']} rows enqueued again"
+            + (f"; {r['bad_input']} refused at submit (fix the input and submit it again)" if r["bad_input"] else "")
+        )
 
     @app.command()
     def cancel(job: str) -> None:
@@ -176,17 +230,32 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def run(
-        file: Annotated[Path, typer.Argument(help="JSONL (our rows or OpenAI Batch lines), CSV (a prompt column) "
-                                                   "or text (one prompt per line)")],
+        file: Annotated[
+            Path,
+            typer.Argument(
+                help="JSONL (our rows or OpenAI Batch lines), CSV (a prompt column) or text (one prompt per line)"
+            ),
+        ],
         pair: PairOpt = None,
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results file (default: FILE's stem + .results.jsonl)")] = None,
-        fmt: FormatOpt = "jsonl", name: NameOpt = None, chat: ChatOpt = False, max_new_tokens: MaxNewOpt = None,
-        temperature: TempOpt = None, top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None,
-        k: KOpt = None, stop: StopOpt = None, mode: ModeOpt = None, device: DeviceOpt = None,
+        out: Annotated[
+            Path | None, typer.Option("--out", "-o", help="Results file (default: FILE's stem + .results.jsonl)")
+        ] = None,
+        fmt: FormatOpt = "jsonl",
+        name: NameOpt = None,
+        chat: ChatOpt = False,
+        max_new_tokens: MaxNewOpt = None,
+        temperature: TempOpt = None,
+        top_p: TopPOpt = None,
+        top_k: TopKOpt = None,
+        seed: SeedOpt = None,
+        k: KOpt = None,
+        stop: StopOpt = None,
+        mode: ModeOpt = None,
+        device: DeviceOpt = None,
         concurrency: Annotated[int, typer.Option(help="Processes of a local worker, if one is started")] = 1,
         max_batch: MaxBatchOpt = None,
         price_per_hour: PriceOpt = [],  # noqa: B006
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Submit FILE, run it to the end, export the results and print a summary.
 
         Starts a local worker when none is reachable (always with the embedded broker) and
@@ -209,8 +278,10 @@ def register(app: typer.Typer) -> None:
         with user_errors():
             sub = client.submit(file, pair, params, name=name)
             job = sub["job_id"]
-            err.print(f"job {job}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} to generate "
-                      f"({sub['done']} done before); broker {client.broker_display()}")  # fmt: skip
+            err.print(
+                f"job {job}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} to generate "
+                f"({sub['done']} done before); broker {client.broker_display()}"
+            )
             try:
                 if sub["enqueued"]:
                     client.check_broker()
@@ -218,11 +289,17 @@ def register(app: typer.Typer) -> None:
                     if found:
                         err.print(f"workers for {pair}: {', '.join(found)}")
                     else:
-                        procs.append(client.start_local_worker(pair, device=device, concurrency=concurrency,
-                                                              max_batch=max_batch))  # fmt: skip
+                        procs.append(
+                            client.start_local_worker(pair, device=device, concurrency=concurrency, max_batch=max_batch)
+                        )
                         err.print(f"started a local worker for {pair} (log: {procs[0].log_path})")
-                columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                           TextColumn("{task.fields[detail]}"))  # fmt: skip
+                columns = (
+                    TextColumn("{task.description}"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeElapsedColumn(),
+                    TextColumn("{task.fields[detail]}"),
+                )
                 with Progress(*columns, console=err) as progress:
                     bar = progress.add_task(f"{pair}", total=sub["rows"], detail="")
 
@@ -231,15 +308,16 @@ def register(app: typer.Typer) -> None:
                         progress.update(bar, completed=done, detail=f"ok {c['ok']} failed {c['failed']}")
 
                     def restart(dead):  # a local worker killed (SIGKILL, OOM killer): its rows come back by lease
-                        return client.start_local_worker(pair, device=device, concurrency=concurrency,
-                                                         max_batch=max_batch)  # fmt: skip
+                        return client.start_local_worker(
+                            pair, device=device, concurrency=concurrency, max_batch=max_batch
+                        )
 
                     client.wait(job, workers=procs, on_progress=show, requeue_lost_after_s=60, restart=restart)
             except RuntimeError as e:  # the local worker stopped
                 fail(e)
             except KeyboardInterrupt:
                 err.print(f"interrupted; run the same command again to resume job {job}")
-                raise typer.Exit(130)
+                raise typer.Exit(130) from None
             finally:
                 for p in procs:
                     client.stop_local_worker(p)
@@ -247,15 +325,21 @@ def register(app: typer.Typer) -> None:
             st = client.status(job, price_per_hour=price_per_hour or None)
         c, wall = st["counts"], time.time() - t0
         print(f"job {job}: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled; results in {out}")
-        print(f"  {st['output_tokens']} output tokens; {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s over the "
-              f"job ({wall:.1f} s this run), {_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request")  # fmt: skip
+        print(
+            f"  {st['output_tokens']} output tokens; {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s over the "
+            f"job ({wall:.1f} s this run), {_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request"
+        )
         speedup = "unknown (no counterfactual recorded)" if st["speedup"] is None else f"{st['speedup']:.2f}x"
         cost = "unknown (give --price-per-hour)" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
-        print(f"  acceptance {_fmt(st['acceptance_rate'], '.1%')}, {_fmt(st['mean_accepted_length'], '.2f')} tokens "
-              f"per target forward; speedup vs target-only {speedup}; cost {cost}")  # fmt: skip
+        print(
+            f"  acceptance {_fmt(st['acceptance_rate'], '.1%')}, {_fmt(st['mean_accepted_length'], '.2f')} tokens "
+            f"per target forward; speedup vs target-only {speedup}; cost {cost}"
+        )
         if st["speedup"] is not None:
-            print(f"  (speedup basis: {st['speedup_basis']}: each request's output tokens at the target-only step "
-                  "time its worker measured at the same batch size, over the time it took)")  # fmt: skip
+            print(
+                f"  (speedup basis: {st['speedup_basis']}: each request's output tokens at the target-only step "
+                "time its worker measured at the same batch size, over the time it took)"
+            )
         if c["failed"]:
             print(f"  {c['failed']} rows failed: see their 'error' in {out}; `specdec-llm retry {job}` runs them again")
 

@@ -19,7 +19,7 @@ class EmbeddedChannel(filesystem.Channel):
     can catch a half-written file or two readers can copy the same one."""
 
     def _put(self, queue, payload, **kwargs):
-        name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
+        name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         tmp = os.path.join(self.data_folder_out, f".{name}.tmp")
         with open(tmp, "wb") as f:
             f.write(str_to_bytes(dumps(payload)))

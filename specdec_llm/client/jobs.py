@@ -29,8 +29,20 @@ log = logging.getLogger(__name__)
 
 PENDING = ("queued", "running")
 FINISHED = ("ok", "failed", "cancelled")
-RESULT_FIELDS = ("id", "status", "text", "finish_reason", "error", "prompt_tokens", "output_tokens",
-                 "tokens_per_s", "acceptance_rate", "mean_accepted_length", "wall_time_s", "metadata")  # fmt: skip
+RESULT_FIELDS = (
+    "id",
+    "status",
+    "text",
+    "finish_reason",
+    "error",
+    "prompt_tokens",
+    "output_tokens",
+    "tokens_per_s",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "wall_time_s",
+    "metadata",
+)
 
 
 MAX_ATTEMPTS = 3  # deliveries that died mid-generation before a row is given up (tasks, leases)
@@ -53,9 +65,12 @@ def submit(path: Path, pair: str, params: dict | None = None, *, name: str | Non
     R.check_rows(rows, params)
     job_id = R.job_id_for(Path(path), pair, params)
     created = store.create_job(
-        [R.to_request(job_id, r, params) for r in rows], name=name or Path(path).name, pair=pair,
-        params=params, job_id=job_id,
-    )  # fmt: skip
+        [R.to_request(job_id, r, params) for r in rows],
+        name=name or Path(path).name,
+        pair=pair,
+        params=params,
+        job_id=job_id,
+    )
     pending = {r["id"] for r in job_requests(job_id, outputs=False) if r["status"] in PENDING}  # new or lost
     todo, bad = [], 0
     for r, rid in zip(rows, (R.request_id(job_id, r) for r in rows)):
@@ -65,8 +80,14 @@ def submit(path: Path, pair: str, params: dict | None = None, *, name: str | Non
         elif rid in pending:
             todo.append(rid)
     _enqueue_job(job_id, todo, pair)
-    return {"job_id": job_id, "rows": len(rows), "created": created["created"], "bad": bad,
-            "enqueued": len(todo), "done": len(rows) - len(todo) - bad}  # fmt: skip
+    return {
+        "job_id": job_id,
+        "rows": len(rows),
+        "created": created["created"],
+        "bad": bad,
+        "enqueued": len(todo),
+        "done": len(rows) - len(todo) - bad,
+    }
 
 
 def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False, check_pair: bool = True) -> list:
@@ -86,8 +107,16 @@ def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False, ch
     sent = []
     with app.producer_or_acquire() as producer:
         for rid in request_ids:
-            sent.append(app.send_task(TASK, args=[rid, pair], kwargs={"enqueued_at": now}, queue=queue_name(pair),
-                                      producer=producer, ignore_result=not keep_results))  # fmt: skip
+            sent.append(
+                app.send_task(
+                    TASK,
+                    args=[rid, pair],
+                    kwargs={"enqueued_at": now},
+                    queue=queue_name(pair),
+                    producer=producer,
+                    ignore_result=not keep_results,
+                )
+            )
     return sent
 
 
@@ -126,17 +155,26 @@ def status(job_id: str, price_per_hour=None) -> dict:
     elapsed = ((job["finished_at"] or store.utcnow()) - job["started_at"]).total_seconds() if job["started_at"] else 0.0
     rate = done / elapsed if elapsed > 0 and done else None
     return {
-        "job_id": job_id, "name": job["name"], "status": job["status"], "total": total, "counts": counts,
-        "progress": done / total if total else 1.0, "elapsed_s": elapsed, "lost": lost, "requeued": requeued,
+        "job_id": job_id,
+        "name": job["name"],
+        "status": job["status"],
+        "total": total,
+        "counts": counts,
+        "progress": done / total if total else 1.0,
+        "elapsed_s": elapsed,
+        "lost": lost,
+        "requeued": requeued,
         # no ETA while a row's worker is gone and its row not yet requeued (it would be a false one)
         "eta_s": None if lost else (total - done) / rate if rate and total > done else (0.0 if total == done else None),
         "output_tokens": rep.get("output_tokens", 0),
         "throughput_tokens_per_s": rep.get("output_tokens", 0) / elapsed if elapsed > 0 else None,
-        "tokens_per_s_mean": rep.get("tokens_per_s_mean"), "acceptance_rate": rep.get("acceptance_rate"),
-        "mean_accepted_length": rep.get("mean_accepted_length"), "speedup": rep.get("speedup"),
+        "tokens_per_s_mean": rep.get("tokens_per_s_mean"),
+        "acceptance_rate": rep.get("acceptance_rate"),
+        "mean_accepted_length": rep.get("mean_accepted_length"),
+        "speedup": rep.get("speedup"),
         "speedup_basis": rep.get("speedup_basis"),
         "cost_usd": rep.get("cost_usd"),
-    }  # fmt: skip
+    }
 
 
 def results(job_id: str) -> list[dict]:
@@ -154,9 +192,15 @@ def results(job_id: str) -> list[dict]:
         item = {k: r.get(k) for k in (*RESULT_FIELDS, *TELEMETRY)}
         item["id"] = params.get("_id", r["id"])
         item["metadata"] = params.get("_metadata")
-        item.update(request_id=r["id"], pair=r["pair"], endpoint=params.get("_endpoint"), chat=params.get("chat"),
-                    refused=bool(params.get("_input_error")), finished_at=r["finished_at"],
-                    baseline_s=r.get("baseline_s"))  # fmt: skip
+        item.update(
+            request_id=r["id"],
+            pair=r["pair"],
+            endpoint=params.get("_endpoint"),
+            chat=params.get("chat"),
+            refused=bool(params.get("_input_error")),
+            finished_at=r["finished_at"],
+            baseline_s=r.get("baseline_s"),
+        )
         out.append(item)
     return out
 
@@ -216,9 +260,15 @@ def reclaim_and_enqueue(max_attempts: int = MAX_ATTEMPTS) -> list[dict]:
         if r["pair"]:
             by_pair.setdefault(r["pair"], []).append(r["id"])
     for pair, ids in by_pair.items():
-        log.warning("%d rows of pair %s lost their worker (no heartbeat for %g s): requeued",
-                    len(ids), pair, get_settings().lease_timeout_s)  # fmt: skip
-        enqueue(ids, pair, check_pair=False)  # a failure leaves them queued without a message: `run` and `retry` resend those
+        log.warning(
+            "%d rows of pair %s lost their worker (no heartbeat for %g s): requeued",
+            len(ids),
+            pair,
+            get_settings().lease_timeout_s,
+        )
+        enqueue(
+            ids, pair, check_pair=False
+        )  # a failure leaves them queued without a message: `run` and `retry` resend those
     return rows
 
 
@@ -245,9 +295,17 @@ def requeue_lost(job_id: str) -> int:
 STORE_GRACE_S = 300  # s: how long `wait` keeps looking while the database cannot be read
 
 
-def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None, poll_s: float = 0.3,
-         timeout_s: float | None = None, requeue_lost_after_s: float | None = None, restart=None,
-         max_restarts: int = 20) -> dict:  # fmt: skip
+def wait(
+    job_id: str,
+    *,
+    workers: list[subprocess.Popen] = (),
+    on_progress=None,
+    poll_s: float = 0.3,
+    timeout_s: float | None = None,
+    requeue_lost_after_s: float | None = None,
+    restart=None,
+    max_restarts: int = 20,
+) -> dict:
     """Until no row of the job is queued or running; returns the counts by state.
     ``on_progress(counts)`` after each look. Raises RuntimeError when every local worker in
     ``workers`` has stopped first, TimeoutError after ``timeout_s``. A database that cannot
@@ -281,8 +339,12 @@ def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None,
         done = sum(counts[s] for s in FINISHED)
         if done != last_done:
             last_done, progress_at = done, time.monotonic()
-        elif (requeue_lost_after_s is not None and counts["queued"] and not counts["running"]
-              and time.monotonic() - progress_at > requeue_lost_after_s):  # fmt: skip
+        elif (
+            requeue_lost_after_s is not None
+            and counts["queued"]
+            and not counts["running"]
+            and time.monotonic() - progress_at > requeue_lost_after_s
+        ):
             progress_at = time.monotonic()
             try:
                 n = requeue_lost(job_id)
@@ -303,7 +365,9 @@ def wait(job_id: str, *, workers: list[subprocess.Popen] = (), on_progress=None,
                 workers[i] = restart(p)
         if workers and all(p.poll() is not None for p in workers):
             p = workers[0]
-            raise RuntimeError(f"the local worker stopped (exit code {p.returncode}); its log {p.log_path}:\n{log_tail(p)}")
+            raise RuntimeError(
+                f"the local worker stopped (exit code {p.returncode}); its log {p.log_path}:\n{log_tail(p)}"
+            )
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} not finished after {timeout_s} s: {counts}")
         time.sleep(poll_s)

@@ -13,22 +13,42 @@ from pathlib import Path
 from specdec_llm.settings import get_settings
 
 
-def start_local_worker(pair: str, *, device: str | None = None, concurrency: int = 1, max_batch: int | None = None,
-                       log_path: Path | None = None, extra: list[str] | None = None) -> subprocess.Popen:  # fmt: skip
+def start_local_worker(
+    pair: str,
+    *,
+    device: str | None = None,
+    concurrency: int = 1,
+    max_batch: int | None = None,
+    log_path: Path | None = None,
+    extra: list[str] | None = None,
+) -> subprocess.Popen:
     """``specdec-llm worker`` for ``pair`` as a child process with this environment; its
     output goes to ``log_path`` (default: ``<data_dir>/logs/worker-<pair>-<time>.log``).
     ``max_batch`` > 1: one batching process (``--max-batch``; None: the settings' default)."""
     if log_path is None:
-        log_path = get_settings().data_dir / "logs" / f"worker-{pair}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        log_path = (
+            get_settings().data_dir / "logs" / f"worker-{pair}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        )
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "specdec_llm", "worker", "--pair", pair, "--concurrency", str(concurrency), *(extra or [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec_llm",
+        "worker",
+        "--pair",
+        pair,
+        "--concurrency",
+        str(concurrency),
+        *(extra or []),
+    ]
     if device:
         cmd += ["--device", device]
     if max_batch is not None:
         cmd += ["--max-batch", str(max_batch)]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     proc.log_path = log_path
     return proc
 

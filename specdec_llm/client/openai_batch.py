@@ -28,18 +28,42 @@ from specdec_llm.engine import GenerationRequest, RequestError
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 LINE_KEYS = ("custom_id", "method", "url", "body")
 # body field -> GenerationRequest field
-PARAMS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
-          "top_p": "top_p", "seed": "seed", "stop": "stop"}  # fmt: skip
+PARAMS = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+}
 IGNORED = ("model", "user", "metadata", "store", "service_tier")  # no effect on the text we generate
 # fields we do not support, accepted at the value that asks for nothing (null is always accepted)
-NEUTRAL = {"n": 1, "best_of": 1, "stream": False, "logprobs": False, "top_logprobs": 0, "echo": False,
-           "presence_penalty": 0, "frequency_penalty": 0, "response_format": {"type": "text"}}  # fmt: skip
+NEUTRAL = {
+    "n": 1,
+    "best_of": 1,
+    "stream": False,
+    "logprobs": False,
+    "top_logprobs": 0,
+    "echo": False,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "response_format": {"type": "text"},
+}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 # what the ``specdec`` field of a response body carries (``client.results`` keys; finish_reason
 # is ours: eos, stop, length or context, where OpenAI's says stop or length)
-TELEMETRY = ("finish_reason", "tokens_per_s", "acceptance_rate", "mean_accepted_length", "draft_tokens_proposed",
-             "draft_tokens_accepted", "drafter", "wall_time_s", "time_to_first_token_s")  # fmt: skip
+TELEMETRY = (
+    "finish_reason",
+    "tokens_per_s",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "draft_tokens_proposed",
+    "draft_tokens_accepted",
+    "drafter",
+    "wall_time_s",
+    "time_to_first_token_s",
+)
 
 
 def is_batch_line(obj: dict) -> bool:
@@ -77,8 +101,10 @@ def fill(row, obj: dict) -> str | None:
         if name in ("messages", "prompt"):
             return f"body.{name}: not a field of {url}; use body.{wanted}"
         if name in NEUTRAL:
-            return (f"body.{name}: {json.dumps(value)[:40]} is not supported by specdec-llm; use "
-                    f"{json.dumps(neutral)} or leave it out")  # fmt: skip
+            return (
+                f"body.{name}: {json.dumps(value)[:40]} is not supported by specdec-llm; use "
+                f"{json.dumps(neutral)} or leave it out"
+            )
         return f"body.{name}: not supported by specdec-llm; remove it (supported: {wanted}, {', '.join(PARAMS)})"
     params, source = {}, {}
     for name in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop"):  # the last wins
@@ -99,12 +125,12 @@ def fill(row, obj: dict) -> str | None:
 
 def _messages(row, messages) -> str | None:
     if not isinstance(messages, list) or not messages:
-        return "body.messages: must be a non-empty list of {\"role\", \"content\"}"
+        return 'body.messages: must be a non-empty list of {"role", "content"}'
     turns = []
     for i, m in enumerate(messages):
         where = f"body.messages[{i}]"
         if not isinstance(m, dict):
-            return f"{where}: must be an object with \"role\" and \"content\""
+            return f'{where}: must be an object with "role" and "content"'
         extra = [k for k in m if k not in ("role", "content", "name") and m[k] is not None]
         if extra:
             return f"{where}.{extra[0]}: not supported by specdec-llm (text turns only)"
@@ -132,8 +158,11 @@ def _prompt(row, prompt) -> str | None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, list):
-        return (f"body.prompt: a list of {len(prompt)} prompts is not supported; put each prompt on a line of "
-                "its own" if all(isinstance(p, str) for p in prompt) else "body.prompt: must be text")  # fmt: skip
+        return (
+            f"body.prompt: a list of {len(prompt)} prompts is not supported; put each prompt on a line of its own"
+            if all(isinstance(p, str) for p in prompt)
+            else "body.prompt: must be text"
+        )
     if not isinstance(prompt, str) or not prompt.strip():
         return "body.prompt: must be non-empty text"
     try:
@@ -153,32 +182,42 @@ def output_line(item: dict) -> dict:
         message = item["error"] or f"not finished: the row is {item['status']}"
         param, at = _param(message)
         invalid = item.get("refused") or param is not None  # bad input (found at submit, or by the worker)
-        code = {"failed": "invalid_request" if invalid else "generation_failed",
-                "cancelled": "batch_cancelled"}.get(item["status"], "not_finished")  # fmt: skip
+        code = {"failed": "invalid_request" if invalid else "generation_failed", "cancelled": "batch_cancelled"}.get(
+            item["status"], "not_finished"
+        )
         line["error"] = {"code": code, "message": message, "param": param, "line": at}
         if item["status"] == "failed":
             status = 400 if invalid else 500
             kind = "invalid_request_error" if status == 400 else "server_error"
-            line["response"] = {"status_code": status, "request_id": rid,
-                                "body": {"error": {"message": message, "type": kind, "param": param, "code": code}}}
+            line["response"] = {
+                "status_code": status,
+                "request_id": rid,
+                "body": {"error": {"message": message, "type": kind, "param": param, "code": code}},
+            }
         return line
     finish = FINISH.get(item["finish_reason"], "stop")
     text = item["text"] or ""
     if endpoint == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": None, "finish_reason": finish}  # fmt: skip
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
         kind, prefix = "chat.completion", "chatcmpl"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         kind, prefix = "text_completion", "cmpl"
     prompt, output = item["prompt_tokens"] or 0, item["output_tokens"] or 0
     body = {
-        "id": f"{prefix}-{rid}", "object": kind,
+        "id": f"{prefix}-{rid}",
+        "object": kind,
         "created": calendar.timegm(item["finished_at"].timetuple()) if item.get("finished_at") else 0,
-        "model": item.get("pair"), "choices": [choice],
+        "model": item.get("pair"),
+        "choices": [choice],
         "usage": {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output},
         "specdec": {**{k: item.get(k) for k in TELEMETRY}, **_speedup(item)},
-    }  # fmt: skip
+    }
     line["response"] = {"status_code": 200, "request_id": rid, "body": body}
     return line
 
@@ -203,7 +242,7 @@ def _param(message: str) -> tuple[str | None, int | None]:
         line, message = int(head[5:]), rest
     head = message.split(": ", 1)[0] if ": " in message else ""
     if head.startswith("body."):
-        return head[len("body."):], line
+        return head[len("body.") :], line
     if head in LINE_KEYS or head in REQUEST_FIELDS or head.startswith("messages["):
         return head, line
     return None, line

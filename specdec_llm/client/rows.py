@@ -124,8 +124,13 @@ def _lines(f):
             while raw and not raw.endswith(b"\n"):  # skip the rest of it, a bounded piece at a time
                 raw = f.readline(MAX_LINE_BYTES)
                 size += len(raw)
-            yield n, _Bad(f"line is {size:,} bytes, over the {MAX_LINE_BYTES:,}-byte limit for one row",
-                          head.decode("utf-8", "replace"))  # fmt: skip
+            yield (
+                n,
+                _Bad(
+                    f"line is {size:,} bytes, over the {MAX_LINE_BYTES:,}-byte limit for one row",
+                    head.decode("utf-8", "replace"),
+                ),
+            )
             continue
         raw = raw.rstrip(b"\r\n")
         if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
@@ -133,8 +138,13 @@ def _lines(f):
         try:
             yield n, raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            yield n, _Bad(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)",
-                          raw[:PREVIEW_CHARS].decode("utf-8", "replace"))  # fmt: skip
+            yield (
+                n,
+                _Bad(
+                    f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)",
+                    raw[:PREVIEW_CHARS].decode("utf-8", "replace"),
+                ),
+            )
 
 
 def _jsonl(lines) -> list[Row]:
@@ -220,31 +230,36 @@ def _fill(row: Row, obj: dict) -> str | None:
     row.prompt, row.messages = obj.get("prompt"), obj.get("messages")
     row.metadata, row.category = obj.get("metadata"), obj.get("category")
     if unknown:
-        return f"unknown field {unknown[0]!r}; use {', '.join(ROW_KEYS)} or a parameter ({', '.join(PARAMS)}); put anything else under \"metadata\""
+        return f'unknown field {unknown[0]!r}; use {", ".join(ROW_KEYS)} or a parameter ({", ".join(PARAMS)}); put anything else under "metadata"'
     if (row.prompt is None) == (row.messages is None):
-        return "needs exactly one of \"prompt\" (text) or \"messages\" (chat turns)"
+        return 'needs exactly one of "prompt" (text) or "messages" (chat turns)'
     if row.prompt is not None and not isinstance(row.prompt, str):
-        return f"\"prompt\" must be text, not {type(row.prompt).__name__}"
+        return f'"prompt" must be text, not {type(row.prompt).__name__}'
     if row.messages is not None and not _valid_messages(row.messages):
-        return "\"messages\" must be a non-empty list of {\"role\": text, \"content\": text}"
+        return '"messages" must be a non-empty list of {"role": text, "content": text}'
     params = obj.get("params") or {}
     if not isinstance(params, dict):
-        return "\"params\" must be an object of generation parameters"
+        return '"params" must be an object of generation parameters'
     row.params = {**{k: obj[k] for k in PARAMS if k in obj}, **params}
     if row.category is not None and not isinstance(row.category, str):
-        return "\"category\" must be text"
+        return '"category" must be text'
     return None
 
 
 def _valid_messages(messages) -> bool:
     return (
-        isinstance(messages, list) and bool(messages)
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages)
-    )  # fmt: skip
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
 
 
-CSV_BAD_LINE = "\x00specdec: bad line\x00"  # stands for an unreadable line (over-long, not UTF-8) in the CSV reader's input
+CSV_BAD_LINE = (
+    "\x00specdec: bad line\x00"  # stands for an unreadable line (over-long, not UTF-8) in the CSV reader's input
+)
 
 
 def _csv(lines, path: Path) -> list[Row]:
@@ -285,16 +300,24 @@ def _csv(lines, path: Path) -> list[Row]:
         line, start = start, reader.line_num + 1
         extra = {k: v for k, v in record.items() if k not in ("id", "prompt", "category") and k is not None}
         surplus = record.get(None)  # more fields than the header names: never dropped silently
-        row = Row(len(rows), line, record.get("id") or "", prompt=record.get("prompt"),
-                  metadata=extra or None, category=record.get("category") or None)  # fmt: skip
+        row = Row(
+            len(rows),
+            line,
+            record.get("id") or "",
+            prompt=record.get("prompt"),
+            metadata=extra or None,
+            category=record.get("category") or None,
+        )
         values = [v for v in record.values() if isinstance(v, str)]
         bad = [bad_lines[n] for n in range(line, start) if n in bad_lines]
         if bad or any(CSV_BAD_LINE in v for v in values):
             problem = bad[0] if bad else _Bad("a line of this record cannot be read", "")
             row.id, row.prompt, row.metadata, row.category, row.error = "", problem.preview, None, None, problem.error
         elif surplus:
-            row.error = (f"{len(fieldnames) + len(surplus)} fields, but the header names {len(fieldnames)}; "
-                         "quote a prompt that holds commas (\"like, this\"), or name the extra columns in the header")
+            row.error = (
+                f"{len(fieldnames) + len(surplus)} fields, but the header names {len(fieldnames)}; "
+                'quote a prompt that holds commas ("like, this"), or name the extra columns in the header'
+            )
         elif not (row.prompt or "").strip():
             row.error = "empty prompt"
         rows.append(row)
@@ -353,14 +376,20 @@ def to_request(job_id: str, row: Row, job_params: dict) -> dict:
     if prompt is None and row.messages is None:  # a bad row still needs something to show
         prompt = ""
     item = {
-        "id": request_id(job_id, row), "messages": row.messages, "params": params,
+        "id": request_id(job_id, row),
+        "messages": row.messages,
+        "params": params,
         "prompt": prompt,
         "category": row.category if isinstance(row.category, str) else None,
-    }  # fmt: skip
+    }
     if row.error is not None:
-        item = {**item, "messages": _sanitize(row.messages) if _valid_messages(row.messages) else None,
-                "params": _sanitize(params), "prompt": _sanitize(prompt) if prompt is not None else None,
-                "category": _sanitize(item["category"])}  # fmt: skip
+        item = {
+            **item,
+            "messages": _sanitize(row.messages) if _valid_messages(row.messages) else None,
+            "params": _sanitize(params),
+            "prompt": _sanitize(prompt) if prompt is not None else None,
+            "category": _sanitize(item["category"]),
+        }
         if item["prompt"] is None and item["messages"] is None:
             item["prompt"] = ""
     return item

@@ -151,8 +151,14 @@ class RowOptions:
     limit: int = 1 << 30  # the most tokens the row may draft (its room left)
 
 
-def plan(cost: CostModel, rows: list[RowOptions], fixed_rows: int = 0, fixed_width: int = 0,
-         fixed_steps: dict[str, int] | None = None, probe_row: int | None = None) -> list[tuple[str | None, int]]:
+def plan(
+    cost: CostModel,
+    rows: list[RowOptions],
+    fixed_rows: int = 0,
+    fixed_width: int = 0,
+    fixed_steps: dict[str, int] | None = None,
+    probe_row: int | None = None,
+) -> list[tuple[str | None, int]]:
     """Each auto row's (drafter, k): the choice with the most expected tokens per second.
 
     One target forward verifies every row at the width of the longest proposal, so a row

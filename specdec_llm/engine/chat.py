@@ -50,7 +50,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """Chat turns -> prompt token ids (template with the generation prompt), after refusing
     any role or content that holds special-token text."""
     if not isinstance(messages, list) or not messages:
-        raise RequestError("messages", "must be a non-empty list of {\"role\": text, \"content\": text}")
+        raise RequestError("messages", 'must be a non-empty list of {"role": text, "content": text}')
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise RequestError("messages", f"turn {i} must be an object with role and content")

@@ -55,8 +55,13 @@ def device_key(model: torch.nn.Module) -> str:
 def decoder_key(dec: SpeculativeDecoder) -> str:
     """Everything a decoder's costs depend on, except the batch size."""
     target = dec.target
-    parts = [device_key(target), str(next(target.parameters()).dtype).removeprefix("torch."),
-             f"target {weights_fingerprint(target)}", f"vocab {dec.vocab_size}", f"max_k {dec.max_k}"]
+    parts = [
+        device_key(target),
+        str(next(target.parameters()).dtype).removeprefix("torch."),
+        f"target {weights_fingerprint(target)}",
+        f"vocab {dec.vocab_size}",
+        f"max_k {dec.max_k}",
+    ]
     for d in dec.drafters:
         model = getattr(d, "model", None)
         parts.append(d.name if model is None else f"{d.name} {weights_fingerprint(model)}")

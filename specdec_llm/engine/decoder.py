@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import costcache
+from . import costcache, hf
 from . import drafters as drafting
-from . import hf
 from .autok import BatchCosts, CostModel, Probes, RowOptions, Timer, calibrate, plan
 from .ragged import RaggedCache
 from .sampling import accept_greedy, accept_sampled, probs
@@ -242,8 +241,9 @@ class SpeculativeDecoder:
         if self.cost_cache is None:
             return
         buckets = [BatchCosts.bucket(rows)] if rows is not None else list(self.costs.models)
-        entries = {self._cache_key(b): self.costs.models[b].to_dict() for b in buckets
-                   if self.costs.models[b].calibrated}  # fmt: skip
+        entries = {
+            self._cache_key(b): self.costs.models[b].to_dict() for b in buckets if self.costs.models[b].calibrated
+        }
         costcache.save(self.cost_cache, entries)
 
     def calibrate(self, rows: int = 1, context: int = 64) -> None:
@@ -341,8 +341,9 @@ class Row:
         st.draft_tokens_proposed += k
         st.draft_tokens_accepted += n
         if drafter is not None and k:
-            counts = st.drafter_tokens.setdefault(drafter, {"proposed": 0, "accepted": 0, "drafts": 0,
-                                                            "accepted_per_position": []})  # fmt: skip
+            counts = st.drafter_tokens.setdefault(
+                drafter, {"proposed": 0, "accepted": 0, "drafts": 0, "accepted_per_position": []}
+            )
             counts["proposed"] += k
             counts["accepted"] += n
             counts["drafts"] += 1
@@ -456,8 +457,11 @@ class Batch:
         free = [s for s in self.sessions.values() if isinstance(s, drafting._Free)]
         offers: dict[int, dict[str, drafting.Proposal]] = {b: {} for b in range(len(rows))}
         for s in free:
-            ks = {b: min(r.k if r.k is not None else dec.max_k, r.room() - 1) for b, r in enumerate(rows)
-                  if s.name in r.drafters}  # fmt: skip
+            ks = {
+                b: min(r.k if r.k is not None else dec.max_k, r.room() - 1)
+                for b, r in enumerate(rows)
+                if s.name in r.drafters
+            }
             for b, prop in s.propose(rows, {b: k for b, k in ks.items() if k > 0}).items():
                 offers[b][s.name] = prop
         self.offers = offers
@@ -481,13 +485,17 @@ class Batch:
             options: list[RowOptions] = []
             for b in auto:
                 r = rows[b]
-                models = {d: m.tracker(r).rate for d in r.drafters if isinstance(m := dec.drafter(d), drafting.ModelDrafter)}
+                models = {
+                    d: m.tracker(r).rate for d in r.drafters if isinstance(m := dec.drafter(d), drafting.ModelDrafter)
+                }
                 options.append(RowOptions(free=list(offers[b].values()), models=models, limit=r.room() - 1))
             probe = None
             if self.probes.due:  # refresh the estimates; a model drafts on the row cheapest to bring up to date
                 models_ = {n: s for n, s in self.sessions.items() if isinstance(s, drafting._ModelSession)}
-                probe = min(range(len(auto)), key=lambda i: min(
-                    (models_[d].behind(rows[auto[i]]) for d in options[i].models), default=0))
+                probe = min(
+                    range(len(auto)),
+                    key=lambda i: min((models_[d].behind(rows[auto[i]]) for d in options[i].models), default=0),
+                )
             chosen = plan(cost, options, n_fixed, fixed_width, fixed_steps, probe_row=probe)
             drafted = any(k for _, k in chosen)
             self.drafting_run = self.drafting_run + 1 if drafted else 0

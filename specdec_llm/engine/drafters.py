@@ -41,7 +41,10 @@ if TYPE_CHECKING:
     from .types import Stats
 
 KNOWN = ("lookup", "suffix", "model", "quantized")  # drafter names a pair can list (``drafters = [...]``)
-MODELS = ("model", "quantized")  # drafters that run the pair's draft: a separate model, or the target's quantized copy (quant.py)
+MODELS = (
+    "model",
+    "quantized",
+)  # drafters that run the pair's draft: a separate model, or the target's quantized copy (quant.py)
 
 
 @dataclass
@@ -175,7 +178,9 @@ class SuffixIndex:
 
     def __init__(self, max_tokens: int = 200_000, orders: tuple[int, ...] = (2, 3, 4, 6, 8)):
         self.max_tokens, self.orders = max_tokens, orders
-        self.docs: OrderedDict[tuple[Hashable, int], list[int]] = OrderedDict()  # (scope, serial) -> tokens, oldest first
+        self.docs: OrderedDict[tuple[Hashable, int], list[int]] = (
+            OrderedDict()
+        )  # (scope, serial) -> tokens, oldest first
         self.counts: dict[Hashable, _Counts] = {}  # scope -> {context tuple: {next token: count}}
         self.tokens = 0
         self.serial = 0
@@ -214,8 +219,14 @@ class SuffixIndex:
             return [], []
         tokens, feats, path, ext = [], [], 1.0, list(seq[-max(self.orders) :])
         for _ in range(k):
-            hit = next(((i, table[c]) for i, n in reversed(list(enumerate(self.orders)))
-                        if len(ext) >= n and (c := tuple(ext[-n:])) in table), None)  # fmt: skip
+            hit = next(
+                (
+                    (i, table[c])
+                    for i, n in reversed(list(enumerate(self.orders)))
+                    if len(ext) >= n and (c := tuple(ext[-n:])) in table
+                ),
+                None,
+            )
             if hit is None:
                 break
             order, nxt = hit
@@ -430,7 +441,9 @@ def build(names: list[str], draft_model: PreTrainedModel | None = None, vocab_si
             out.append(Suffix())
         elif name in MODELS:
             if draft_model is None:
-                raise ValueError(f"drafter {name!r} needs a draft model: set the pair's draft, or drop {name!r} from drafters")
+                raise ValueError(
+                    f"drafter {name!r} needs a draft model: set the pair's draft, or drop {name!r} from drafters"
+                )
             # the target's own weights in 4 bits agree with it on ~0.99 of greedy tokens (README):
             # start there, so the schedule tries it from the first row; rows then correct it
             prior = 0.9 if getattr(draft_model, "quantization", None) else 0.5

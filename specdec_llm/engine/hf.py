@@ -213,7 +213,9 @@ def forward_rows(
     kwargs: dict[str, Any] = {_cache_kwarg(type(model)): cache}
     if mask is not None:
         if model.config._attn_implementation == "eager":  # eager adds a float mask; sdpa takes booleans
-            mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, torch.finfo(model.dtype).min)
+            mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(model.dtype).min
+            )
         kwargs.update(attention_mask=mask, position_ids=positions)
     out = model(input_ids=ids.to(model.device), use_cache=True, logits_to_keep=keep, **kwargs)
     logits: torch.Tensor = out.logits

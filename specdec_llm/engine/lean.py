@@ -127,15 +127,19 @@ def _fuse(linears: list[Any]) -> torch.nn.Linear | None:
     if not all(type(m) is torch.nn.Linear for m in linears):
         return None
     ws: list[torch.Tensor] = [m.weight.detach() for m in linears]  # plain Linears (checked above)
-    if len({(w.dtype, w.shape[1]) for w in ws}) != 1 or (ws[0].dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+    if len({(w.dtype, w.shape[1]) for w in ws}) != 1 or (
+        ws[0].dtype not in (torch.float32, torch.bfloat16, torch.float16)
+    ):
         return None
     has_bias = [m.bias is not None for m in linears]
-    fused = torch.nn.Linear(ws[0].shape[1], sum(w.shape[0] for w in ws), bias=any(has_bias),
-                            device=ws[0].device, dtype=ws[0].dtype)  # fmt: skip
+    fused = torch.nn.Linear(
+        ws[0].shape[1], sum(w.shape[0] for w in ws), bias=any(has_bias), device=ws[0].device, dtype=ws[0].dtype
+    )
     fused.weight.data = torch.cat([w.contiguous() for w in ws])
     if any(has_bias):
-        fused.bias.data = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(w.shape[0])
-                                     for m, w in zip(linears, ws)])  # fmt: skip
+        fused.bias.data = torch.cat(
+            [m.bias.detach() if m.bias is not None else w.new_zeros(w.shape[0]) for m, w in zip(linears, ws)]
+        )
     fused.requires_grad_(False)
     fused.sizes = [int(w.shape[0]) for w in ws]  # type: ignore[assignment]
     return fused

@@ -41,7 +41,9 @@ class BatchServer:
         self.decoder, self.max_batch, self.max_wait = decoder, max_batch, max_wait_ms / 1000
         self.inbox: queue.Queue[_Item | None] = queue.Queue()
         self.closed = threading.Event()
-        self.cancelled: set[Future[GenerationResult]] = set()  # futures of rows to drop at the next step (server thread reads)
+        self.cancelled: set[Future[GenerationResult]] = (
+            set()
+        )  # futures of rows to drop at the next step (server thread reads)
         self._cancel_lock = threading.Lock()
         self.rows = 0  # rows in the batch at its latest step (for monitoring)
         self._saved = time.monotonic()

@@ -68,7 +68,7 @@ class GenerationRequest:
         if self.k != "auto":
             _int(self.k, "k", lo=0, hint='use 0 (target only), a positive draft length, or "auto"')
             if self.k > 64:
-                raise RequestError("k", f"{self.k} is too large; use at most 64 or \"auto\"")
+                raise RequestError("k", f'{self.k} is too large; use at most 64 or "auto"')
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError("stop", "must be a list of non-empty strings")
         for s in self.stop:
@@ -76,7 +76,7 @@ class GenerationRequest:
         if self.mode not in ("speculative", "baseline"):
             raise RequestError("mode", f"unknown mode {self.mode!r}; use 'speculative' or 'baseline'")
         if not isinstance(self.drafter, str) or not self.drafter:
-            raise RequestError("drafter", f"must be a drafter's name or \"auto\", got {self.drafter!r}")
+            raise RequestError("drafter", f'must be a drafter\'s name or "auto", got {self.drafter!r}')
         if self.scope is not None and (not isinstance(self.scope, str) or len(self.scope) > 200):
             raise RequestError("scope", "must be a string of at most 200 characters, or unset")
         if not isinstance(self.chat, bool):
@@ -91,8 +91,11 @@ def check_unicode(text: str, name: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise RequestError(name, f"is not valid Unicode: an unpaired surrogate (\\u{ord(text[e.start]):04x}) at "
-                                 f"character {e.start}; remove it") from None
+        raise RequestError(
+            name,
+            f"is not valid Unicode: an unpaired surrogate (\\u{ord(text[e.start]):04x}) at "
+            f"character {e.start}; remove it",
+        ) from None
 
 
 def _int(value: object, name: str, lo: int, hint: str) -> None:

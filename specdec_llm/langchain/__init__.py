@@ -47,6 +47,13 @@ from .chat_models import ChatSpecDec, to_turns
 from .llms import SpecDecLLM
 
 __all__ = [
-    "BrokerUnavailable", "ChatSpecDec", "GenerationFailed", "GenerationTimeout", "RequestError",
-    "SpecDecError", "SpecDecLLM", "job_id", "to_turns",
-]  # fmt: skip
+    "BrokerUnavailable",
+    "ChatSpecDec",
+    "GenerationFailed",
+    "GenerationTimeout",
+    "RequestError",
+    "SpecDecError",
+    "SpecDecLLM",
+    "job_id",
+    "to_turns",
+]

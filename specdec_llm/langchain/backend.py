@@ -93,8 +93,15 @@ class Call:
                 params["_metadata"] = self.job_metadata
             if stream:
                 params["_stream"] = True
-            rows.append({"id": str(uuid.uuid4()), "prompt": item.prompt, "messages": item.messages,
-                         "params": params, "category": self.category})  # fmt: skip
+            rows.append(
+                {
+                    "id": str(uuid.uuid4()),
+                    "prompt": item.prompt,
+                    "messages": item.messages,
+                    "params": params,
+                    "category": self.category,
+                }
+            )
         return rows
 
     def save(self, rows: list[dict]) -> None:
@@ -106,10 +113,13 @@ class Call:
     def timeout_error(self, what: str) -> GenerationTimeout:
         return GenerationTimeout(
             f"{what} not finished within timeout={self.timeout} s ({self.backend} mode, pair {self.pair}); "
-            + ("is a worker for this pair running (specdec-llm worker --pair "
-               f"{self.pair})? Raise `timeout` for long generations" if self.backend == "remote"
-               else "raise `timeout` or lower max_new_tokens")
-        )  # fmt: skip
+            + (
+                "is a worker for this pair running (specdec-llm worker --pair "
+                f"{self.pair})? Raise `timeout` for long generations"
+                if self.backend == "remote"
+                else "raise `timeout` or lower max_new_tokens"
+            )
+        )
 
 
 def job_id(job_name: str, pair: str) -> str:

@@ -24,11 +24,35 @@ from .backend import Backend, Call, Item, clean
 
 PROVIDER = "specdec"
 # generation_info keys, from the result and its stats
-INFO_FIELDS = ("prompt_tokens", "output_tokens", "draft_tokens_proposed", "draft_tokens_accepted",
-               "acceptance_rate", "mean_accepted_length", "tokens_per_s", "time_to_first_token_s",
-               "wall_time_s", "baseline_s", "drafter", "drafter_tokens")  # fmt: skip
-CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k", "drafter", "chat", "decoding", "timeout",
-                "job_name", "job_metadata", "category")  # fmt: skip
+INFO_FIELDS = (
+    "prompt_tokens",
+    "output_tokens",
+    "draft_tokens_proposed",
+    "draft_tokens_accepted",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "tokens_per_s",
+    "time_to_first_token_s",
+    "wall_time_s",
+    "baseline_s",
+    "drafter",
+    "drafter_tokens",
+)
+CALL_OPTIONS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "k",
+    "drafter",
+    "chat",
+    "decoding",
+    "timeout",
+    "job_name",
+    "job_metadata",
+    "category",
+)
 
 
 def get_backend(name: str) -> Backend:
@@ -111,26 +135,35 @@ class SpecDecBase(BaseModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {
-            "pair": self.pair, **self._spec_fields(), "backend": self.effective_backend(),
-            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "seed": self.seed, "k": self.k, "drafter": self.drafter, "decoding": self.decoding,
+            "pair": self.pair,
+            **self._spec_fields(),
+            "backend": self.effective_backend(),
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "k": self.k,
+            "drafter": self.drafter,
+            "decoding": self.decoding,
             "chat": self.chat,
-        }  # fmt: skip
+        }
 
     def _ls(self, model_type: str, stop: list[str] | None, kwargs: dict) -> LangSmithParams:
         params = LangSmithParams(
-            ls_provider=PROVIDER, ls_model_type=model_type,
+            ls_provider=PROVIDER,
+            ls_model_type=model_type,
             ls_model_name=kwargs.get("model") or kwargs.get("pair") or self.pair,
             ls_temperature=kwargs.get("temperature", self.temperature),
             ls_max_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
-        )  # fmt: skip
+        )
         stop = stop if stop is not None else self.stop
         if stop:
             params["ls_stop"] = stop
         return params
 
     def effective_backend(self) -> str:
-        """"remote" or "local": what this model uses now (``backend``, or for "auto" the settings)."""
+        """ "remote" or "local": what this model uses now (``backend``, or for "auto" the settings)."""
         if self.backend != "auto":
             return self.backend
         return "remote" if get_settings().broker_url else "local"
@@ -148,9 +181,18 @@ class SpecDecBase(BaseModel):
             raise RequestError(unknown[0], f"unknown option; use one of {', '.join(CALL_OPTIONS)}")
         opt = {name: kwargs.get(name, getattr(self, name)) for name in CALL_OPTIONS}
         stop = list(stop) if stop is not None else list(self.stop or [])
-        gen = dict(max_new_tokens=opt["max_new_tokens"], temperature=opt["temperature"], top_p=opt["top_p"],
-                   top_k=opt["top_k"], seed=opt["seed"], k=opt["k"], drafter=opt["drafter"], stop=stop,
-                   chat=bool(opt["chat"]) and not messages, mode=opt["decoding"])  # fmt: skip
+        gen = dict(
+            max_new_tokens=opt["max_new_tokens"],
+            temperature=opt["temperature"],
+            top_p=opt["top_p"],
+            top_k=opt["top_k"],
+            seed=opt["seed"],
+            k=opt["k"],
+            drafter=opt["drafter"],
+            stop=stop,
+            chat=bool(opt["chat"]) and not messages,
+            mode=opt["decoding"],
+        )
         GenerationRequest(prompt="x", **gen).validate()  # RequestError naming the bad field
         check_seed(gen["seed"])
         if opt["job_metadata"] is not None:
@@ -164,9 +206,18 @@ class SpecDecBase(BaseModel):
         from specdec_llm.pairs import get_spec
 
         get_spec(pair)  # unknown pair: RequestError now, not in a worker
-        return Call(pair=pair, backend=self.effective_backend(), gen=gen, job_name=str(opt["job_name"]),
-                    job_metadata=opt["job_metadata"], category=opt["category"], timeout=timeout,
-                    record=self.record, max_retries=self.max_retries, started=time.monotonic())  # fmt: skip
+        return Call(
+            pair=pair,
+            backend=self.effective_backend(),
+            gen=gen,
+            job_name=str(opt["job_name"]),
+            job_metadata=opt["job_metadata"],
+            category=opt["category"],
+            timeout=timeout,
+            record=self.record,
+            max_retries=self.max_retries,
+            started=time.monotonic(),
+        )
 
     # -- running a call: a list of results (plain dicts) --------------------------------------------
     def _run(self, items: list[Item], call: Call) -> list[dict]:
@@ -240,5 +291,3 @@ def usage(results: list[dict]) -> dict:
     prompt = sum(int((r.get("stats") or {}).get("prompt_tokens") or 0) for r in results)
     output = sum(int((r.get("stats") or {}).get("output_tokens") or 0) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
-
-

@@ -20,7 +20,6 @@ from specdec_llm.engine import RequestError
 from .backend import Call, Item
 from .base import PROVIDER, SpecDecBase, aiter_in_thread, info, usage
 
-
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 
 
@@ -45,7 +44,9 @@ def to_turns(messages: list[BaseMessage]) -> list[dict]:
                     parts.append(block.get("text", ""))
                 else:
                     kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-                    raise RequestError("messages", f"content of type {kind!r} is not supported: this model reads text only")
+                    raise RequestError(
+                        "messages", f"content of type {kind!r} is not supported: this model reads text only"
+                    )
             content = "".join(parts)
         turns.append({"role": role, "content": content})
     return turns
@@ -73,14 +74,24 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
             "response_metadata": {"model_name": result["pair"], "model_provider": PROVIDER, **info(result)},
         }
 
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:  # fmt: skip
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         call = self._resolve(stop, kwargs, messages=True)
         [result] = self._run([Item(messages=to_turns(messages))], call)
         return self._chat_result(result)
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:  # fmt: skip
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         call = self._resolve(stop, kwargs, messages=True)
         items = [Item(messages=to_turns(messages))]
         [result] = await asyncio.to_thread(self._run, items, call)
@@ -101,8 +112,13 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
                 message = AIMessageChunk(content="", chunk_position="last", **self._message_fields(value))
                 yield ChatGenerationChunk(message=message, generation_info=info(value))
 
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:  # fmt: skip
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
         # (BaseChatModel.stream calls on_llm_new_token itself, for every chunk yielded here)
         call = self._resolve(stop, kwargs, messages=True)
         cancel = threading.Event()
@@ -111,9 +127,13 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
         finally:
             cancel.set()
 
-    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:  # fmt: skip
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         call = self._resolve(stop, kwargs, messages=True)
         async for chunk in aiter_in_thread(lambda cancel: self._chunks(messages, call, cancel)):
             yield chunk

@@ -39,23 +39,37 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
             llm_output={"token_usage": usage(results), "model_name": results[0]["pair"] if results else self.pair},
         )
 
-    def _generate(self, prompts: list[str], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:  # fmt: skip
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
         if self.streaming and len(prompts) == 1:  # callbacks get every token
             final = None
             for chunk in self._stream(prompts[0], stop, run_manager, **kwargs):
                 final = chunk if final is None else final + chunk
             figures = final.generation_info or {}
-            tokens = {"prompt_tokens": figures.get("prompt_tokens") or 0,
-                      "completion_tokens": figures.get("output_tokens") or 0}  # fmt: skip
+            tokens = {
+                "prompt_tokens": figures.get("prompt_tokens") or 0,
+                "completion_tokens": figures.get("output_tokens") or 0,
+            }
             tokens["total_tokens"] = tokens["prompt_tokens"] + tokens["completion_tokens"]
-            return LLMResult(generations=[[Generation(text=final.text, generation_info=figures)]],
-                             llm_output={"token_usage": tokens, "model_name": figures.get("pair") or self.pair})  # fmt: skip
+            return LLMResult(
+                generations=[[Generation(text=final.text, generation_info=figures)]],
+                llm_output={"token_usage": tokens, "model_name": figures.get("pair") or self.pair},
+            )
         call = self._resolve(stop, kwargs, messages=False)
         return self._result(self._run([Item(prompt=p) for p in prompts], call))
 
-    async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:  # fmt: skip
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
         call = self._resolve(stop, kwargs, messages=False)
         items = [Item(prompt=p) for p in prompts]
         return self._result(await asyncio.to_thread(self._run, items, call))
@@ -67,8 +81,13 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
             else:  # the last chunk: no text, every figure (see ``specdec_llm.langchain``)
                 yield GenerationChunk(text="", generation_info=info(value))
 
-    def _stream(self, prompt: str, stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:  # fmt: skip
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
         call = self._resolve(stop, kwargs, messages=False)
         cancel = threading.Event()
         try:
@@ -79,9 +98,13 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
         finally:
             cancel.set()
 
-    async def _astream(self, prompt: str, stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[GenerationChunk]:  # fmt: skip
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
         call = self._resolve(stop, kwargs, messages=False)
         async for chunk in aiter_in_thread(lambda cancel: self._chunks(prompt, call, cancel)):
             if run_manager and chunk.text:

@@ -98,10 +98,17 @@ class LocalBackend:
             spec = pair.spec
             stored = {k: result[k] for k in ("text", "token_ids", "finish_reason", "stats")}
             store.record_result(
-                rid, stored, worker=store.worker_info(spec.device), device=spec.device, queue_wait_s=0.0,
-                pair=call.pair, job_id=call.job_id, price_per_hour=store.price_for(None, spec.device),
-                dtype=spec.dtype, category=call.category,
-            )  # fmt: skip
+                rid,
+                stored,
+                worker=store.worker_info(spec.device),
+                device=spec.device,
+                queue_wait_s=0.0,
+                pair=call.pair,
+                job_id=call.job_id,
+                price_per_hour=store.price_for(None, spec.device),
+                dtype=spec.dtype,
+                category=call.category,
+            )
         return result
 
     def _failed(self, row: dict, call: Call, e: BaseException) -> None:

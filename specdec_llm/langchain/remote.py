@@ -64,9 +64,12 @@ class RemoteBackend:
                 fault = e
                 if attempt < call.max_retries and not call.expired():
                     time.sleep(min(0.5 * 2**attempt, 5.0))
-        error = (str(fault) if isinstance(fault, client.QueueError)
-                 else f"the broker at {client.broker_display()} is unreachable ({fault}); check SPECDEC_BROKER_URL "
-                      "and that the broker is running")  # fmt: skip
+        error = (
+            str(fault)
+            if isinstance(fault, client.QueueError)
+            else f"the broker at {client.broker_display()} is unreachable ({fault}); check SPECDEC_BROKER_URL "
+            "and that the broker is running"
+        )
         for rid in ids:
             store.mark_request(rid, "failed", error=error)
         raise BrokerUnavailable(error)
@@ -77,8 +80,9 @@ class RemoteBackend:
         while True:  # the task's result; or the row finished by another delivery (its first worker was lost)
             remaining = call.remaining()
             try:
-                out = result.get(timeout=5.0 if remaining is None else max(0.01, min(5.0, remaining)),
-                                 propagate=False, interval=0.05)  # fmt: skip
+                out = result.get(
+                    timeout=5.0 if remaining is None else max(0.01, min(5.0, remaining)), propagate=False, interval=0.05
+                )
                 break
             except CeleryTimeout:
                 row = store.get_request(rid)
@@ -105,9 +109,15 @@ class RemoteBackend:
             row = store.get_request(rid)
             if row and row["status"] == "ok" and row["output"]:
                 out = row["output"]
-                return {"request_id": rid, "status": "ok", "text": out["text"], "token_ids": out["token_ids"],
-                        "finish_reason": out["finish_reason"], "stats": store.get_stats(rid),
-                        "job_id": call.job_id}  # fmt: skip
+                return {
+                    "request_id": rid,
+                    "status": "ok",
+                    "text": out["text"],
+                    "token_ids": out["token_ids"],
+                    "finish_reason": out["finish_reason"],
+                    "stats": store.get_stats(rid),
+                    "job_id": call.job_id,
+                }
             if row and row["status"] in ("failed", "cancelled"):
                 raise GenerationFailed(f"request {rid} {row['status']}: {row['error']}")
             if call.expired():

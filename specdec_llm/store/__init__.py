@@ -64,6 +64,7 @@ from .db import (
     session_scope,
     upgrade,
 )
+from .models import utcnow
 from .record import (
     create_job,
     get_job,
@@ -76,12 +77,30 @@ from .record import (
     upsert_worker,
     worker_info,
 )
-from .models import utcnow
 from .reports import ReportInputError, price_for, summary
 
 __all__ = [
-    "SchemaError", "StoreError", "ReportInputError", "check_schema", "downgrade", "ensure_schema",
-    "get_engine", "mask_url", "session_scope", "upgrade", "create_job", "get_job", "get_request", "get_stats",
-    "mark_request", "record_baseline", "record_result", "upsert_pair", "upsert_worker",
-    "worker_info", "summary", "price_for", "utcnow",
+    "ReportInputError",
+    "SchemaError",
+    "StoreError",
+    "check_schema",
+    "create_job",
+    "downgrade",
+    "ensure_schema",
+    "get_engine",
+    "get_job",
+    "get_request",
+    "get_stats",
+    "mark_request",
+    "mask_url",
+    "price_for",
+    "record_baseline",
+    "record_result",
+    "session_scope",
+    "summary",
+    "upgrade",
+    "upsert_pair",
+    "upsert_worker",
+    "utcnow",
+    "worker_info",
 ]

@@ -7,7 +7,7 @@ Every failure a person can fix prints one line (``error: ...``) to stderr and ex
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
 
@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
             after = downgrade(url, revision)
         except SpecDecError as e:
             fail(e)
-        except Exception as e:  # alembic's "no such revision" etc.
+        except Exception as e:  # noqa: BLE001 - alembic's "no such revision" etc.
             fail(f"cannot downgrade to {revision!r}: {str(e).splitlines()[0]}")
         typer.echo(f"{mask_url(url)}: downgraded {before} -> {after or 'base (empty)'}")
 
@@ -56,31 +56,43 @@ def register(app: typer.Typer) -> None:
 
     @app.command("report")
     def report_cmd(
-        since: str | None = typer.Option(None, help="Start: a duration back from now (7d, 12h, 30m) or a UTC date/time."),
+        since: str | None = typer.Option(
+            None, help="Start: a duration back from now (7d, 12h, 30m) or a UTC date/time."
+        ),
         until: str | None = typer.Option(None, help="End (exclusive; a bare date includes that day)."),
-        group_by: list[str] = typer.Option(["pair"], "--group-by", "-g",
-                                           help="pair, day, hour, job, worker, category (repeat or comma-separate)."),
+        group_by: list[str] = typer.Option(
+            ["pair"], "--group-by", "-g", help="pair, day, hour, job, worker, category (repeat or comma-separate)."
+        ),
         pair: str | None = typer.Option(None, help="Only this pair (name)."),
         job: str | None = typer.Option(None, help="Only this job (id)."),
         fmt: str = typer.Option("table", "--format", "-f", help="table, csv, json or html."),
         columns: list[str] = typer.Option(
-            [], "--columns", "-c", help="Metrics to show, in order (comma-separate or repeat; 'all': every one), "
-                                        "e.g. requests,tokens_per_s_p95,cost_usd. Default: the key figures first; "
-                                        "a table wider than the terminal folds into more tables."),
+            [],
+            "--columns",
+            "-c",
+            help="Metrics to show, in order (comma-separate or repeat; 'all': every one), "
+            "e.g. requests,tokens_per_s_p95,cost_usd. Default: the key figures first; "
+            "a table wider than the terminal folds into more tables.",
+        ),
         out: Path | None = typer.Option(None, "--out", "-o", help="Write here instead of stdout."),
         price_per_hour: list[str] = typer.Option(
-            [], "--price-per-hour", help="USD per device-hour: 2.5 for all, or per device kind: cuda=2.5 (repeat)."),
+            [], "--price-per-hour", help="USD per device-hour: 2.5 for all, or per device kind: cuda=2.5 (repeat)."
+        ),
     ) -> None:
         """Speed, acceptance, speedup and cost per pair/day/hour/job/worker/category."""
         from .render import report_rows, speedup_note, to_tables
         from .reports import summary
 
-        filters = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in (("since", since), ("until", until),
-                                                                        ("pair", pair), ("job", job)) if v)  # fmt: skip
+        filters = ", ".join(
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in (("since", since), ("until", until), ("pair", pair), ("job", job))
+            if v
+        )
         no_data = f"no data: no request finished {'with ' + filters if filters else 'yet'}; widen --since or check the filters"
         with user_errors():
-            kw: dict[str, Any] = dict(since=since, until=until, group_by=group_by, pair=pair, job=job,
-                      price_per_hour=price_per_hour or None)
+            kw: dict[str, Any] = dict(
+                since=since, until=until, group_by=group_by, pair=pair, job=job, price_per_hour=price_per_hour or None
+            )
             if fmt == "table" and out is None:  # to the terminal (or a pipe: 80 columns), in its width
                 from rich.console import Console
 

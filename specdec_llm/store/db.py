@@ -47,6 +47,7 @@ class SchemaError(StoreError):
 
 # --- URLs ---------------------------------------------------------------------------
 
+
 def resolve_url(url: str | None = None) -> str:
     url = url or get_settings().effective_database_url
     try:
@@ -86,6 +87,7 @@ def sqlite_path(url: str) -> Path | None:
 
 
 # --- engines and sessions -----------------------------------------------------------
+
 
 class _Percentiles:
     """SQLite aggregate ``specdec_percentiles(x, y, z)``: the 50th and 95th percentile of
@@ -215,6 +217,7 @@ def unreachable(url: str, error: Exception) -> StoreError:
 
 
 # --- schema (Alembic) ---------------------------------------------------------------
+
 
 def alembic_config(url: str) -> Config:
     from alembic.config import Config

@@ -40,8 +40,9 @@ def _lost(cutoff: datetime) -> ColumnElement[bool]:
     return and_(Request.status == "running", _beat() < cutoff)
 
 
-def take(request_id: str, owner: str, *, lease_timeout_s: float, worker: dict[str, Any] | None = None,
-         url: str | None = None) -> bool:  # fmt: skip
+def take(
+    request_id: str, owner: str, *, lease_timeout_s: float, worker: dict[str, Any] | None = None, url: str | None = None
+) -> bool:
     """Start running ``request_id`` under a lease held by ``owner`` (a Celery node name):
     from "queued", or from "running" when the lease is ``owner``'s own or has expired
     (its worker is gone). Counts an attempt. False when the row is finished, cancelled, or
@@ -50,12 +51,23 @@ def take(request_id: str, owner: str, *, lease_timeout_s: float, worker: dict[st
         now = utcnow()
         takeable = or_(
             Request.status == "queued",
-            and_(Request.status == "running",
-                 or_(Request.lease_owner.is_(None), Request.lease_owner == owner,
-                     _beat() < now - timedelta(seconds=lease_timeout_s))),
-        )  # fmt: skip
-        values: dict[str, Any] = dict(status="running", error=None, attempts=Request.attempts + 1, lease_owner=owner,
-                      heartbeat_at=now, started_at=func.coalesce(Request.started_at, now))  # fmt: skip
+            and_(
+                Request.status == "running",
+                or_(
+                    Request.lease_owner.is_(None),
+                    Request.lease_owner == owner,
+                    _beat() < now - timedelta(seconds=lease_timeout_s),
+                ),
+            ),
+        )
+        values: dict[str, Any] = dict(
+            status="running",
+            error=None,
+            attempts=Request.attempts + 1,
+            lease_owner=owner,
+            heartbeat_at=now,
+            started_at=func.coalesce(Request.started_at, now),
+        )
         if worker:
             values["worker_id"] = _worker_id(s, worker)
         changed = s.execute(
@@ -93,18 +105,25 @@ def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str
         jobs: set[str] = set()
         if max_attempts is not None:
             failed = s.execute(
-                update(Request).where(_lost(cutoff), Request.attempts >= max_attempts)
-                .values(status="failed", finished_at=now, lease_owner=None, heartbeat_at=None,
-                        error=f"gave up after {max_attempts} attempts whose worker was lost each time "
-                              "(killed: out of memory?)")
+                update(Request)
+                .where(_lost(cutoff), Request.attempts >= max_attempts)
+                .values(
+                    status="failed",
+                    finished_at=now,
+                    lease_owner=None,
+                    heartbeat_at=None,
+                    error=f"gave up after {max_attempts} attempts whose worker was lost each time "
+                    "(killed: out of memory?)",
+                )
                 .returning(Request.job_id)
-            ).all()  # fmt: skip
+            ).all()
             jobs.update(r.job_id for r in failed if r.job_id)
         requeued = s.execute(
-            update(Request).where(_lost(cutoff))
+            update(Request)
+            .where(_lost(cutoff))
             .values(status="queued", lease_owner=None, heartbeat_at=None, requeues=Request.requeues + 1)
             .returning(Request.id, Request.job_id, Request.pair_id)
-        ).all()  # fmt: skip
+        ).all()
         jobs.update(r.job_id for r in requeued if r.job_id)
         names = _pair_names(s, {r.pair_id for r in requeued})
         for job_id in jobs:
@@ -123,14 +142,18 @@ def counts(job_id: str, *, lease_timeout_s: float | None = None, url: str | None
     Reads only."""
     check_schema(url)
     with session_scope(url) as s:
-        by_status = dict(s.execute(
-            select(Request.status, func.count()).where(Request.job_id == job_id).group_by(Request.status)
-        ).all())  # fmt: skip
+        by_status = dict(
+            s.execute(
+                select(Request.status, func.count()).where(Request.job_id == job_id).group_by(Request.status)
+            ).all()
+        )
         out = {k: by_status.get(k, 0) for k in (*PENDING, *FINISHED)}
         pending = Request.job_id == job_id
-        out["requeued"] = s.scalar(
-            select(func.count()).where(pending, Request.status.in_(PENDING), Request.requeues > 0)
-        ) or 0 if out["queued"] or out["running"] else 0  # fmt: skip
+        out["requeued"] = (
+            s.scalar(select(func.count()).where(pending, Request.status.in_(PENDING), Request.requeues > 0)) or 0
+            if out["queued"] or out["running"]
+            else 0
+        )
         out["lost"] = 0
         if lease_timeout_s is not None and out["running"]:
             cutoff = utcnow() - timedelta(seconds=lease_timeout_s)
@@ -145,14 +168,25 @@ def job_requests(job_id: str, *, outputs: bool = True, url: str | None = None) -
     q = select(*columns).outerjoin(Pair, Pair.id == Request.pair_id).where(Request.job_id == job_id)
     if outputs:
         q = (
-            q.add_columns(Request.finished_at, Output.text, Output.finish_reason, Output.prompt_tokens,
-                          Output.output_tokens, Telemetry.tokens_per_s, Telemetry.acceptance_rate,
-                          Telemetry.mean_accepted_length, Telemetry.wall_time_s, Telemetry.time_to_first_token_s,
-                          Telemetry.draft_tokens_proposed, Telemetry.draft_tokens_accepted, Telemetry.drafter,
-                          Telemetry.baseline_s)
+            q.add_columns(
+                Request.finished_at,
+                Output.text,
+                Output.finish_reason,
+                Output.prompt_tokens,
+                Output.output_tokens,
+                Telemetry.tokens_per_s,
+                Telemetry.acceptance_rate,
+                Telemetry.mean_accepted_length,
+                Telemetry.wall_time_s,
+                Telemetry.time_to_first_token_s,
+                Telemetry.draft_tokens_proposed,
+                Telemetry.draft_tokens_accepted,
+                Telemetry.drafter,
+                Telemetry.baseline_s,
+            )
             .outerjoin(Output, Output.request_id == Request.id)
             .outerjoin(Telemetry, Telemetry.request_id == Request.id)
-        )  # fmt: skip
+        )
     check_schema(url)
     with session_scope(url) as s:
         out = [dict(r) for r in s.execute(q).mappings()]
@@ -170,13 +204,18 @@ def requeue(job_id: str, *, lease_timeout_s: float, url: str | None = None) -> l
         refused = Request.params["_input_error"].as_string().is_not(None)
         rows = s.execute(
             update(Request)
-            .where(Request.job_id == job_id,
-                   or_(Request.status == "queued", _lost(cutoff),
-                       and_(Request.status == "failed", or_(Request.params.is_(None), ~refused))))
+            .where(
+                Request.job_id == job_id,
+                or_(
+                    Request.status == "queued",
+                    _lost(cutoff),
+                    and_(Request.status == "failed", or_(Request.params.is_(None), ~refused)),
+                ),
+            )
             .values(status="queued", error=None, lease_owner=None, heartbeat_at=None)
             .returning(Request.id, Request.pair_id)
             .execution_options(synchronize_session=False)
-        ).all()  # fmt: skip
+        ).all()
         names = _pair_names(s, {r.pair_id for r in rows})
         _refresh_job(s, job_id)
         return [{"id": r.id, "pair": names.get(r.pair_id)} for r in rows]
@@ -194,10 +233,11 @@ def cancel(job_id: str, *, url: str | None = None) -> int:
     """Cancel every queued row of a job in one UPDATE (running rows finish); how many."""
     with _writing(url) as s:
         rows = s.execute(
-            update(Request).where(Request.job_id == job_id, Request.status == "queued")
+            update(Request)
+            .where(Request.job_id == job_id, Request.status == "queued")
             .values(status="cancelled", error="cancelled", finished_at=utcnow())
             .returning(Request.id)
             .execution_options(synchronize_session=False)
-        ).all()  # fmt: skip
+        ).all()
         _refresh_job(s, job_id)
         return len(rows)

@@ -42,19 +42,48 @@ BASELINE_SOURCES = ("calibration", "shadow")
 # The engine's Stats fields, each a telemetry column of the same name (a test keeps this
 # in step with specdec_llm.engine.types.Stats; the store does not import the engine/torch).
 STATS_FIELDS = (
-    "prompt_tokens", "output_tokens", "draft_tokens_proposed", "draft_tokens_accepted",
-    "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "target_forwards",
-    "draft_forwards", "draft_time_s", "target_time_s", "wall_time_s", "time_to_first_token_s",
-    "tokens_per_s", "k_values", "drafter_tokens", "drafter", "batch_rows", "baseline_s", "finish_reason",
+    "prompt_tokens",
+    "output_tokens",
+    "draft_tokens_proposed",
+    "draft_tokens_accepted",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "per_position_acceptance",
+    "target_forwards",
+    "draft_forwards",
+    "draft_time_s",
+    "target_time_s",
+    "wall_time_s",
+    "time_to_first_token_s",
+    "tokens_per_s",
+    "k_values",
+    "drafter_tokens",
+    "drafter",
+    "batch_rows",
+    "baseline_s",
+    "finish_reason",
 )
 
 
 # Telemetry columns the reports read, in the order of their covering index.
 REPORT_COLUMNS = (
-    "pair_id", "finished_at", "job_id", "worker_id", "category", "device_kind", "dtype",
-    "prompt_tokens", "output_tokens", "draft_tokens_proposed", "draft_tokens_accepted",
-    "mean_accepted_length", "tokens_per_s", "wall_time_s", "time_to_first_token_s",
-    "estimated_cost_usd", "baseline_s",
+    "pair_id",
+    "finished_at",
+    "job_id",
+    "worker_id",
+    "category",
+    "device_kind",
+    "dtype",
+    "prompt_tokens",
+    "output_tokens",
+    "draft_tokens_proposed",
+    "draft_tokens_accepted",
+    "mean_accepted_length",
+    "tokens_per_s",
+    "wall_time_s",
+    "time_to_first_token_s",
+    "estimated_cost_usd",
+    "baseline_s",
 )
 
 
@@ -156,9 +185,7 @@ class Output(Base):
     """What a request produced."""
 
     __tablename__ = "outputs"
-    request_id: Mapped[str] = mapped_column(
-        ForeignKey("requests.id", ondelete="CASCADE"), primary_key=True
-    )
+    request_id: Mapped[str] = mapped_column(ForeignKey("requests.id", ondelete="CASCADE"), primary_key=True)
     text: Mapped[str] = mapped_column(Text)
     token_ids: Mapped[list[int]] = mapped_column(JSON)
     prompt_tokens: Mapped[int]
@@ -178,9 +205,7 @@ class Telemetry(Base):
         # order and then fetch every row from the table, 2-3x slower.)
         Index("ix_telemetry_report", *REPORT_COLUMNS),
     )
-    request_id: Mapped[str] = mapped_column(
-        ForeignKey("requests.id", ondelete="CASCADE"), primary_key=True
-    )
+    request_id: Mapped[str] = mapped_column(ForeignKey("requests.id", ondelete="CASCADE"), primary_key=True)
     # Copies of the request's context (denormalised for the reports).
     pair_id: Mapped[int | None] = mapped_column(ForeignKey("pairs.id"))
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))

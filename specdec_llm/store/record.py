@@ -63,7 +63,7 @@ def _insert(session: Session, model: type[Base]) -> PostgresInsert | SqliteInser
 
 
 def device_kind(device: str) -> str:
-    """"cuda:1" -> "cuda". Prices and baselines are per device kind."""
+    """ "cuda:1" -> "cuda". Prices and baselines are per device kind."""
     return (device or "unknown").split(":", 1)[0].strip().lower() or "unknown"
 
 
@@ -86,6 +86,7 @@ def worker_info(device_name: str) -> dict[str, Any]:
 
 
 # --- pairs, workers, baselines --------------------------------------------------------
+
 
 def _pair_id(session: Session, name: str, **values: Any) -> int:
     now = utcnow()
@@ -131,9 +132,7 @@ def _worker_id(session: Session, worker: dict[str, Any]) -> int:
     versions = {k: worker.get(k) for k in ("torch_version", "transformers_version")}
     now = utcnow()
     stmt = _insert(session, Worker).values(**key, **versions, started_at=now, last_seen_at=now)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=list(key), set_={**versions, "last_seen_at": now}
-    )
+    stmt = stmt.on_conflict_do_update(index_elements=list(key), set_={**versions, "last_seen_at": now})
     session.execute(stmt)
     return session.execute(select(Worker.id).filter_by(**key)).scalar_one()
 
@@ -178,8 +177,11 @@ def record_baseline(
             # in SQL, so concurrent shadow samples don't race
             merge = Baseline.source == "shadow"
             new_tps = case(
-                (merge, (Baseline.tokens_per_s * Baseline.samples + ex.tokens_per_s * ex.samples)
-                 / (Baseline.samples + ex.samples)),
+                (
+                    merge,
+                    (Baseline.tokens_per_s * Baseline.samples + ex.tokens_per_s * ex.samples)
+                    / (Baseline.samples + ex.samples),
+                ),
                 else_=ex.tokens_per_s,
             )
             new_samples = case((merge, Baseline.samples + ex.samples), else_=ex.samples)
@@ -187,17 +189,23 @@ def record_baseline(
             new_tps, new_samples = ex.tokens_per_s, ex.samples
         stmt = stmt.on_conflict_do_update(
             index_elements=list(values),
-            set_={"tokens_per_s": new_tps, "samples": new_samples, "source": ex.source,
-                  "measured_at": ex.measured_at},
+            set_={"tokens_per_s": new_tps, "samples": new_samples, "source": ex.source, "measured_at": ex.measured_at},
         )
         s.execute(stmt)
         row = s.execute(select(Baseline).filter_by(**values)).scalar_one()
-        return {"pair": pair, "device_kind": row.device_kind, "dtype": row.dtype,
-                "tokens_per_s": row.tokens_per_s, "samples": row.samples, "source": row.source,
-                "measured_at": row.measured_at}
+        return {
+            "pair": pair,
+            "device_kind": row.device_kind,
+            "dtype": row.dtype,
+            "tokens_per_s": row.tokens_per_s,
+            "samples": row.samples,
+            "source": row.source,
+            "measured_at": row.measured_at,
+        }
 
 
 # --- jobs and requests ----------------------------------------------------------------
+
 
 def _refresh_job(session: Session, job_id: str) -> None:
     counts = dict(
@@ -237,7 +245,8 @@ def _row_changed(session: Session, job_id: str, *, started: bool = True) -> None
     elif started:
         now = utcnow()
         session.execute(
-            update(Job).where(Job.id == job_id, Job.status != "running")
+            update(Job)
+            .where(Job.id == job_id, Job.status != "running")
             .values(status="running", started_at=func.coalesce(Job.started_at, now), finished_at=None)
         )
 
@@ -298,9 +307,9 @@ def create_job(
         keys = [r["idempotency_key"] for r in rows if r["idempotency_key"]]
         by_key: dict[str | None, str] = {}
         for chunk in _chunks(keys):
-            by_key.update(s.execute(
-                select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))
-            ).all())
+            by_key.update(
+                s.execute(select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))).all()
+            )
         ids = [r["id"] for r in rows]
         known_ids: set[str] = set()
         for chunk in _chunks(ids):
@@ -309,9 +318,9 @@ def create_job(
         if new:
             s.execute(_insert(s, Request).on_conflict_do_nothing(), new)
         for chunk in _chunks(keys):  # resolve again: a concurrent caller may have won a key
-            by_key.update(s.execute(
-                select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))
-            ).all())
+            by_key.update(
+                s.execute(select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))).all()
+            )
         _refresh_job(s, job_id)
     request_ids = [by_key.get(r["idempotency_key"], r["id"]) if r["idempotency_key"] else r["id"] for r in rows]
     return {"job_id": job_id, "request_ids": request_ids, "created": len(new)}
@@ -354,8 +363,7 @@ def mark_request(
         # "ok" is final; a row only starts running from queued/running (never over a cancel)
         allowed = Request.status.in_(("queued", "running")) if status == "running" else Request.status != "ok"
         changed = s.execute(
-            update(Request).where(Request.id == request_id, allowed).values(**values)
-            .returning(Request.job_id)
+            update(Request).where(Request.id == request_id, allowed).values(**values).returning(Request.job_id)
         ).first()
         if changed is not None and changed.job_id:
             _row_changed(s, changed.job_id, started=status != "queued")
@@ -363,6 +371,7 @@ def mark_request(
 
 
 # --- results ----------------------------------------------------------------------------
+
 
 def record_result(
     request_id: str,
@@ -400,13 +409,19 @@ def record_result(
             _ensure_job(s, job_id, pair_id=pair_id)
         s.execute(
             _insert(s, Request)
-            .values(id=request_id, job_id=job_id, pair_id=pair_id, category=category,
-                    status="running", attempts=1, created_at=now, started_at=now)
+            .values(
+                id=request_id,
+                job_id=job_id,
+                pair_id=pair_id,
+                category=category,
+                status="running",
+                attempts=1,
+                created_at=now,
+                started_at=now,
+            )
             .on_conflict_do_nothing(index_elements=["id"])
         )
-        req = s.execute(
-            select(Request.job_id, Request.category).where(Request.id == request_id)
-        ).one()
+        req = s.execute(select(Request.job_id, Request.category).where(Request.id == request_id)).one()
         wrote = s.execute(
             _insert(s, Output)
             .values(
@@ -446,9 +461,15 @@ def record_result(
         s.execute(
             update(Request)
             .where(Request.id == request_id)
-            .values(status="ok", error=None, finished_at=now, lease_owner=None, heartbeat_at=None,
-                    worker_id=worker_id if worker_id is not None else Request.worker_id,
-                    pair_id=func.coalesce(Request.pair_id, pair_id))
+            .values(
+                status="ok",
+                error=None,
+                finished_at=now,
+                lease_owner=None,
+                heartbeat_at=None,
+                worker_id=worker_id if worker_id is not None else Request.worker_id,
+                pair_id=func.coalesce(Request.pair_id, pair_id),
+            )
         )
         if req.job_id:
             _row_changed(s, req.job_id)
@@ -457,25 +478,40 @@ def record_result(
 
 # --- reading single rows -------------------------------------------------------------
 
+
 def get_request(request_id: str, *, url: str | None = None) -> dict[str, Any] | None:
     """A request's status, error, attempts and (when done) output, as a dict; None if unknown."""
     with _writing(url) as s:
         row = s.execute(
-            select(Request, Output).outerjoin(Output, Output.request_id == Request.id)
-            .where(Request.id == request_id)
+            select(Request, Output).outerjoin(Output, Output.request_id == Request.id).where(Request.id == request_id)
         ).first()
         if row is None:
             return None
         req, out = row
         return {
-            "id": req.id, "job_id": req.job_id, "status": req.status, "error": req.error,
-            "attempts": req.attempts, "category": req.category, "prompt": req.prompt,
-            "lease_owner": req.lease_owner, "heartbeat_at": req.heartbeat_at, "requeues": req.requeues,
-            "messages": req.messages, "params": req.params, "created_at": req.created_at,
-            "started_at": req.started_at, "finished_at": req.finished_at,
-            "output": None if out is None else {
-                "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                "prompt_tokens": out.prompt_tokens, "output_tokens": out.output_tokens,
+            "id": req.id,
+            "job_id": req.job_id,
+            "status": req.status,
+            "error": req.error,
+            "attempts": req.attempts,
+            "category": req.category,
+            "prompt": req.prompt,
+            "lease_owner": req.lease_owner,
+            "heartbeat_at": req.heartbeat_at,
+            "requeues": req.requeues,
+            "messages": req.messages,
+            "params": req.params,
+            "created_at": req.created_at,
+            "started_at": req.started_at,
+            "finished_at": req.finished_at,
+            "output": None
+            if out is None
+            else {
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+                "prompt_tokens": out.prompt_tokens,
+                "output_tokens": out.output_tokens,
             },
         }
 
@@ -498,7 +534,14 @@ def get_job(job_id: str, *, url: str | None = None) -> dict[str, Any] | None:
         job = s.get(Job, job_id, populate_existing=True)
         assert job is not None  # it was there a moment ago, in this transaction
         return {
-            "id": job.id, "name": job.name, "status": job.status, "n_requests": job.n_requests,
-            "n_ok": job.n_ok, "n_failed": job.n_failed, "params": job.params,
-            "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
+            "id": job.id,
+            "name": job.name,
+            "status": job.status,
+            "n_requests": job.n_requests,
+            "n_ok": job.n_ok,
+            "n_failed": job.n_failed,
+            "params": job.params,
+            "created_at": job.created_at,
+            "started_at": job.started_at,
+            "finished_at": job.finished_at,
         }

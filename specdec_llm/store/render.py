@@ -44,10 +44,23 @@ _COLUMNS = {
     "cost_per_1m_output_tokens": ("$/1M out tok", "money"),
 }
 # the table's columns by default, in this order; a narrow terminal folds them into more tables
-TABLE_COLUMNS = ("requests", "failed", "output_tokens", "tokens_per_s_mean", "tokens_per_s_p50",
-                 "tokens_per_s_p95", "latency_p50_s", "latency_p95_s", "ttft_p50_s",
-                 "acceptance_rate", "mean_accepted_length", "speedup", "device_seconds",
-                 "cost_usd", "cost_per_1m_output_tokens")
+TABLE_COLUMNS = (
+    "requests",
+    "failed",
+    "output_tokens",
+    "tokens_per_s_mean",
+    "tokens_per_s_p50",
+    "tokens_per_s_p95",
+    "latency_p50_s",
+    "latency_p95_s",
+    "ttft_p50_s",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "speedup",
+    "device_seconds",
+    "cost_usd",
+    "cost_per_1m_output_tokens",
+)
 # every row's key figures: always in the first table, whatever the width
 KEY_COLUMNS = ("requests", "tokens_per_s_mean", "acceptance_rate", "speedup", "cost_usd")
 
@@ -110,8 +123,12 @@ def parse_columns(columns: Columns) -> tuple[str, ...] | None:
 
 def to_csv(rows: list[dict[str, Any]], columns: Columns = None) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=_groups(rows) + list(parse_columns(columns) or METRICS),
-                            lineterminator="\n", extrasaction="ignore")
+    writer = csv.DictWriter(
+        buf,
+        fieldnames=_groups(rows) + list(parse_columns(columns) or METRICS),
+        lineterminator="\n",
+        extrasaction="ignore",
+    )
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
@@ -127,7 +144,9 @@ def to_json(rows: list[dict[str, Any]], columns: Columns = None) -> str:
 def speedup_note(rows: list[dict[str, Any]]) -> str:
     """What the speedup figures are measured against (the bases the rows use)."""
     bases = sorted({r["speedup_basis"] for r in rows if r.get("speedup_basis")})
-    return "speedup vs target-only decoding; basis: " + ("; ".join(bases) if bases else "none (no counterfactual recorded)")
+    return "speedup vs target-only decoding; basis: " + (
+        "; ".join(bases) if bases else "none (no counterfactual recorded)"
+    )
 
 
 def _header_width(header: str) -> int:
@@ -196,8 +215,16 @@ def to_tables(
             tables.append(current)
             current = [c]
     tables.append(current)
-    return [_table(rows, groups, group_widths, sorted(cols, key=order.index),
-                   title if len(tables) == 1 else f"{title} ({i + 1}/{len(tables)})") for i, cols in enumerate(tables)]
+    return [
+        _table(
+            rows,
+            groups,
+            group_widths,
+            sorted(cols, key=order.index),
+            title if len(tables) == 1 else f"{title} ({i + 1}/{len(tables)})",
+        )
+        for i, cols in enumerate(tables)
+    ]
 
 
 def to_table(rows: list[dict[str, Any]], title: str = "specdec-llm report", columns: Columns = None) -> Table:
@@ -257,8 +284,10 @@ def _svg(title: str, points: list[tuple[str, float | None]], kind: str, shape: s
     parts = [f'<line x1="{_L}" y1="{12 + plot_h}" x2="{_W - 12}" y2="{12 + plot_h}" class="axis"/>']
     for t in ticks:  # y-axis ticks
         parts.append(f'<line x1="{_L}" y1="{y(t):.1f}" x2="{_W - 12}" y2="{y(t):.1f}" class="grid"/>')
-        parts.append(f'<text x="{_L - 6}" y="{y(t) + 4:.1f}" class="tick y" text-anchor="end">'
-                     f'{escape(label_fmt(t, decimals))}</text>')
+        parts.append(
+            f'<text x="{_L - 6}" y="{y(t) + 4:.1f}" class="tick y" text-anchor="end">'
+            f"{escape(label_fmt(t, decimals))}</text>"
+        )
     widest = max(len(str(label)) for label, _ in points) * 6.5 + 12  # px per x label
     every = -(-len(points) // max(1, int(plot_w // widest)))  # labels that fit, evenly spaced
     line = []
@@ -266,19 +295,24 @@ def _svg(title: str, points: list[tuple[str, float | None]], kind: str, shape: s
         cx = _L + step * (i + 0.5)
         tip = f"<title>{escape(str(label))}: {escape(value_fmt(v) if v is not None else '-')}</title>"
         if v is not None and shape == "bar":
-            parts.append(f'<rect x="{cx - step * 0.35:.1f}" y="{y(v):.1f}" width="{step * 0.7:.1f}" '
-                         f'height="{12 + plot_h - y(v):.1f}" class="bar">{tip}</rect>')
+            parts.append(
+                f'<rect x="{cx - step * 0.35:.1f}" y="{y(v):.1f}" width="{step * 0.7:.1f}" '
+                f'height="{12 + plot_h - y(v):.1f}" class="bar">{tip}</rect>'
+            )
         elif v is not None:
             line.append(f"{cx:.1f},{y(v):.1f}")
             parts.append(f'<circle cx="{cx:.1f}" cy="{y(v):.1f}" r="3" class="dot">{tip}</circle>')
         if i % every == 0:
-            parts.append(f'<text x="{cx:.1f}" y="{_H - _B + 28}" class="tick x" text-anchor="middle">'
-                         f'{escape(str(label))}</text>')
+            parts.append(
+                f'<text x="{cx:.1f}" y="{_H - _B + 28}" class="tick x" text-anchor="middle">{escape(str(label))}</text>'
+            )
     if line:
         parts.insert(1, f'<polyline points="{" ".join(line)}" class="line"/>')
-    return (f'<figure><figcaption>{escape(title)}</figcaption>'
-            f'<svg viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" role="img" '
-            f'aria-label="{escape(title)}">{"".join(parts)}</svg></figure>')
+    return (
+        f"<figure><figcaption>{escape(title)}</figcaption>"
+        f'<svg viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" role="img" '
+        f'aria-label="{escape(title)}">{"".join(parts)}</svg></figure>'
+    )
 
 
 _CSS = """
@@ -301,16 +335,25 @@ def _html_table(rows: list[dict[str, Any]], columns: Iterable[str], caption: str
     head += "".join(f'<th class="n">{escape(_COLUMNS[c][0])}</th>' for c in columns)
     values = [cells(c, rows) for c in columns]
     body = "".join(
-        "<tr>" + "".join(f'<td class="g">{escape(fmt(g, r[g]))}</td>' for g in groups)
-        + "".join(f'<td class="n">{escape(col[i])}</td>' for col in values) + "</tr>"
+        "<tr>"
+        + "".join(f'<td class="g">{escape(fmt(g, r[g]))}</td>' for g in groups)
+        + "".join(f'<td class="n">{escape(col[i])}</td>' for col in values)
+        + "</tr>"
         for i, r in enumerate(rows)
     )
     caption = f"<caption>{escape(caption)}</caption>" if caption else ""
     return f'<div class="wide"><table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
-def to_html(rows: list[dict[str, Any]], *, timeline: list[dict[str, Any]], by_day: list[dict[str, Any]], by_pair: list[dict[str, Any]],
-            filters: dict[str, Any] | None = None, columns: Columns = None) -> str:
+def to_html(
+    rows: list[dict[str, Any]],
+    *,
+    timeline: list[dict[str, Any]],
+    by_day: list[dict[str, Any]],
+    by_pair: list[dict[str, Any]],
+    filters: dict[str, Any] | None = None,
+    columns: Columns = None,
+) -> str:
     """One self-contained page: the summary tables and four charts.
 
     ``timeline`` is grouped by day or hour alone, ``by_day`` by day and ``by_pair`` by pair.
@@ -330,7 +373,7 @@ def to_html(rows: list[dict[str, Any]], *, timeline: list[dict[str, Any]], by_da
     ]
     meta = ", ".join(f"{k}: {v}" for k, v in (filters or {}).items() if v not in (None, (), []))
     return (
-        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>specdec-llm report</title><style>{_CSS}</style></head><body>"
         "<h1>specdec-llm report</h1>"
         f'<p class="meta">Generated {datetime.now().astimezone():%Y-%m-%d %H:%M %Z}. '
@@ -355,10 +398,19 @@ def report(fmt: str = "table", **filters: Any) -> str:
     return report_rows(fmt, **filters)[0]
 
 
-def report_rows(fmt: str = "table", *, since: object = None, until: object = None,
-                group_by: Iterable[str] | str | None = ("pair",), pair: str | None = None, job: str | None = None,
-                price_per_hour: Any = None, url: str | None = None, columns: Columns = None,
-                width: int = 220) -> tuple[str, int]:
+def report_rows(
+    fmt: str = "table",
+    *,
+    since: object = None,
+    until: object = None,
+    group_by: Iterable[str] | str | None = ("pair",),
+    pair: str | None = None,
+    job: str | None = None,
+    price_per_hour: Any = None,
+    url: str | None = None,
+    columns: Columns = None,
+    width: int = 220,
+) -> tuple[str, int]:
     """``report`` and how many groups it has (0: no data for these filters). ``columns``:
     which metrics (see ``parse_columns``); ``width``: the table's, in characters."""
     from .reports import ReportInputError, parse_group_by, parse_when, summary
@@ -367,8 +419,14 @@ def report_rows(fmt: str = "table", *, since: object = None, until: object = Non
         raise ReportInputError(f"--format: unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
     parse_group_by(group_by)  # bad input fails before any query
     parse_columns(columns)
-    kw: dict[str, Any] = dict(since=parse_when(since, "since"), until=parse_when(until, "until", end=True),
-              pair=pair, job=job, price_per_hour=price_per_hour, url=url)
+    kw: dict[str, Any] = dict(
+        since=parse_when(since, "since"),
+        until=parse_when(until, "until", end=True),
+        pair=pair,
+        job=job,
+        price_per_hour=price_per_hour,
+        url=url,
+    )
     rows = summary(group_by=group_by, **kw)
     if fmt == "csv":
         return to_csv(rows, columns), len(rows)
@@ -379,7 +437,11 @@ def report_rows(fmt: str = "table", *, since: object = None, until: object = Non
     by_day = summary(group_by=("day",), **kw)
     timeline = summary(group_by=("hour",), **kw) if len(by_day) <= 2 else by_day
     by_pair = summary(group_by=("pair",), **kw)
-    filters = {"since": kw["since"], "until": kw["until"], "group by": ", ".join(parse_group_by(group_by)),
-               "pair": pair, "job": job}
-    return to_html(rows, timeline=timeline, by_day=by_day, by_pair=by_pair, filters=filters,
-                   columns=columns), len(rows)
+    filters = {
+        "since": kw["since"],
+        "until": kw["until"],
+        "group by": ", ".join(parse_group_by(group_by)),
+        "pair": pair,
+        "job": job,
+    }
+    return to_html(rows, timeline=timeline, by_day=by_day, by_pair=by_pair, filters=filters, columns=columns), len(rows)

@@ -46,11 +46,25 @@ from .models import Baseline, Pair, Request, Telemetry, Worker, utcnow
 
 GROUP_FIELDS = ("pair", "day", "hour", "job", "worker", "category", "drafter")
 METRICS = (
-    "requests", "ok", "failed", "prompt_tokens", "output_tokens",
-    "tokens_per_s_mean", "tokens_per_s_p50", "tokens_per_s_p95",
-    "latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s",
-    "acceptance_rate", "mean_accepted_length", "speedup", "speedup_basis",
-    "device_seconds", "cost_usd", "cost_per_1m_output_tokens",
+    "requests",
+    "ok",
+    "failed",
+    "prompt_tokens",
+    "output_tokens",
+    "tokens_per_s_mean",
+    "tokens_per_s_p50",
+    "tokens_per_s_p95",
+    "latency_p50_s",
+    "latency_p95_s",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "speedup",
+    "speedup_basis",
+    "device_seconds",
+    "cost_usd",
+    "cost_per_1m_output_tokens",
 )
 # percentile columns: name in the row -> telemetry column
 _PERCENTILES = {
@@ -69,6 +83,7 @@ class ReportInputError(StoreError, ValueError):
 
 
 # --- input ----------------------------------------------------------------------------
+
 
 def parse_group_by(group_by: Iterable[str] | str | None) -> tuple[str, ...]:
     """("pair", "day") from a list and/or comma-separated names; () means one total row."""
@@ -94,7 +109,9 @@ _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([mhdw])$")
 _UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
-def parse_when(value: object, option: str = "since", *, end: bool = False, now: datetime | None = None) -> datetime | None:
+def parse_when(
+    value: object, option: str = "since", *, end: bool = False, now: datetime | None = None
+) -> datetime | None:
     """A report bound as naive UTC: None, a datetime/date, or text: a duration back from
     now ("7d", "12h", "30m", "2w") or an ISO date/time ("2026-01-31", "2026-01-31T12:00",
     with an offset or Z if not UTC). A bare date as ``end`` means the end of that day."""
@@ -146,9 +163,7 @@ def parse_prices(value: Any) -> dict[str, float] | None:
         except (TypeError, ValueError):
             price = -1.0
         if not price >= 0 or price == float("inf"):
-            raise ReportInputError(
-                f"--price-per-hour: {kind}={price!r} is not a price; use USD per device-hour >= 0"
-            )
+            raise ReportInputError(f"--price-per-hour: {kind}={price!r} is not a price; use USD per device-hour >= 0")
         prices[str(kind).strip().lower() or "*"] = price
     return prices
 
@@ -181,6 +196,7 @@ def _price_item(v: object) -> tuple[str, float]:
 
 # --- SQL ------------------------------------------------------------------------------
 
+
 def _time_bucket(dialect: str, column: Any, unit: str) -> ColumnElement[str]:
     # constants are inlined (literal_column) so SELECT and GROUP BY render identically
     if dialect == "postgresql":
@@ -189,9 +205,7 @@ def _time_bucket(dialect: str, column: Any, unit: str) -> ColumnElement[str]:
     # SQLite stores "YYYY-MM-DD HH:MM:SS.ffffff"
     if unit == "day":
         return func.substr(column, literal_column("1"), literal_column("10"), type_=String)
-    return func.substr(column, literal_column("1"), literal_column("13"), type_=String).concat(
-        literal_column("':00'")
-    )
+    return func.substr(column, literal_column("1"), literal_column("13"), type_=String).concat(literal_column("':00'"))
 
 
 def _keys(model: type[Telemetry] | type[Request], dialect: str, groups: tuple[str, ...]) -> list[Any]:
@@ -268,13 +282,16 @@ def _telemetry_query(
             func.sum(T.output_tokens).label("output_tokens"),
             func.avg(T.tokens_per_s).label("tokens_per_s_mean"),
             *_percentile_columns(dialect),
-            (cast(func.sum(T.draft_tokens_accepted), Float)
-             / func.nullif(func.sum(T.draft_tokens_proposed), 0)).label("acceptance_rate"),
+            (cast(func.sum(T.draft_tokens_accepted), Float) / func.nullif(func.sum(T.draft_tokens_proposed), 0)).label(
+                "acceptance_rate"
+            ),
             func.avg(T.mean_accepted_length).label("mean_accepted_length"),
-            (func.sum(T.baseline_s)
-             / func.nullif(func.sum(case((T.baseline_s.isnot(None), T.wall_time_s))), 0)).label("speedup"),
-            func.avg(case((T.baseline_s.is_(None), T.tokens_per_s / func.nullif(B.tokens_per_s, 0))))
-            .label("speedup_legacy"),
+            (func.sum(T.baseline_s) / func.nullif(func.sum(case((T.baseline_s.isnot(None), T.wall_time_s))), 0)).label(
+                "speedup"
+            ),
+            func.avg(case((T.baseline_s.is_(None), T.tokens_per_s / func.nullif(B.tokens_per_s, 0)))).label(
+                "speedup_legacy"
+            ),
             func.sum(T.wall_time_s).label("device_seconds"),
             func.sum(_row_cost(prices)).label("cost_usd"),
         )
@@ -296,6 +313,7 @@ def _failures_query(dialect: str, groups: tuple[str, ...], where: list[Any]) -> 
 
 
 # --- the report -------------------------------------------------------------------------
+
 
 def summary(
     since: object = None,

@@ -12,17 +12,17 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0002'
-down_revision: str | Sequence[str] | None = '0001'
+revision: str = "0002"
+down_revision: str | Sequence[str] | None = "0001"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('telemetry') as batch_op:
-        batch_op.add_column(sa.Column('batch_rows', sa.Float(), nullable=True))
+    with op.batch_alter_table("telemetry") as batch_op:
+        batch_op.add_column(sa.Column("batch_rows", sa.Float(), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('telemetry') as batch_op:
-        batch_op.drop_column('batch_rows')
+    with op.batch_alter_table("telemetry") as batch_op:
+        batch_op.drop_column("batch_rows")

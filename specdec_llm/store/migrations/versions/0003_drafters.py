@@ -14,19 +14,19 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0003'
-down_revision: str | Sequence[str] | None = '0002'
+revision: str = "0003"
+down_revision: str | Sequence[str] | None = "0002"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('telemetry') as batch_op:
-        batch_op.add_column(sa.Column('drafter', sa.String(length=32), nullable=True))
-        batch_op.add_column(sa.Column('drafter_tokens', sa.JSON(), nullable=True))
+    with op.batch_alter_table("telemetry") as batch_op:
+        batch_op.add_column(sa.Column("drafter", sa.String(length=32), nullable=True))
+        batch_op.add_column(sa.Column("drafter_tokens", sa.JSON(), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('telemetry') as batch_op:
-        batch_op.drop_column('drafter_tokens')
-        batch_op.drop_column('drafter')
+    with op.batch_alter_table("telemetry") as batch_op:
+        batch_op.drop_column("drafter_tokens")
+        batch_op.drop_column("drafter")

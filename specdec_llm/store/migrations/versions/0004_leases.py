@@ -17,23 +17,23 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0004'
-down_revision: str | Sequence[str] | None = '0003'
+revision: str = "0004"
+down_revision: str | Sequence[str] | None = "0003"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('requests') as batch_op:
-        batch_op.add_column(sa.Column('lease_owner', sa.String(length=255), nullable=True))
-        batch_op.add_column(sa.Column('heartbeat_at', sa.DateTime(), nullable=True))
-        batch_op.add_column(sa.Column('requeues', sa.Integer(), nullable=False, server_default='0'))
-        batch_op.create_index('ix_requests_status_heartbeat', ['status', 'heartbeat_at'], unique=False)
+    with op.batch_alter_table("requests") as batch_op:
+        batch_op.add_column(sa.Column("lease_owner", sa.String(length=255), nullable=True))
+        batch_op.add_column(sa.Column("heartbeat_at", sa.DateTime(), nullable=True))
+        batch_op.add_column(sa.Column("requeues", sa.Integer(), nullable=False, server_default="0"))
+        batch_op.create_index("ix_requests_status_heartbeat", ["status", "heartbeat_at"], unique=False)
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('requests') as batch_op:
-        batch_op.drop_index('ix_requests_status_heartbeat')
-        batch_op.drop_column('requeues')
-        batch_op.drop_column('heartbeat_at')
-        batch_op.drop_column('lease_owner')
+    with op.batch_alter_table("requests") as batch_op:
+        batch_op.drop_index("ix_requests_status_heartbeat")
+        batch_op.drop_column("requeues")
+        batch_op.drop_column("heartbeat_at")
+        batch_op.drop_column("lease_owner")

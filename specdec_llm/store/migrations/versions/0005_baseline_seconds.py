@@ -19,28 +19,40 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0005'
-down_revision: str | Sequence[str] | None = '0004'
+revision: str = "0005"
+down_revision: str | Sequence[str] | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 _BEFORE = [
-    'pair_id', 'finished_at', 'job_id', 'worker_id', 'category', 'device_kind', 'dtype',
-    'prompt_tokens', 'output_tokens', 'draft_tokens_proposed', 'draft_tokens_accepted',
-    'mean_accepted_length', 'tokens_per_s', 'wall_time_s', 'time_to_first_token_s',
-    'estimated_cost_usd',
+    "pair_id",
+    "finished_at",
+    "job_id",
+    "worker_id",
+    "category",
+    "device_kind",
+    "dtype",
+    "prompt_tokens",
+    "output_tokens",
+    "draft_tokens_proposed",
+    "draft_tokens_accepted",
+    "mean_accepted_length",
+    "tokens_per_s",
+    "wall_time_s",
+    "time_to_first_token_s",
+    "estimated_cost_usd",
 ]
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('telemetry') as batch_op:
-        batch_op.drop_index('ix_telemetry_report')
-        batch_op.add_column(sa.Column('baseline_s', sa.Float(), nullable=True))
-        batch_op.create_index('ix_telemetry_report', [*_BEFORE, 'baseline_s'], unique=False)
+    with op.batch_alter_table("telemetry") as batch_op:
+        batch_op.drop_index("ix_telemetry_report")
+        batch_op.add_column(sa.Column("baseline_s", sa.Float(), nullable=True))
+        batch_op.create_index("ix_telemetry_report", [*_BEFORE, "baseline_s"], unique=False)
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('telemetry') as batch_op:
-        batch_op.drop_index('ix_telemetry_report')
-        batch_op.drop_column('baseline_s')
-        batch_op.create_index('ix_telemetry_report', _BEFORE, unique=False)
+    with op.batch_alter_table("telemetry") as batch_op:
+        batch_op.drop_index("ix_telemetry_report")
+        batch_op.drop_column("baseline_s")
+        batch_op.create_index("ix_telemetry_report", _BEFORE, unique=False)
