@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -364,7 +363,7 @@ def test_special_tokens_in_chat_are_refused(tiny_decoder):
 
     tok = tiny_decoder.tokenizer
     assert {"<|im_start|>", "<|im_end|>"} <= set(special_tokens(tok))
-    with pytest.raises(RequestError, match=re.escape("<|im_end|>")) as e:
+    with pytest.raises(RequestError, match=r"contains '<\|im_(start|end)\|>'") as e:
         render_chat(tok, [{"role": "user", "content": INJECTION}])
     assert e.value.field == "messages[0].content" and "special token" in str(e.value)
     with pytest.raises(RequestError) as e:
