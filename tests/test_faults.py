@@ -106,9 +106,10 @@ def test_five_sigkills_during_a_200_row_job(tmp_path, redis_url, pairs_toml, use
     try:
         workers = [fleet.start_worker(f"w{i}", args) for i in range(2)]
         wait_for(lambda: all(loaded(w) for w in workers), 120)
-        # rows long enough that five kills land before the job ends (with 32 tokens a fast
-        # worker finished all 200 rows first, and the next kill waited for a row in vain)
-        sub = client.submit(write_prompts(tmp_path / "p.jsonl", 200, "kill5"), "tiny", {"max_new_tokens": 96})
+        # rows long enough that five kills land before the job ends (with 32 tokens, then with
+        # 96 once the lean forward made the tiny pair faster, the workers finished all 200 rows
+        # first, and the next kill waited for a running row in vain)
+        sub = client.submit(write_prompts(tmp_path / "p.jsonl", 200, "kill5"), "tiny", {"max_new_tokens": 256})
         job = sub["job_id"]
         mid_row = kills = 0
         while mid_row < 5 and kills < 15:
