@@ -106,10 +106,10 @@ class CostModel:
     def verify(self, k: int) -> float:
         """Seconds to verify k drafts now: the calibrated shape at the live scale, corrected per
         width by what iterations of that width observed, and never less than a narrower width."""
-        best = 0.0
-        for j in range(min(k, 1), k + 1):  # a wider verification never costs less
+        best = self._calibrated_verify(0)
+        for j in range(1, k + 1):  # a wider verification never costs less
             best = max(best, self._calibrated_verify(j) * self.width_ratio.get(j, 1.0))
-        return self.verify_scale * max(best, self._calibrated_verify(0))
+        return self.verify_scale * best
 
     def draft(self, name: str = "model") -> float:
         return self.draft_scale.get(name, 1.0) * self.draft_s.get(name, float("inf"))

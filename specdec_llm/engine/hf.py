@@ -172,12 +172,9 @@ def prepare(model: PreTrainedModel, kernel_cache: Path | None = None) -> dict[st
     if model.device.type != "cpu":
         return {}
     from .kernels import tune
-    from .lean import build
 
     report = tune(model, kernel_cache)
-    lean = model.__dict__.get("_specdec_lean")
-    if lean is None or lean.dtype != model.dtype:
-        build(model, kernel_cache)
+    runner(model, kernel_cache)  # after the kernels: its fused projections are tuned alike
     return report
 
 

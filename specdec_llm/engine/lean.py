@@ -56,7 +56,7 @@ class LeanLlama:
             qkv, gate_up = _fuse([attn.q_proj, attn.k_proj, attn.v_proj]), _fuse([mlp.gate_proj, mlp.up_proj])
             fused.extend(m for m in (qkv, gate_up) if m is not None)
             self.layers.append((layer.input_layernorm, attn, qkv, layer.post_attention_layernorm, mlp, gate_up))
-        if len(fused) and model.device.type == "cpu":
+        if len(fused):  # (supported: on the CPU)
             from .kernels import tune
 
             tune(fused, kernel_cache, force)  # the fused shapes get their own measured kernels
@@ -173,11 +173,12 @@ def build(model: PreTrainedModel, kernel_cache: Path | None = None, force: str |
     return lean
 
 
-def runner(model: PreTrainedModel) -> LeanLlama | None:
-    """The model's lean forward (built once, kept on the model), or None: use transformers'."""
+def runner(model: PreTrainedModel, kernel_cache: Path | None = None) -> LeanLlama | None:
+    """The model's lean forward, or None: use transformers'. Built once per model dtype and
+    kept on the model (``hf.prepare`` builds it first, with the kernel-timing cache)."""
     if not ENABLED:
         return None
     lean = model.__dict__.get("_specdec_lean", False)
     if lean is False or (lean is not None and lean.dtype != model.dtype):
-        return build(model)
+        return build(model, kernel_cache)
     return cast("LeanLlama | None", lean)
