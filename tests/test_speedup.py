@@ -129,4 +129,6 @@ def test_a_drafting_job_keeps_measuring_the_target_only_step(models):
     results = [dec.generate(GenerationRequest(prompt=[1, 2, 3, i], max_new_tokens=160)) for i in range(6)]
     ks = [k for r in results for k in r.stats.k_values]
     assert len(ks) > 2 * (PLAIN_EVERY + 1) and ks.count(0) >= 2, ks
-    assert cost.zero_ratio < 0.6 and cost.plain_step() < 0.6 * wrong
+    # the plain step the speedup uses is corrected (by zero_ratio, or by the common scale when
+    # the job's k = 0 iterations move it: which one takes it depends on how often the plan drafts)
+    assert cost.plain_step() < 0.6 * wrong
