@@ -163,7 +163,7 @@ def test_unknown_drafter_is_a_clear_error(target):
     ):
         dec.generate(GenerationRequest(prompt=[1, 2], drafter="bogus"))
     with pytest.raises(ValueError, match="known drafters: lookup, suffix, model"):
-        SpeculativeDecoder(target, drafters=["lookup", "eagle"])
+        SpeculativeDecoder(target, drafters=["lookup", "medusa"])
     plain = SpeculativeDecoder(target, drafters=["lookup"])
     with pytest.raises(RequestError, match="use one of: auto, lookup"):
         plain.generate(GenerationRequest(prompt=[1, 2], drafter="model"))

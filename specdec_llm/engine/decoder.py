@@ -79,16 +79,19 @@ class SpeculativeDecoder:
     ) -> None:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.kernels: dict[str, Any] = {}  # the matmul kernel chosen per weight shape and row count (CPU)
-        for model in (target, draft):
-            if model is not None:
-                self.kernels.update(hf.prepare(model, kernel_cache))
-        sizes = [m.config.vocab_size for m in (target, draft) if m is not None]
+        models = [target] + ([drafting.runnable(draft)] if draft is not None else [])
+        for model in models:
+            self.kernels.update(hf.prepare(model, kernel_cache))
+        sizes = [m.config.vocab_size for m in models]
         self.vocab_size = vocab_size or min(sizes)
         if drafters is None:
             drafters = ["model"] if draft is not None else []
         names = [d for d in drafters if isinstance(d, str)]
         built = iter(drafting.build(names, draft, self.vocab_size))
         self.drafters: list[Drafter] = [next(built) if isinstance(d, str) else d for d in drafters]
+        # the target layers whose outputs a feature-level drafter reads (eagle.py): every
+        # target forward returns them (a pair has one draft, so at most one such drafter)
+        self.feature_layers: tuple[int, ...] = next((f for d in self.drafters if (f := getattr(d, "features", ()))), ())
         if eos_token_ids is None:  # the generation config's, plus the tokenizer's (chat end-of-turn)
             eos = target.generation_config.eos_token_id if target.generation_config else None
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -423,8 +426,10 @@ class Batch:
     def __init__(self, dec: SpeculativeDecoder):
         self.dec = dec
         self.rows: list[Row] = []
-        self.tcache = RaggedCache(dec.target)
+        self.tcache = RaggedCache(dec.target, 0, dec.feature_layers)
         self.sessions: dict[str, Session] = {d.name: d.session(self) for d in dec.drafters}
+        # sessions that read the target's features of each row's new positions (eagle.py)
+        self.watchers = [s for s in self.sessions.values() if hasattr(s, "observe")]
         self.probes = Probes()
         self.drafting_run = 0  # iterations in a row in which auto rows drafted
         self.joining: list[RaggedCache] = []  # the target caches of rows that joined since the last step
@@ -436,9 +441,13 @@ class Batch:
         dec = self.dec
         prompt = dec.prepare(request)
         row = Row(dec, request, prompt, on_text, tag)
-        self.joining.append(drafting.prefill(dec.target, prompt, row.stats, "target_time_s"))
+        own = drafting.prefill(dec.target, prompt, row.stats, "target_time_s", dec.feature_layers)
+        self.joining.append(own)
         for session in self.sessions.values():
             session.add(row)
+        if own.last_features is not None:
+            for w in self.watchers:
+                w.observe(row, own.last_features[0])
         self.rows.append(row)
         return row
 
@@ -542,6 +551,10 @@ class Batch:
             r.stats.target_time_s += t.seconds * (k + 1) / fed
             r.rows_seen += len(rows)
             n, nxt = r.accept(prop, logits[b, big_k - k :])
+            if self.watchers:  # the target's features of [last] + the accepted drafts
+                assert self.tcache.last_features is not None
+                for w in self.watchers:
+                    w.observe(r, self.tcache.last_features[b, big_k - k : big_k - k + n + 1])
             # roll back: the target keeps [last] + accepted drafts; the drafter its own state
             self.tcache.drop(b, range(start + big_k - k + 1 + n, start + big_k + 1))
             if prop is not None:

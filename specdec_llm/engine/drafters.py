@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .decoder import Batch, Row
     from .types import Stats
 
-KNOWN = ("lookup", "suffix", "model", "quantized")  # drafter names a pair can list (``drafters = [...]``)
+KNOWN = ("lookup", "suffix", "model", "quantized", "eagle")  # drafter names a pair can list (``drafters = [...]``)
 MODELS = (
     "model",
     "quantized",
@@ -420,9 +420,12 @@ def pick(row: Row, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     return sample(q, row.gen), q
 
 
-def prefill(model: PreTrainedModel, prompt: list[int], st: Stats, clock: str) -> RaggedCache:
-    """A one-row cache holding ``prompt[:-1]`` (the last token is fed by the first step)."""
-    own = RaggedCache(model, 1)
+def prefill(
+    model: PreTrainedModel, prompt: list[int], st: Stats, clock: str, features: tuple[int, ...] = ()
+) -> RaggedCache:
+    """A one-row cache holding ``prompt[:-1]`` (the last token is fed by the first step);
+    with ``features``, those layers' outputs at its positions in ``last_features``."""
+    own = RaggedCache(model, 1, features)
     if len(prompt) > 1:
         with Timer() as t:
             own.forward([prompt[:-1]], 1)
@@ -430,17 +433,34 @@ def prefill(model: PreTrainedModel, prompt: list[int], st: Stats, clock: str) ->
     return own
 
 
-def build(names: list[str], draft_model: PreTrainedModel | None = None, vocab_size: int | None = None) -> list[Drafter]:
+def runnable(draft: Any) -> PreTrainedModel:
+    """The causal LM a draft runs: the draft model itself, or a feature-level draft's layer."""
+    from .eagle import is_feature_draft
+
+    return cast("PreTrainedModel", draft.model if is_feature_draft(draft) else draft)
+
+
+def build(names: list[str], draft_model: Any = None, vocab_size: int | None = None) -> list[Drafter]:
     """Drafters by name, in order (the order a fixed k tries them in). "model" and "quantized"
-    are the same drafter class over the pair's draft model (a pair has one draft)."""
+    are the same drafter class over the pair's draft model (a pair has one draft); "eagle"
+    runs a feature-level draft (eagle.py)."""
     out: list[Drafter] = []
     for name in names:
         if name == "lookup":
             out.append(Lookup())
         elif name == "suffix":
             out.append(Suffix())
+        elif name == "eagle":
+            from .eagle import EagleDrafter, is_feature_draft
+
+            if not is_feature_draft(draft_model):
+                raise ValueError(
+                    "drafter 'eagle' needs a feature-level draft (specdec-llm distill --kind eagle) as the pair's "
+                    "draft; drop 'eagle' from drafters or use such a draft"
+                )
+            out.append(EagleDrafter(draft_model, vocab_size or int(draft_model.model.config.vocab_size)))
         elif name in MODELS:
-            if draft_model is None:
+            if draft_model is None or runnable(draft_model) is not draft_model:
                 raise ValueError(
                     f"drafter {name!r} needs a draft model: set the pair's draft, or drop {name!r} from drafters"
                 )
@@ -457,5 +477,5 @@ def build(names: list[str], draft_model: PreTrainedModel | None = None, vocab_si
 
 if TYPE_CHECKING:
     _Counts = dict[tuple[int, ...], dict[int, int]]  # context -> {next token: count}
-    Drafter = Lookup | Suffix | ModelDrafter
+    Drafter = Lookup | Suffix | ModelDrafter  # (eagle.EagleDrafter is a ModelDrafter)
     Session = _Free | _ModelSession

@@ -13,6 +13,8 @@ kernels.py).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -198,15 +200,21 @@ def forward_rows(
     keep: int,
     mask: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
-) -> torch.Tensor:
+    embeds: torch.Tensor | None = None,
+    features: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``ids`` [B, W] on top of ``cache``; float32 logits of the last ``keep`` columns [B, keep, V].
 
     ``mask`` is a boolean [B, 1, W, L + W] (True = may attend), ``positions`` [B, W]; both
     None when every cached column is valid and no row is padded (plain causal attention).
+    ``embeds`` [B, W, H], when given, are the inputs instead of ``ids``' embeddings (a
+    feature-level draft's). ``features``: decoder layers whose outputs (the residual stream
+    after the layer, before the final norm) come back too, concatenated, float32 [B, W, n*H]
+    (None when no layer is asked).
     """
     lean = runner(model)
     if lean is not None:  # the same math without transformers' module machinery (lean.py)
-        return lean(ids.to(model.device), cache, keep, mask, positions)
+        return lean(ids.to(model.device), cache, keep, mask, positions, embeds, features)
     kwargs: dict[str, Any] = {_cache_kwarg(type(model)): cache}
     if mask is not None:
         if model.config._attn_implementation == "eager":  # eager adds a float mask; sdpa takes booleans
@@ -214,6 +222,34 @@ def forward_rows(
                 ~mask, torch.finfo(model.dtype).min
             )
         kwargs.update(attention_mask=mask, position_ids=positions)
-    out = model(input_ids=ids.to(model.device), use_cache=True, logits_to_keep=keep, **kwargs)
+    if embeds is not None:
+        kwargs["inputs_embeds"] = embeds.to(model.device, model.dtype)
+    else:
+        kwargs["input_ids"] = ids.to(model.device)
+    with layer_outputs(model, features) as outs:
+        out = model(use_cache=True, logits_to_keep=keep, **kwargs)
     logits: torch.Tensor = out.logits
-    return logits.float()
+    return logits.float(), (torch.cat(outs, -1).float() if features else None)
+
+
+@contextmanager
+def layer_outputs(model: PreTrainedModel, layers: tuple[int, ...]) -> Iterator[list[torch.Tensor]]:
+    """The outputs of decoder ``layers`` (in that order) of the forwards run inside, caught
+    by forward hooks: the residual stream after each layer, before the final norm."""
+    outs: list[torch.Tensor] = []
+    found: dict[int, torch.Tensor] = {}
+
+    def hook(i: int) -> Callable[..., None]:
+        def grab(module: torch.nn.Module, args: Any, output: Any) -> None:
+            found[i] = output[0] if isinstance(output, tuple) else output
+
+        return grab
+
+    blocks = model.model.layers
+    handles = [blocks[i].register_forward_hook(hook(i)) for i in dict.fromkeys(layers)]
+    try:
+        yield outs
+        outs += [found[i] for i in layers]
+    finally:
+        for h in handles:
+            h.remove()

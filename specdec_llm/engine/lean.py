@@ -40,8 +40,9 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LeanLlama:
-    """``__call__(ids, cache, keep, mask, positions)`` as ``hf.forward_rows``: ``ids`` [B, W]
-    on top of ``cache`` (hf.GrowingLayer layers); float32 logits of the last ``keep`` columns."""
+    """``__call__(ids, cache, keep, mask, positions, embeds, features)`` as ``hf.forward_rows``:
+    ``ids`` [B, W] on top of ``cache`` (hf.GrowingLayer layers); float32 logits of the last
+    ``keep`` columns, and the asked layers' outputs."""
 
     def __init__(self, model: PreTrainedModel, kernel_cache: Path | None = None, force: str | None = None) -> None:
         base, cfg = model.model, model.config
@@ -75,9 +76,15 @@ class LeanLlama:
         keep: int,
         mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        embeds: torch.Tensor | None = None,
+        features: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows, w = ids.shape
-        h = F.embedding(ids, self.embed.weight, self.embed.padding_idx)
+        if embeds is not None:
+            h = embeds.to(self.embed.weight.device, self.dtype)
+        else:
+            h = F.embedding(ids, self.embed.weight, self.embed.padding_idx)
+        caught: dict[int, torch.Tensor] = {}
         layers = cast("list[GrowingLayer]", cache.layers)
         past = layers[0].width
         if positions is None:
@@ -112,9 +119,12 @@ class LeanLlama:
             else:
                 g, u = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
             h = h + mlp.down_proj.forward(F.silu(g) * u)
+            if i in features:
+                caught[i] = h
+        feats = torch.cat([caught[i] for i in features], -1).float() if features else None
         h = _rms(h[:, -keep:], self.norm.weight, self.norm.variance_epsilon)
         logits: torch.Tensor = self.head(h)
-        return logits.float()
+        return logits.float(), feats
 
 
 def _fuse(linears: list[Any]) -> torch.nn.Linear | None:

@@ -28,10 +28,15 @@ from . import hf
 
 
 class RaggedCache:
-    def __init__(self, model: PreTrainedModel, rows: int = 0) -> None:
+    """``features``: decoder layers whose outputs each forward also returns, in
+    ``last_features`` [B, W, n*H] (a feature-level draft reads the target's)."""
+
+    def __init__(self, model: PreTrainedModel, rows: int = 0, features: tuple[int, ...] = ()) -> None:
         self.model = model
         self.cache = hf.new_cache(model)
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
+        self.features = features
+        self.last_features: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -42,11 +47,19 @@ class RaggedCache:
         return self.valid.shape[1]
 
     # -- forward ------------------------------------------------------------------------
-    def forward(self, inputs: list[list[int]], keep: int) -> torch.Tensor:
-        """Append one chunk per row (a row may feed nothing); logits of the last ``keep`` columns [B, keep, V]."""
+    def forward(self, inputs: list[list[int]], keep: int, embeds: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Append one chunk per row (a row may feed nothing); logits of the last ``keep`` columns [B, keep, V].
+        ``embeds``: per row [len(chunk), H], the inputs instead of the tokens' embeddings."""
         assert len(inputs) == self.rows and any(inputs)
         w = max(len(x) for x in inputs)
         ids = torch.tensor([[0] * (w - len(x)) + list(x) for x in inputs], dtype=torch.long)
+        padded = None
+        if embeds is not None:
+            like = next(e for e in embeds if len(e))
+            padded = like.new_zeros(len(inputs), w, like.shape[-1])
+            for b, e in enumerate(embeds):
+                if len(e):
+                    padded[b, w - len(e) :] = e
         new = torch.tensor([[False] * (w - len(x)) + [True] * len(x) for x in inputs], dtype=torch.bool)
         mask = positions = None
         if not bool(new.all()) or not bool(self.valid.all()):
@@ -58,7 +71,9 @@ class RaggedCache:
             past = self.valid[:, None, :].expand(-1, w, -1)
             mask = torch.cat([past, chunk], -1)[:, None].to(self.model.device)
             positions = positions.to(self.model.device)
-        logits = hf.forward_rows(self.model, ids, self.cache, keep, mask, positions)
+        logits, self.last_features = hf.forward_rows(
+            self.model, ids, self.cache, keep, mask, positions, padded, self.features
+        )
         self.valid = torch.cat([self.valid, new], 1)
         return logits
 
