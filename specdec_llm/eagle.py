@@ -69,7 +69,9 @@ class EagleDraft(torch.nn.Module):
         self.model = model
         self.feature_layers = list(feature_layers)
         w = model.model.embed_tokens.weight
-        self.fuse = torch.nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False, device=w.device, dtype=w.dtype)
+        self.fuse = torch.nn.Linear(
+            len(self.feature_layers) * hidden, hidden, bias=False, device=w.device, dtype=w.dtype
+        )
         self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False, device=w.device, dtype=w.dtype)
 
     @property
@@ -121,7 +123,9 @@ class EagleDraft(torch.nn.Module):
         return [p for n, p in self.named_parameters() if n.startswith(OWN_PREFIXES)]
 
 
-def build_eagle(target, feature_layers=None, vocab_subset: torch.Tensor | None = None, init: str = "last") -> EagleDraft:
+def build_eagle(
+    target, feature_layers=None, vocab_subset: torch.Tensor | None = None, init: str = "last"
+) -> EagleDraft:
     """A new EAGLE draft for ``target``.
 
     ``init="last"``: the decoder layer is a copy of the target's last layer; ``"random"``:
@@ -140,7 +144,7 @@ def build_eagle(target, feature_layers=None, vocab_subset: torch.Tensor | None =
     with torch.no_grad():
         if init == "random":
             std = getattr(model.config, "initializer_range", 0.02)
-            for name, p in model.model.layers[0].named_parameters():
+            for p in model.model.layers[0].parameters():
                 if p.dim() == 1:  # norms
                     p.fill_(1.0)
                 else:
@@ -525,14 +529,20 @@ def train_eagle(target, examples, work: Path, out: Path, cfg: EagleConfig, resum
             if progress:
                 progress.console.print(f"eagle: step {step} tokens {tokens_seen:,} held-out agreement by step {agree}")
         ckpt.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in draft.own_state().items()}, str(ckpt / "draft.safetensors"))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in draft.own_state().items()}, str(ckpt / "draft.safetensors")
+        )
         torch.save(opt.state_dict(), ckpt / "optim.pt")
         if subset is not None:
             save_file({VOCAB_SUBSET: subset.to(torch.int32).cpu()}, str(ckpt / "subset.safetensors"))
         tmp = ckpt / "state.json.tmp"
-        tmp.write_text(json.dumps({"step": step, "tokens_seen": tokens_seen, "history": history, "config": asdict(cfg)}))
+        tmp.write_text(
+            json.dumps({"step": step, "tokens_seen": tokens_seen, "history": history, "config": asdict(cfg)})
+        )
         tmp.replace(ckpt / "state.json")
-        curve = [{k: h[k] for k in ("step", "tokens_seen", "heldout_agreement")} for h in history if "heldout_agreement" in h]
+        curve = [
+            {k: h[k] for k in ("step", "tokens_seen", "heldout_agreement")} for h in history if "heldout_agreement" in h
+        ]
         save_eagle(
             draft,
             out,
@@ -568,7 +578,7 @@ def train_eagle(target, examples, work: Path, out: Path, cfg: EagleConfig, resum
         opt.step()
         step += 1
         tokens_seen += sum(len(records[i][0]) for i in idx)
-        window = (window + [(float(loss), [h / max(1, n) for h, n in stats])])[-50:]
+        window = (window + [(float(loss.detach()), [h / max(1, n) for h, n in stats])])[-50:]
         if step % cfg.history_every == 0 or step == cfg.steps:
             ml = sum(w[0] for w in window) / len(window)
             ma = [round(sum(w[1][s] for w in window) / len(window), 4) for s in range(cfg.ttt_steps)]
@@ -598,4 +608,3 @@ class _Sub:
 
     def get(self, r: int):
         return self.cache.get(self.idx[r])
-
