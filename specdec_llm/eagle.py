@@ -242,6 +242,21 @@ def as_records(examples, max_len: int) -> list[tuple[torch.Tensor, int]]:
     return out
 
 
+def corpus_examples(target, root: Path | None = None) -> list:
+    """The token records of ``root``: a ``specdec_llm.corpus`` corpus (default
+    ``data/corpus/<target fingerprint>``) or a ``specdec-llm distill`` data directory."""
+    root = root or Path("data/corpus") / fingerprint(target)
+    if (root / "manifest.json").exists() and any(root.glob("shard-*.safetensors")):  # a distill DataStore
+        from .distill import DataStore
+
+        return list(DataStore(root).examples())
+    if not root.is_dir():
+        raise PairError(f"no token corpus at {root}: build one (specdec_llm.corpus) or pass --corpus DIR")
+    from .corpus import Corpus  # written alongside; imported only when used
+
+    return list(Corpus(root).records())
+
+
 class TeacherCache:
     """Target features (bf16) and argmax per record, in safetensors shards under ``root``;
     a shard whose records changed (digest) is recomputed, the others are read back."""

@@ -199,3 +199,54 @@ def test_resume_continues_from_checkpoint(target, trained, tmp_path):
     meta = json.loads((tmp_path / "d2" / DRAFT_META).read_text())
     assert meta["vocab_subset"] == 48 and meta["train"]["steps"] == 305  # the checkpoint's shape, not cfg's
     assert [c["step"] for c in meta["train"]["heldout_curve"]] == [150, 300, 305]
+
+
+def test_cli_trains_an_eagle_draft_the_registry_loads(tiny_pair_dir, tmp_path, monkeypatch):
+    """``distill --kind eagle`` on a distill data directory writes a draft; a pair naming it
+    loads an EagleDraft, lists the eagle drafter by default and shows its kind."""
+    from typer.testing import CliRunner
+
+    from specdec_llm.cli import app
+    from specdec_llm.distill import DataStore
+    from specdec_llm.eagle import EagleDraft
+    from specdec_llm.pairs import load_model, load_pair, registry
+    from specdec_llm.settings import reload_settings
+
+    target_dir = tiny_pair_dir / "target"
+    target = load_model(str(target_dir), "float32", "cpu")
+    store = DataStore(tmp_path / "data")  # records as a distill data phase writes them
+    rows = []
+    for tokens, plen in sampled_examples(target, 12, new=16):
+        n = len(tokens) - plen
+        rows.append((tokens[:plen], tokens[plen:], torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1)))
+    store.write_shard(rows)
+    store.save_manifest()
+    out = tmp_path / "eagle-draft"
+    args = ["distill", "--kind", "eagle", "--target", str(target_dir), "--corpus", str(store.root)]
+    args += ["--work", str(tmp_path / "work"), "--out", str(out), "--steps", "4", "--batch-size", "4"]
+    r = CliRunner().invoke(app, [*args, "--feature-layers", "0,1", "--ttt-steps", "2", "--max-len", "32"])
+    assert r.exit_code == 0, r.output
+    meta = json.loads((out / DRAFT_META).read_text())
+    assert meta["kind"] == "eagle" and meta["feature_layers"] == [0, 1] and meta["train"]["steps"] == 4
+    r = CliRunner().invoke(app, [*args, "--phase", "data"])
+    assert r.exit_code == 2 and "no data phase" in r.stderr
+
+    path = tmp_path / "pairs.toml"
+    path.write_text(f'[pairs.tiny-eagle]\ntarget = "{target_dir}"\ndraft = "{out}"\n')
+    monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(path))
+    reload_settings()
+    try:
+        spec = registry()["tiny-eagle"]
+        assert spec.draft_kind() == "eagle" and spec.drafter_names() == ["lookup", "suffix", "eagle"]
+        pair = load_pair("tiny-eagle")
+        assert isinstance(pair.draft, EagleDraft) and pair.draft_info["kind"] == "eagle"
+        assert pair.draft.model.model.embed_tokens is pair.target.model.embed_tokens
+        r = CliRunner().invoke(app, ["pairs", "show", "tiny-eagle"])
+        info = json.loads(r.stdout)
+        assert info["draft_kind"] == "eagle" and info["drafters"] == ["lookup", "suffix", "eagle"]
+        path.write_text(f'[pairs.x]\ntarget = "{target_dir}"\ndraft = "{out}"\ndrafters = ["model"]\n')
+        with pytest.raises(PairError, match="EAGLE draft: use drafter 'eagle'"):
+            registry()
+    finally:
+        monkeypatch.delenv("SPECDEC_CONFIG_FILE")
+        reload_settings()
