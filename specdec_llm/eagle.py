@@ -30,7 +30,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -455,7 +455,6 @@ class EagleConfig:
     teacher_batch: int = 8
     seed: int = 0
     history_every: int = 10
-    extra: dict = field(default_factory=dict)
 
 
 def choose_subset(records, cache: TeacherCache, size: int, vocab: int, always: list[int]) -> torch.Tensor:
@@ -469,6 +468,17 @@ def choose_subset(records, cache: TeacherCache, size: int, vocab: int, always: l
         counts[torch.tensor(always, dtype=torch.long)] = float("inf")
     score = counts + 1e-6 * (vocab - torch.arange(vocab)) / vocab
     return torch.topk(score, min(size, vocab)).indices.sort().values
+
+
+def heldout_indices(records, n: int, seed: int = 0) -> list[int]:
+    """The ``n`` records kept out of training: those whose tokens hash lowest, so a record
+    stays held out (or trained on) when the corpus grows or is re-read in another order."""
+
+    def key(r: int) -> str:
+        seq, plen = records[r]
+        return hashlib.sha256(f"{seed}:{plen}:".encode() + seq.numpy().astype("int64").tobytes()).hexdigest()
+
+    return sorted(sorted(range(len(records)), key=key)[:n])
 
 
 def train_eagle(target, examples, work: Path, out: Path, cfg: EagleConfig, resume: bool, progress=None, deadline=None):
@@ -490,7 +500,7 @@ def train_eagle(target, examples, work: Path, out: Path, cfg: EagleConfig, resum
     key = hashlib.sha256(f"{fingerprint(target)}:{layers}".encode()).hexdigest()[:12]
     cache = TeacherCache(work / "eagle-teacher" / key)
     computed = cache.build(target, records, layers, cfg.teacher_batch, progress)
-    held = sorted(random.Random(cfg.seed).sample(range(len(records)), min(cfg.holdout, len(records) // 10 or 1)))
+    held = heldout_indices(records, min(cfg.holdout, len(records) // 10 or 1), cfg.seed)
     held_set = set(held)
     train_idx = [i for i in range(len(records)) if i not in held_set]
 

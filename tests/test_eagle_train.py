@@ -144,12 +144,10 @@ def test_training_raises_heldout_agreement(target, trained):
 
 def _heldout(target, work, examples, draft):
     """The training run's teacher cache, records and held-out slice, and the head's row map."""
-    import random
-
     records = E.as_records(examples, 64)
     tc = E.TeacherCache(next(iter((work / "eagle-teacher").iterdir())))
     assert tc.build(target, records, [1, 2, 3]) == 0  # all cached: nothing recomputed
-    held = sorted(random.Random(0).sample(range(len(records)), min(20, len(records) // 10)))
+    held = E.heldout_indices(records, min(20, len(records) // 10))
     ids = draft.model.lm_head.ids
     pos = torch.full((V,), -1, dtype=torch.long)
     pos[ids] = torch.arange(len(ids))
