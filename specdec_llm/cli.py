@@ -122,6 +122,7 @@ def pairs_show(
     with user_errors():
         spec = get_spec(name)
         info = spec.to_dict()
+        info["draft_kind"] = spec.draft_kind()
         info["drafters"] = spec.drafter_names()
         if spec.draft and spec.draft.startswith("layers:"):
             info["draft_note"] = (
@@ -178,8 +179,22 @@ def distill(
         ),
     ] = None,
     hours: Annotated[float | None, typer.Option(help="Stop each phase after this many hours (resumable)")] = None,
+    kind: Annotated[
+        str, typer.Option(help="model (a draft of target layers) | eagle (a feature-level EAGLE draft)")
+    ] = "model",
+    corpus: Annotated[
+        str | None,
+        typer.Option(help="eagle: token corpus root (default data/corpus/<target fingerprint>), or a distill data dir"),
+    ] = None,
+    feature_layers: Annotated[
+        str | None, typer.Option(help="eagle: target layers whose outputs are fused, e.g. 1,15,29 (default 1,N/2,N-1)")
+    ] = None,
+    ttt_steps: Annotated[int, typer.Option(help="eagle: training-time-test steps (draft positions trained)")] = 3,
+    max_len: Annotated[int, typer.Option(help="eagle: tokens per training sequence")] = 256,
 ) -> None:
-    """Distil a draft from a target (resumable: data shards and checkpoints live in --work)."""
+    """Distil a draft from a target (resumable: data shards and checkpoints live in --work).
+
+    ``--kind eagle`` trains an EAGLE draft on a token corpus (--corpus) instead: no data phase."""
     import time as _time
     from pathlib import Path
 
@@ -190,6 +205,14 @@ def distill(
 
     if phase not in ("data", "train", "all"):
         fail(f"phase: {phase!r} unknown; use data, train or all")
+    if kind not in ("model", "eagle"):
+        fail(f"kind: {kind!r} unknown; use model or eagle")
+    if kind == "eagle" and phase == "data":
+        fail("kind eagle has no data phase: it trains on a token corpus (--corpus); use --phase train")
+    try:
+        feature_list = [int(x) for x in feature_layers.split(",")] if feature_layers else None
+    except ValueError:
+        fail(f"feature-layers: {feature_layers!r} is not a comma-separated list of integers, e.g. 1,15,29")
     if (pair is None) == (target is None):
         fail("give exactly one of --pair NAME or --target REF")
     try:
@@ -204,6 +227,23 @@ def distill(
         work_dir = Path(work)
         deadline = _time.time() + hours * 3600 if hours else None
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        if kind == "eagle":
+            from . import eagle as E
+
+            ecfg = E.EagleConfig(
+                feature_layers=feature_list,
+                ttt_steps=ttt_steps,
+                steps=steps,
+                batch_size=batch_size,
+                lr=lr,
+                max_len=max_len,
+                vocab_subset=vocab_subset,
+            )
+            with Progress(*columns, console=err) as progress:
+                examples = E.corpus_examples(model, Path(corpus) if corpus else None)
+                summary = E.train_eagle(model, examples, work_dir, Path(out), ecfg, resume, progress, deadline)
+            err.print(f"train: {json.dumps(summary)}")
+            return
         with Progress(*columns, console=err) as progress:
             if phase in ("data", "all"):
                 seeds = [json.loads(line)["prompt"] for line in Path(prompts).read_text().splitlines() if line.strip()]

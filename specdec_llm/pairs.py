@@ -63,11 +63,19 @@ class PairSpec:
         """The draft is the target's own weights, quantized (``draft = "quantized:int4"``)."""
         return bool(self.draft) and self.draft.startswith(QUANTIZED)
 
+    def draft_kind(self) -> str:
+        """none | placeholder | quantized | distilled | eagle | model (a Hugging Face model),
+        from the reference and, for a draft directory, its ``specdec_draft.json`` (nothing is loaded)."""
+        return draft_kind(self.draft)
+
     def drafter_names(self) -> list[str]:
-        """Its ``drafters`` list, else lookup, suffix and (with a draft) model or quantized."""
+        """Its ``drafters`` list, else lookup, suffix and (with a draft) model, quantized or eagle."""
         if self.drafters is not None:
             return list(self.drafters)
-        return ["lookup", "suffix"] + ([("quantized" if self.quantized else "model")] if self.draft else [])
+        kind = self.draft_kind()
+        if kind == "none":
+            return ["lookup", "suffix"]
+        return ["lookup", "suffix", kind if kind in ("quantized", "eagle") else "model"]
 
     def check_drafter(self, drafter: str) -> None:
         if drafter != "auto" and drafter not in self.drafter_names():
@@ -104,9 +112,16 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
                 raise PairError(
                     f"{source}: pair {name!r}: unknown drafter {bad[0]!r}; known drafters: {', '.join(KNOWN)}"
                 )
-            if "model" in drafters and (not draft or quantized):
+            kind = draft_kind(draft)
+            if "model" in drafters and kind in ("none", "quantized", "eagle"):
                 raise PairError(
                     f"{source}: pair {name!r}: drafter 'model' needs a draft model; set draft = ... or drop 'model'"
+                    + (" (this draft is an EAGLE draft: use drafter 'eagle')" if kind == "eagle" else "")
+                )
+            if "eagle" in drafters and kind != "eagle":
+                raise PairError(
+                    f"{source}: pair {name!r}: drafter 'eagle' needs an EAGLE draft directory "
+                    "(specdec-llm distill --kind eagle); set draft = ... or drop 'eagle'"
                 )
             if "quantized" in drafters and not quantized:
                 raise PairError(
@@ -391,14 +406,37 @@ def load_pair(name_or_spec: str | PairSpec) -> Pair:
         ref = spec.draft
         if ref.startswith("pkg:") or (Path(ref).expanduser() / DRAFT_META).exists():
             path = draft_dir(ref)
-            draft, meta = load_draft_dir(path, target, t_fp)
-            info = {"kind": "distilled", **{k: meta[k] for k in meta if k != "target_fingerprint"}}
+            if json.loads((path / DRAFT_META).read_text()).get("kind") == "eagle":
+                from .eagle import load_eagle_dir
+
+                draft, meta = load_eagle_dir(path, target, t_fp)
+            else:
+                draft, meta = load_draft_dir(path, target, t_fp)
+            info = {"kind": meta.get("kind", "distilled"), **{k: meta[k] for k in meta if k != "target_fingerprint"}}
         else:
             draft = load_model(ref, spec.dtype, spec.device, spec.trust_remote_code, pair=spec.name)
             tok_d = load_tokenizer(ref, spec.trust_remote_code)
             vocab = check_vocab(spec.target, tokenizer, ref, tok_d, target.config.vocab_size, draft.config.vocab_size)
             info = {"kind": "model", "fingerprint": fingerprint(draft)}
     return Pair(spec, target, draft, tokenizer, vocab, t_fp, info)
+
+
+def draft_kind(ref: str | None) -> str:
+    """What a pair's ``draft`` reference is, without loading it: none | placeholder |
+    quantized | distilled | eagle (a draft directory, by its meta) | model."""
+    if not ref:
+        return "none"
+    if ref.startswith(QUANTIZED):
+        return "quantized"
+    if ref.startswith("layers:"):
+        return "placeholder"
+    try:
+        meta_path = draft_dir(ref) / DRAFT_META
+        if meta_path.exists():
+            return json.loads(meta_path.read_text()).get("kind", "distilled")
+    except (PairError, OSError, ValueError):
+        pass
+    return "model"
 
 
 def draft_dir(ref: str) -> Path:
