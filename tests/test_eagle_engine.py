@@ -95,9 +95,20 @@ def recorder(dec: SpeculativeDecoder, batch: Batch, seen: list):
     session.propose = wrapped
 
 
-@pytest.mark.parametrize("echo", [True, False])
-def test_eagle_alone_and_mixed_is_greedy_identical_and_proposes_what_a_recomputation_does(target, echo):
-    draft = TinyEagle(target, [0, 2], seed=5, echo=echo)
+def make_draft(target, kind: str):
+    if kind == "built":  # what specdec_llm/eagle.py builds and trains (a vocabulary-subset head)
+        from specdec_llm.eagle import build_eagle
+
+        torch.manual_seed(7)
+        draft = build_eagle(target, [0, 2], torch.randperm(256)[:96].sort().values, init="random")
+        return draft
+    return TinyEagle(target, [0, 2], seed=5, echo=kind == "echo")
+
+
+@pytest.mark.parametrize("kind", ["echo", "random", "built"])
+def test_eagle_alone_and_mixed_is_greedy_identical_and_proposes_what_a_recomputation_does(kind):
+    target = tiny_llama(0, layers=3)  # untuned: a draft copies a layer of it before the decoder tunes kernels
+    draft = make_draft(target, kind)
     dec = SpeculativeDecoder(target, draft, drafters=["lookup", "suffix", "eagle"])
     assert dec.feature_layers == (0, 2)
     batch = Batch(dec)
@@ -125,7 +136,7 @@ def test_eagle_alone_and_mixed_is_greedy_identical_and_proposes_what_a_recomputa
     for seq, tokens in seen:
         assert tokens == reference_proposal(target, draft, seq, len(tokens)), seq
     accepted = sum(r.result.stats.drafter_tokens.get("eagle", {}).get("accepted", 0) for r in rows)
-    if echo:  # the echo draft's repeats are accepted: the accept-and-keep path ran
+    if kind == "echo":  # the echo draft's repeats are accepted: the accept-and-keep path ran
         assert accepted >= 5, accepted
 
 
