@@ -383,7 +383,7 @@ def corpus_grow(
 
 @corpus_app.command("show")
 def corpus_show(root: RootOpt = "data/corpus") -> None:
-    """One row per target: shards, records, tokens, greedy and sampled answers, size on disk."""
+    """One table per target: shards, records, tokens, greedy and sampled answers, size on disk."""
     from pathlib import Path
 
     from .corpus import Corpus
@@ -392,21 +392,16 @@ def corpus_show(root: RootOpt = "data/corpus") -> None:
     if not dirs:
         err.print(f"no corpus shards under {root}; grow one with `specdec-llm corpus grow`")
         return
-    table = Table("fingerprint", "target", "shards", "records", "greedy", "sampled", "prompt tok", "answer tok", "MB")
     for d in dirs:
         s = Corpus(d).summary()
-        table.add_row(
-            d.name,
-            ", ".join(s["targets"]),
-            str(s["shards"]),
-            f"{s['records']:,}",
-            f"{s['by_mode'].get('greedy', 0):,}",
-            f"{s['by_mode'].get('sampled', 0):,}",
-            f"{s['prompt_tokens']:,}",
-            f"{s['answer_tokens']:,}",
-            f"{s['bytes'] / 1e6:.2f}",
-        )
-    console.print(table)
+        table = Table(f"{root}/{d.name}", "value")
+        table.add_row("target", ", ".join(s["targets"]))
+        for key in ("shards", "records", "prompt_tokens", "answer_tokens"):
+            table.add_row(key.replace("_", " "), f"{s[key]:,}")
+        for mode in ("greedy", "sampled"):
+            table.add_row(f"{mode} answers", f"{s['by_mode'].get(mode, 0):,}")
+        table.add_row("size on disk", f"{s['bytes'] / 1e6:.2f} MB")
+        console.print(table)
 
 
 @corpus_app.command("import")

@@ -262,7 +262,8 @@ def grow(
         "dtype": dtype,
         "device": str(model.device),
         "mode": "greedy" if samples == 0 else "greedy+sampled",
-        "temperature": temperature,
+        "temperature": temperature,  # of the sampled records (None in an all-greedy shard)
+        "max_prompt_tokens": max_prompt_tokens,
         "seed": seed,
         "seed_rule": SEED_RULE,
         "max_new_tokens": max_new_tokens,
@@ -288,7 +289,10 @@ def grow(
         ids = [encoded[k] for k, _ in batch]
         answers = _generate(model, tokenizer, ids, max_new_tokens, False, temperature, 0, seeds=seeds)
         rows = [(k, v, p, ans) for (k, v), p, (ans, _, _) in zip(batch, ids, answers)]
-        write_shard(corpus.root, rows, vocab, {**meta, "mode": _mode(batch)})
+        mode = _mode(batch)
+        write_shard(
+            corpus.root, rows, vocab, {**meta, "mode": mode, **({"temperature": None} if mode == "greedy" else {})}
+        )
         stats["written"] += len(rows)
         stats["shards"] += 1
         stats["answer_tokens"] += sum(len(r[3]) for r in rows)
@@ -351,11 +355,15 @@ def import_datastore(data_dir: Path | str, root: Path | str, provenance: dict, t
             done.add((key, v))
             rows.append((key, v, seq[:plen], seq[plen:]))
         if rows:
+            mode = _mode((k, v) for k, v, _, _ in rows)
+            generated = os.path.getmtime(data_dir / f"shard-{n:05d}.safetensors")
             meta = {
                 "format": FORMAT,
                 **provenance,
-                "mode": _mode((k, v) for k, v, _, _ in rows),
-                "temperature": cfg.get("temperature"),
+                "mode": mode,
+                "generated": datetime.fromtimestamp(generated, UTC).isoformat(),
+                "temperature": None if mode == "greedy" else cfg.get("temperature"),
+                "max_prompt_tokens": cut,
                 "seed": cfg.get("seed", 0),
                 "seed_rule": "distill.build_data: torch.manual_seed(seed + items before the batch), one stream per batch",
                 "max_new_tokens": cfg.get("max_new_tokens"),
