@@ -394,13 +394,14 @@ def corpus_show(root: RootOpt = "data/corpus") -> None:
         return
     for d in dirs:
         s = Corpus(d).summary()
-        table = Table(f"{root}/{d.name}", "value")
+        table = Table(f"target {d.name}", "value")
         table.add_row("target", ", ".join(s["targets"]))
         for key in ("shards", "records", "prompt_tokens", "answer_tokens"):
             table.add_row(key.replace("_", " "), f"{s[key]:,}")
         for mode in ("greedy", "sampled"):
             table.add_row(f"{mode} answers", f"{s['by_mode'].get(mode, 0):,}")
         table.add_row("size on disk", f"{s['bytes'] / 1e6:.2f} MB")
+        table.add_row("directory", str(d))
         console.print(table)
 
 
@@ -483,7 +484,7 @@ def corpus_widen(
         str, typer.Option(help="Where to write the new prompts (JSONL)")
     ] = "data/corpus_prompts_extra.jsonl",
     translate: Annotated[int, typer.Option(help="Translation prompts")] = 400,
-    summarize: Annotated[int, typer.Option(help="Long-input summarization prompts")] = 300,
+    summarize: Annotated[int, typer.Option(help="Long-input summarization prompts")] = 200,
     rag: Annotated[int, typer.Option(help="RAG-style prompts")] = 400,
     seed: int = 0,
     root: RootOpt = "data/corpus",

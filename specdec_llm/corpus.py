@@ -496,7 +496,7 @@ SUMMARIZE = [
 RAG = [
     "Answer the question using only the documents below. Say which document you used.\n\n{docs}\n\nQuestion: {q}",
     "{docs}\n\nBased on the passages above, respond to the following: {q}",
-    "You are given some retrieved context.\n\n{docs}\n\nUsing this context, {q_lower}",
+    "You are given some retrieved context.\n\n{docs}\n\nUsing this context, answer the request below.\n{q}",
     "Context:\n{docs}\n\nTask: {q}\nAnswer from the context; cite the passage number.",
 ]
 
@@ -504,8 +504,8 @@ RAG = [
 def _clean_answer(text: str) -> str | None:
     """A target answer usable as a passage: long enough, not degenerate (repetitive)."""
     text = text.strip()
-    words = text.split()
-    if len(words) < 25 or len(set(words)) < 0.45 * len(words):
+    words, sents = text.split(), _sentences(text)
+    if len(words) < 25 or len(set(words)) < 0.45 * len(words) or len(set(sents)) < 0.8 * len(sents):
         return None
     return text
 
@@ -520,7 +520,7 @@ def widen(
     seed_prompts: list[str],
     *,
     n_translate: int = 400,
-    n_summarize: int = 300,
+    n_summarize: int = 200,
     n_rag: int = 400,
     seed: int = 0,
 ) -> list[dict]:
@@ -549,10 +549,9 @@ def widen(
     for _ in range(n_summarize if good else 0):
         want = rng.randint(300, 900)
         parts, total = [], 0
-        for _ in range(64):
+        for j in rng.sample(range(len(good)), min(64, len(good))):  # distinct answers
             if total >= want:
                 break
-            j = rng.randrange(len(good))
             if total + lens[j] <= 900:
                 parts.append(good[j][1])
                 total += lens[j]
@@ -569,7 +568,7 @@ def widen(
         q, _ = docs[rng.randrange(len(docs))]
         body = "\n\n".join(f"[{i + 1}] {a}" for i, (_, a) in enumerate(docs))
         tmpl = rng.choice(RAG)
-        prompt = tmpl.format(docs=body, q=q, q_lower=q[0].lower() + q[1:])
+        prompt = tmpl.format(docs=body, q=q)
         out.append({"prompt": prompt, "kind": "rag", "source": "target answers (the question is one's prompt)"})
     seen, unique = set(), []
     for row in out:

@@ -219,3 +219,32 @@ def test_bad_prompt_files_are_one_clear_error(tmp_path):
         assert result.exit_code == 2, result.output
         assert result.stderr.startswith("error: prompts: ") and fragment in result.stderr
         assert "Traceback" not in result.output
+
+
+def test_the_cli_grows_shows_teaches_and_widens(pairs_file, tmp_path):
+    from specdec_llm.cli import app
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    root, work, out = tmp_path / "corpus", tmp_path / "work", tmp_path / "extra.jsonl"
+    runner = CliRunner()
+    common = ["--pair", "tiny", "--root", str(root)]
+    grow = ["corpus", "grow", *common, "--prompts", str(prompts), "--max-new-tokens", "4", "--dtype", "float32"]
+    result = runner.invoke(app, [*grow, "--batch", "4"])
+    assert result.exit_code == 0, result.output
+    (fp,) = [d.name for d in root.iterdir()]
+    assert len(C.Corpus(root / fp).shards()) == 2 and len(C.Corpus(root / fp).done()) == len(PROMPTS)
+    result = runner.invoke(app, [*grow, "--samples", "1"])  # only the samples are new
+    assert result.exit_code == 0 and len(C.Corpus(root / fp).shards()) == 3, result.output
+    result = runner.invoke(app, ["corpus", "show", "--root", str(root)])
+    assert result.exit_code == 0 and fp in result.output and "14" in result.output, result.output
+    result = runner.invoke(app, ["corpus", "teacher", *common, "--work", str(work), "--topk", "3"])
+    assert result.exit_code == 0, result.output
+    assert D.DataStore(work / "data").manifest["shards"] == 3
+    seeds = ["--seeds", str(DATA / "distill_seed_prompts.jsonl")]
+    result = runner.invoke(app, ["corpus", "widen", *common, "--prompts", str(prompts), *seeds, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert {json.loads(line)["kind"] for line in out.read_text().splitlines()} >= {"translation"}
+    spec = ["--seeds", str(DATA / "spec_bench_dev.jsonl")]
+    result = runner.invoke(app, ["corpus", "widen", *common, "--prompts", str(prompts), *spec, "--out", str(out)])
+    assert result.exit_code == 2 and "Spec-Bench" in result.stderr
