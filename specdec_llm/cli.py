@@ -336,6 +336,7 @@ def corpus_grow(
     device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
     batch: Annotated[int, typer.Option(help="Prompts per generate call (one shard each)")] = 32,
     max_new_tokens: int = 256,
+    max_prompt_tokens: Annotated[int, typer.Option(help="Skip longer prompts (chat-encoded)")] = 1024,
     dtype: Annotated[str, typer.Option(help="Generation dtype: bfloat16, float16 or float32")] = "bfloat16",
     temperature: Annotated[float, typer.Option(help="Of the sampled answers")] = 0.8,
     seed: Annotated[int, typer.Option(help="Sampled answers follow from it, the prompt and the variant")] = 0,
@@ -348,8 +349,8 @@ def corpus_grow(
     from .cli_common import check_device
 
     check_device(device)
-    if samples < 0 or batch < 1 or max_new_tokens < 1:
-        fail("samples must be >= 0, batch and max-new-tokens >= 1")
+    if samples < 0 or min(batch, max_new_tokens, max_prompt_tokens) < 1:
+        fail("samples must be >= 0; batch, max-new-tokens and max-prompt-tokens >= 1")
     if dtype not in ("bfloat16", "float16", "float32"):
         fail(f"dtype: {dtype!r} unknown; use bfloat16, float16 or float32")
     with user_errors():
@@ -371,6 +372,7 @@ def corpus_grow(
             samples=samples,
             batch_size=batch,
             max_new_tokens=max_new_tokens,
+            max_prompt_tokens=max_prompt_tokens,
             dtype=dtype,
             temperature=temperature,
             seed=seed,
