@@ -334,6 +334,228 @@ def eval_pair(
     console.print(table)
 
 
+# -- corpus ----------------------------------------------------------------------------------
+corpus_app = typer.Typer(
+    help="The on-policy corpus (data/corpus): the target's own answers, only ever grown.", no_args_is_help=True
+)
+app.add_typer(corpus_app, name="corpus")
+PairOpt = Annotated[str | None, typer.Option(help="Take the target of this pair")]
+TargetOpt = Annotated[str | None, typer.Option(help="Or a target model reference (dir, hub id, .gguf, pkg:)")]
+RootOpt = Annotated[str, typer.Option(help="Corpus root; each target's shards are under ROOT/<fingerprint>")]
+
+
+def _target_ref(pair: str | None, target: str | None) -> str:
+    from .pairs import get_spec
+
+    if (pair is None) == (target is None):
+        fail("give exactly one of --pair NAME or --target REF")
+    return get_spec(pair).target if pair else target
+
+
+def _load_target(ref: str, device: str = "cpu"):
+    from .pairs import load_model, load_tokenizer, use_threads
+
+    use_threads()
+    return load_model(ref, "float32", device), load_tokenizer(ref)
+
+
+def _print_stats(title: str, stats: dict) -> None:
+    table = Table(title, "value")
+    for k, v in stats.items():
+        table.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
+    console.print(table)
+
+
+@corpus_app.command("grow")
+def corpus_grow(
+    prompts: Annotated[list[str], typer.Option(help="Prompt files (JSONL, a 'prompt' field per line); repeatable")],
+    pair: PairOpt = None,
+    target: TargetOpt = None,
+    samples: Annotated[int, typer.Option(help="Sampled answers per prompt besides the greedy one")] = 0,
+    hours: Annotated[float | None, typer.Option(help="Stop after this many hours (a rerun continues)")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
+    batch: Annotated[int, typer.Option(help="Prompts per generate call (one shard each)")] = 32,
+    max_new_tokens: int = 256,
+    max_prompt_tokens: Annotated[int, typer.Option(help="Skip longer prompts (chat-encoded)")] = 1024,
+    dtype: Annotated[str, typer.Option(help="Generation dtype: bfloat16, float16 or float32")] = "bfloat16",
+    temperature: Annotated[float, typer.Option(help="Of the sampled answers")] = 0.8,
+    seed: Annotated[int, typer.Option(help="Sampled answers follow from it, the prompt and the variant")] = 0,
+    root: RootOpt = "data/corpus",
+) -> None:
+    """Generate the target's answers the corpus lacks (greedy, plus --samples sampled), a shard per batch."""
+    import time as _time
+
+    from . import corpus as C
+    from .cli_common import check_device
+
+    check_device(device)
+    if samples < 0 or min(batch, max_new_tokens, max_prompt_tokens) < 1:
+        fail("samples must be >= 0; batch, max-new-tokens and max-prompt-tokens >= 1")
+    if dtype not in ("bfloat16", "float16", "float32"):
+        fail(f"dtype: {dtype!r} unknown; use bfloat16, float16 or float32")
+    with user_errors():
+        texts = C.read_prompts(prompts)  # checked before any model loads
+        ref = _target_ref(pair, target)
+        model, tok = _load_target(ref, device)
+        deadline = _time.time() + hours * 3600 if hours else None
+
+        def show(s: dict) -> None:
+            err.print(
+                f"corpus: {s['written']:,}/{s['todo']:,} answers, {s['answer_tokens']:,} tokens, {s['shards']} shards"
+            )
+
+        stats = C.grow(
+            model,
+            tok,
+            texts,
+            root,
+            samples=samples,
+            batch_size=batch,
+            max_new_tokens=max_new_tokens,
+            max_prompt_tokens=max_prompt_tokens,
+            dtype=dtype,
+            temperature=temperature,
+            seed=seed,
+            deadline=deadline,
+            target_ref=ref,
+            progress=show,
+        )
+    _print_stats("corpus grow", stats)
+
+
+@corpus_app.command("show")
+def corpus_show(root: RootOpt = "data/corpus") -> None:
+    """One table per target: shards, records, tokens, greedy and sampled answers, size on disk."""
+    from pathlib import Path
+
+    from .corpus import Corpus
+
+    dirs = sorted(d for d in Path(root).glob("*") if d.is_dir() and Corpus(d).shards())
+    if not dirs:
+        err.print(f"no corpus shards under {root}; grow one with `specdec-llm corpus grow`")
+        return
+    for d in dirs:
+        s = Corpus(d).summary()
+        table = Table(f"target {d.name}", "value")
+        table.add_row("target", ", ".join(s["targets"]))
+        for key in ("shards", "records", "prompt_tokens", "answer_tokens"):
+            table.add_row(key.replace("_", " "), f"{s[key]:,}")
+        for mode in ("greedy", "sampled"):
+            table.add_row(f"{mode} answers", f"{s['by_mode'].get(mode, 0):,}")
+        table.add_row("size on disk", f"{s['bytes'] / 1e6:.2f} MB")
+        table.add_row("directory", str(d))
+        console.print(table)
+
+
+@corpus_app.command("import")
+def corpus_import(
+    work: Annotated[str, typer.Option(help="A distill --work directory (its data/ is read, never changed)")],
+    pair: PairOpt = None,
+    target: TargetOpt = None,
+    gen_device: Annotated[
+        str, typer.Option(help="Where the data phase ran (distill does not record it)")
+    ] = "not recorded",
+    root: RootOpt = "data/corpus",
+) -> None:
+    """Copy a distill data phase's answers into the corpus (only those it lacks)."""
+    from pathlib import Path
+
+    from . import corpus as C
+    from .pairs import fingerprint
+
+    data = Path(work) / "data"
+    if not (data / "manifest.json").is_file():
+        fail(f"work: {data / 'manifest.json'} not found; give the --work DIR of a distill data phase")
+    with user_errors():
+        ref = _target_ref(pair, target)
+        model, tok = _load_target(ref)
+        provenance = {
+            "target": ref,
+            "target_fingerprint": fingerprint(model),
+            "vocab_size": model.config.vocab_size,
+            "device": gen_device,
+        }
+        stats = C.import_datastore(data, root, provenance, tok)
+    _print_stats("corpus import", stats)
+
+
+@corpus_app.command("teacher")
+def corpus_teacher(
+    work: Annotated[str, typer.Option(help="Distill work directory: writes WORK/data (train with --phase train)")],
+    pair: PairOpt = None,
+    target: TargetOpt = None,
+    topk: Annotated[int, typer.Option(help="Teacher log-probs kept per answer position")] = 8,
+    batch: Annotated[int, typer.Option(help="Records per teacher-forced forward")] = 8,
+    max_len: Annotated[int | None, typer.Option(help="Cut records to this many tokens")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
+    root: RootOpt = "data/corpus",
+) -> None:
+    """The target's top-k log-probs over the corpus (fp32 teacher-forced forwards), cached in WORK/data."""
+    from pathlib import Path
+
+    from . import corpus as C
+    from .cli_common import check_device
+    from .pairs import fingerprint
+
+    check_device(device)
+    if topk < 1 or batch < 1:
+        fail("topk and batch must be >= 1")
+    with user_errors():
+        ref = _target_ref(pair, target)
+        model, _ = _load_target(ref, device)
+        corpus = C.Corpus(C.corpus_dir(root, fingerprint(model)))
+        if not corpus.shards():
+            fail(f"no corpus for this target under {corpus.root}; grow or import one first")
+
+        def show(s: dict) -> None:
+            err.print(f"teacher: {s['shards']} shards, {s['records']:,} records, {s['answer_tokens']:,} tokens")
+
+        stats = C.teacher_topk(model, corpus, Path(work), topk=topk, batch_size=batch, max_len=max_len, progress=show)
+    _print_stats("corpus teacher", stats)
+
+
+@corpus_app.command("widen")
+def corpus_widen(
+    pair: PairOpt = None,
+    target: TargetOpt = None,
+    prompts: Annotated[
+        list[str] | None, typer.Option(help="Prompt files that name the corpus's prompts (JSONL 'prompt')")
+    ] = None,
+    seeds: Annotated[str, typer.Option(help="Seed prompts, also used as passages")] = "data/distill_seed_prompts.jsonl",
+    out: Annotated[
+        str, typer.Option(help="Where to write the new prompts (JSONL)")
+    ] = "data/corpus_prompts_extra.jsonl",
+    translate: Annotated[int, typer.Option(help="Translation prompts")] = 400,
+    summarize: Annotated[int, typer.Option(help="Long-input summarization prompts")] = 200,
+    rag: Annotated[int, typer.Option(help="RAG-style prompts")] = 400,
+    seed: int = 0,
+    root: RootOpt = "data/corpus",
+) -> None:
+    """Translation, long-input summarization and RAG prompts, templated from the corpus's answers."""
+    from pathlib import Path
+
+    from . import corpus as C
+    from .pairs import fingerprint
+
+    files = list(prompts or ["data/distill_prompts_smollm2-135m.jsonl"])
+    for f in [*files, seeds]:
+        if "spec_bench" in Path(f).name:
+            fail(f"{f}: Spec-Bench is for evaluation only; widen from the seed prompts and the corpus")
+    with user_errors():
+        known = {C.prompt_key(p): p for p in C.read_prompts([*files, seeds])}
+        seed_texts = C.read_prompts([seeds])
+        ref = _target_ref(pair, target)
+        model, tok = _load_target(ref)
+        corpus = C.Corpus(C.corpus_dir(root, fingerprint(model)))
+        answers = C.corpus_answers(corpus, tok, known)
+        rows = C.widen(tok, answers, seed_texts, n_translate=translate, n_summarize=summarize, n_rag=rag, seed=seed)
+    Path(out).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    kinds: dict[str, int] = {}
+    for r in rows:
+        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+    err.print(f"widen: {len(rows)} prompts from {len(answers)} answers ({json.dumps(kinds)}) -> {out}")
+
+
 def _register_subcommands() -> None:
     """The store's (db, report) and the job client's (submit, status, results, retry, cancel, run, worker)."""
     from .client.cli import register as register_client

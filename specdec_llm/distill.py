@@ -83,36 +83,93 @@ def _chat(tok, text: str) -> list[int]:
     return tok(s, add_special_tokens=False)["input_ids"]
 
 
+class RowSampler:
+    """Sampling with one random stream per row, as a logits processor for greedy ``generate``:
+    row ``b`` with a seed gets ``logits / temperature + Gumbel noise`` drawn from its own
+    generator, so the argmax is an exact sample of softmax(logits / temperature) that depends
+    only on that row's seed and position, not on the batch it shares or the global RNG.
+    Rows whose seed is None are left alone (greedy)."""
+
+    def __init__(self, seeds: list[int | None], temperature: float):
+        self.temperature = temperature
+        self.gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        for b, g in enumerate(self.gens):
+            if g is not None:
+                u = torch.rand(scores.shape[-1], generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+                gumbel = (-torch.log(-torch.log(u))).to(scores.device, scores.dtype)
+                scores[b] = scores[b] / self.temperature + gumbel
+        return scores
+
+
 @torch.inference_mode()
-def _generate(model, tok, prompts: list[list[int]], max_new: int, sample: bool, temperature: float, topk: int):
-    """Batched generation (left padded). Returns per row (answer ids, topk ids, topk logp)."""
+def _generate(
+    model,
+    tok,
+    prompts: list[list[int]],
+    max_new: int,
+    sample: bool,
+    temperature: float,
+    topk: int,
+    seeds: list[int | None] | None = None,
+):
+    """Batched generation (left padded). Returns per row (answer ids, topk ids, topk logp).
+
+    ``topk=0`` keeps no logits (they are [batch, steps, vocab]: the memory-heavy part) and
+    returns None for both. ``seeds`` (one per row, None = greedy) samples each row from its
+    own seeded stream (``RowSampler``) instead of the global RNG; ``sample`` is then unused."""
+    from transformers import LogitsProcessorList
+
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    per_row = seeds is not None
     out = model.generate(
         input_ids=ids.to(model.device),
         attention_mask=mask.to(model.device),
         max_new_tokens=max_new,
-        do_sample=sample,
-        temperature=temperature if sample else None,
+        do_sample=sample and not per_row,
+        temperature=temperature if sample and not per_row else None,
         top_p=None,
         top_k=None,
-        output_logits=True,
+        output_logits=topk > 0,
         return_dict_in_generate=True,
         pad_token_id=pad,
+        logits_processor=LogitsProcessorList([RowSampler(seeds, temperature)]) if per_row else None,
     )
-    logits = torch.stack(out.logits, 1).float()  # [B, T, V]
-    logp, top = torch.topk(torch.log_softmax(logits, -1), topk, dim=-1)
     answers = out.sequences[:, width:].cpu()
-    top, logp = top.cpu(), logp.cpu()
+    top = logp = None
+    if topk > 0:
+        logits = torch.stack(out.logits, 1).float()  # [B, T, V]
+        logp, top = torch.topk(torch.log_softmax(logits, -1), topk, dim=-1)
+        top, logp = top.cpu(), logp.cpu()
     eos = tok.eos_token_id
     rows = []
     for b in range(len(prompts)):
         ans = answers[b].tolist()
         n = ans.index(eos) + 1 if eos in ans else len(ans)
-        rows.append((ans[:n], top[b, :n], logp[b, :n].half()))
+        rows.append((ans[:n], None if top is None else top[b, :n], None if logp is None else logp[b, :n].half()))
     return rows
+
+
+def work_blocks(n_prompts: int, samples: int, batch_size: int, seed: int) -> list[list[tuple[int, int]]]:
+    """The data phase's batches, in order: (prompt index, variant) items, variant 0 greedy and
+    1..samples sampled; shuffled once with ``seed``, in blocks of one kind (each block is one
+    full-width ``generate`` call). Fixed by its arguments, so a run resumes by position (and
+    ``corpus.import_datastore`` knows which item each stored row is)."""
+    rng = random.Random(seed)
+    blocks = []
+    for kind in (
+        [(i, 0) for i in range(n_prompts)],
+        [(i, v) for i in range(n_prompts) for v in range(1, 1 + samples)],
+    ):
+        rng.shuffle(kind)
+        blocks += [kind[j : j + batch_size] for j in range(0, len(kind), batch_size)]
+    rng.shuffle(blocks)
+    return blocks
 
 
 class DataStore:
@@ -177,7 +234,6 @@ def build_data(
     """Phase 1 (resumable): expand the prompts (or take a ready ``pool``), then generate answers shard by shard."""
     store = DataStore(work / "data")
     model = target.to(getattr(torch, cfg.dtype))
-    rng = random.Random(cfg.seed)
     prompts_path = work / "data" / "prompts.jsonl"
     if pool is not None and not prompts_path.exists():
         prompts_path.write_text(pool.read_text(encoding="utf-8"))
@@ -198,16 +254,7 @@ def build_data(
         pool = list(dict.fromkeys(prompts + new))
         prompts_path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in pool))
     pool = [json.loads(line)["prompt"] for line in prompts_path.read_text().splitlines()]
-    # work items: (prompt index, variant); variant 0 greedy, others sampled. Shuffled once,
-    # fixed, in blocks of one kind: each batch is one full-width `generate` call.
-    blocks = []
-    for kind in (
-        [(i, 0) for i in range(len(pool))],
-        [(i, v) for i in range(len(pool)) for v in range(1, 1 + cfg.samples)],
-    ):
-        rng.shuffle(kind)
-        blocks += [kind[j : j + cfg.batch_size] for j in range(0, len(kind), cfg.batch_size)]
-    rng.shuffle(blocks)
+    blocks = work_blocks(len(pool), cfg.samples, cfg.batch_size, cfg.seed)
     total = sum(len(b) for b in blocks)
     done = store.manifest.get("items_done", 0)
     task = progress.add_task("target answers", total=total, completed=done) if progress else None
