@@ -281,6 +281,14 @@ def build_data(
 
 
 # -- training -------------------------------------------------------------------------------
+def cosine_lr(step: int, lr: float, warmup: int, steps: int) -> float:
+    """Linear warmup, then cosine decay to a tenth of ``lr`` at ``steps``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
 def _batches(examples, batch_size: int, max_len: int, rng: random.Random):
     order = list(range(len(examples)))
     while True:
@@ -444,12 +452,6 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
                 }
         step, history, tokens_seen = state["step"], state.get("history", []), state.get("tokens_seen", 0)
 
-    def lr_at(s: int) -> float:
-        if s < cfg.warmup:
-            return cfg.lr * (s + 1) / cfg.warmup
-        frac = (s - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
     rng = random.Random(cfg.seed + step)
     batches = _batches(examples, cfg.batch_size, cfg.max_len, rng)
     task = progress.add_task("training", total=cfg.steps, completed=step) if progress else None
@@ -504,7 +506,7 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
         if deadline and time.time() > deadline:
             break
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = cosine_lr(step, cfg.lr, cfg.warmup, cfg.steps)
         loss, kl, agree, n = _loss(draft, next(batches), cfg.max_len, cfg.ce_weight, subset_pos)
         opt.zero_grad(set_to_none=True)
         loss.backward()

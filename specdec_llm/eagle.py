@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .distill import cosine_lr
 from .pairs import DRAFT_META, SHARED_TENSORS, VOCAB_SUBSET, PairError, SubsetHead, fingerprint, shared_draft
 
 KIND = "eagle"
@@ -528,12 +529,6 @@ def train_eagle(target, examples, work: Path, out: Path, cfg: EagleConfig, resum
         opt.load_state_dict(torch.load(ckpt / "optim.pt", map_location=dev, weights_only=True))
         step, history, tokens_seen = state["step"], state["history"], state["tokens_seen"]
 
-    def lr_at(s: int) -> float:
-        if s < cfg.warmup:
-            return cfg.lr * (s + 1) / cfg.warmup
-        frac = (s - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
     rng = random.Random(cfg.seed + step)
 
     def batches():
@@ -593,7 +588,7 @@ def train_eagle(target, examples, work: Path, out: Path, cfg: EagleConfig, resum
         if deadline and time.time() > deadline:
             break
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = cosine_lr(step, cfg.lr, cfg.warmup, cfg.steps)
         idx = next(stream)
         ids, feats, labels = _batch(records, cache, idx, dev)
         loss, stats = ttt_loss(draft, ids, feats, labels, cfg.ttt_steps, cfg.step_decay, subset_pos)

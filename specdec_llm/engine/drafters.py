@@ -367,7 +367,7 @@ class _ModelSession:
         if not ks:
             return {}
         self.catch_up(rows, ks)
-        dec, name = self.batch.dec, self.d.name
+        name = self.d.name
         drafts: dict[int, list[int]] = {b: [] for b in ks}
         qs: dict[int, list[torch.Tensor]] = {b: [] for b in ks}
         self.columns = []
@@ -381,24 +381,44 @@ class _ModelSession:
                 logits = self.cache.forward(inputs, 1)[:, -1, : self.d.vocab_size]
                 hf.sync(self.d.model)
             self.columns.append(self.cache.width - 1)
-            fed = sum(len(x) for x in inputs)
             for b in ks:
-                if inputs[b]:
-                    r = rows[b]
-                    r.state[name].dlen += len(inputs[b])
-                    r.stats.draft_forwards += 1
-                    r.stats.draft_time_s += t.seconds * len(inputs[b]) / fed
-                    tok, q = pick(r, logits[b])
-                    drafts[b].append(tok)
-                    if q is not None:
-                        qs[b].append(q)
-            if j:  # one-token steps: the steady-state draft cost
-                dec.costs[sum(1 for x in inputs if x)].observe_draft(name, t.seconds)
+                rows[b].state[name].dlen += len(inputs[b])
+            self.record(rows, inputs, logits, t.seconds, drafts, qs, steady=j > 0)
+        return self.proposals(rows, ks, drafts, qs)
+
+    def record(
+        self,
+        rows: list[Row],
+        inputs: list[list[int]],
+        logits: torch.Tensor,
+        seconds: float,
+        drafts: dict[int, list[int]],
+        qs: dict[int, list[torch.Tensor]],
+        steady: bool,
+    ) -> None:
+        """One draft step's token for every row that fed it, and its share of the step's time;
+        a ``steady`` (one-token) step's time is the draft cost the plan reads."""
+        fed = sum(len(x) for x in inputs)
+        for b in drafts:
+            if inputs[b]:
+                r = rows[b]
+                r.stats.draft_forwards += 1
+                r.stats.draft_time_s += seconds * len(inputs[b]) / fed
+                tok, q = pick(r, logits[b])
+                drafts[b].append(tok)
+                if q is not None:
+                    qs[b].append(q)
+        if steady:
+            self.batch.dec.costs[sum(1 for x in inputs if x)].observe_draft(self.d.name, seconds)
+
+    def proposals(
+        self, rows: list[Row], ks: dict[int, int], drafts: dict[int, list[int]], qs: dict[int, list[torch.Tensor]]
+    ) -> dict[int, Proposal]:
         out: dict[int, Proposal] = {}
         for b, k in ks.items():
-            st = rows[b].state[name]
+            st = rows[b].state[self.d.name]
             st.used = True
-            out[b] = Proposal(name, drafts[b], qs[b] or None, [st.tracker.rate] * k, [None] * k)
+            out[b] = Proposal(self.d.name, drafts[b], qs[b] or None, [st.tracker.rate] * k, [None] * k)
         return out
 
     def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:

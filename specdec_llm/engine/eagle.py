@@ -30,7 +30,7 @@ import torch
 
 from . import hf
 from .autok import AcceptanceTracker, Timer
-from .drafters import ModelDrafter, Proposal, _ModelRow, _ModelSession, pick
+from .drafters import ModelDrafter, Proposal, _ModelRow, _ModelSession
 from .ragged import RaggedCache
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class _EagleSession(_ModelSession):
         ks = {b: k for b, k in ks.items() if k > 0 and self.behind(rows[b])}
         if not ks:
             return {}
-        dec, d, name = self.batch.dec, self.d, self.d.name
+        d, name = self.d, self.d.name
         drafts: dict[int, list[int]] = {b: [] for b in ks}
         qs: dict[int, list[torch.Tensor]] = {b: [] for b in ks}
         own: dict[int, torch.Tensor] = {}  # each row's last draft output h
@@ -156,25 +156,9 @@ class _EagleSession(_ModelSession):
             assert self.cache.last_features is not None
             h = self.cache.last_features[:, -1]
             self.columns.append(self.cache.width - 1)
-            fed = sum(len(x) for x in inputs)
-            for b in ks:
-                if inputs[b]:
-                    r = rows[b]
-                    r.stats.draft_forwards += 1
-                    r.stats.draft_time_s += t.seconds * len(inputs[b]) / fed
-                    own[b] = h[b]
-                    tok, q = pick(r, logits[b])
-                    drafts[b].append(tok)
-                    if q is not None:
-                        qs[b].append(q)
-            if j:  # one-token steps: the steady-state draft cost
-                dec.costs[sum(1 for x in inputs if x)].observe_draft(name, t.seconds)
-        out: dict[int, Proposal] = {}
-        for b, k in ks.items():
-            st = rows[b].state[name]
-            st.used = True
-            out[b] = Proposal(name, drafts[b], qs[b] or None, [st.tracker.rate] * k, [None] * k)
-        return out
+            own.update({b: h[b] for b in ks if inputs[b]})
+            self.record(rows, inputs, logits, t.seconds, drafts, qs, steady=j > 0)
+        return self.proposals(rows, ks, drafts, qs)
 
     def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:
         """Drafted pairs (steps 2..k) leave the cache whatever was accepted: the accepted
