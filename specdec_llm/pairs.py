@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.metadata
+import inspect
 import json
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -348,6 +349,153 @@ def load_draft_dir(path: Path, target, target_fp: str):
     return draft, meta
 
 
+# -- EAGLE drafts (specdec_llm/eagle.py trains them; the engine's drafter: engine/eagle.py) --
+KIND = "eagle"
+OWN_PREFIXES = ("model.model.layers.", "fuse.", "fc.")  # the draft's own tensors (all else is the target's)
+
+
+# -- the model ------------------------------------------------------------------------------
+def default_feature_layers(n_layers: int) -> list[int]:
+    """EAGLE-3's low / middle / high target layers: ``[1, N//2, N-1]`` (deduplicated for tiny targets)."""
+    return list(dict.fromkeys(min(i, n_layers - 1) for i in (1, n_layers // 2, n_layers - 1)))
+
+
+def _cache_kwarg(model_cls) -> str:
+    params = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def layer_output(o):
+    """A decoder layer's output: a tensor, or a tuple whose first item is (transformers versions differ)."""
+    return o[0] if isinstance(o, tuple) else o
+
+
+class EagleDraft(torch.nn.Module):
+    """A feature-level draft: ``fuse``, ``fc`` (through :meth:`inputs`) and a one-layer ``model``."""
+
+    def __init__(self, model, feature_layers: list[int]):
+        super().__init__()
+        hidden = model.config.hidden_size
+        self.model = model
+        self.feature_layers = list(feature_layers)
+        w = model.model.embed_tokens.weight
+        self.fuse = torch.nn.Linear(
+            len(self.feature_layers) * hidden, hidden, bias=False, device=w.device, dtype=w.dtype
+        )
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False, device=w.device, dtype=w.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def inputs(self, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``[B, W]`` token ids and ``[B, W, H]`` features -> ``[B, W, H]`` inputs_embeds."""
+        return self.fc(torch.cat([self.model.model.embed_tokens(ids).to(g.dtype), g], -1))
+
+    def layer(self, u: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None = None, cache=None):
+        """The decoder layer on ``inputs_embeds`` ``u`` -> its output ``h`` (before the final norm).
+
+        ``mask``: a 4-D additive mask over the keys (cached ones first), or None for causal;
+        ``cache``: a transformers Cache the new keys and values are appended to."""
+        got = []
+        hook = self.model.model.layers[0].register_forward_hook(lambda m, a, o: got.append(layer_output(o)))
+        kw = {_cache_kwarg(type(self.model.model)): cache} if cache is not None else {}
+        try:
+            self.model.model(
+                inputs_embeds=u, attention_mask=mask, position_ids=position_ids, use_cache=cache is not None, **kw
+            )
+        finally:
+            hook.remove()
+        return got[0]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (``-inf`` outside a SubsetHead's tokens)."""
+        return self.model.lm_head(self.model.model.norm(h))
+
+    def subset_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's rows only (the subset's tokens, in ``lm_head.ids`` order)."""
+        head = self.model.lm_head
+        x = self.model.model.norm(h)
+        return head.subset_logits(x) if isinstance(head, SubsetHead) else head(x)
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if k.startswith(OWN_PREFIXES)}
+
+    def own_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for n, p in self.named_parameters() if n.startswith(OWN_PREFIXES)]
+
+
+def build_eagle(
+    target, feature_layers=None, vocab_subset: torch.Tensor | None = None, init: str = "last"
+) -> EagleDraft:
+    """A new EAGLE draft for ``target``.
+
+    ``init="last"``: the decoder layer is a copy of the target's last layer; ``"random"``:
+    freshly initialised. ``fuse`` starts as the identity on the last listed feature layer
+    (zeros on the others) and ``fc`` as ``embed + g``: the layer starts from the target's own
+    top hidden state."""
+    n = len(target.model.layers)
+    layers = list(feature_layers) if feature_layers else default_feature_layers(n)
+    if any(not 0 <= i < n for i in layers):
+        raise PairError(f"feature layers {layers} out of range: the target has layers 0..{n - 1}")
+    if init not in ("last", "random"):
+        raise ValueError(f"init {init!r}: use 'last' or 'random'")
+    model = shared_draft(target, [n - 1], vocab_subset)
+    draft = EagleDraft(model, layers)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        if init == "random":
+            std = getattr(model.config, "initializer_range", 0.02)
+            for p in model.model.layers[0].parameters():
+                if p.dim() == 1:  # norms
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, std)
+        eye = torch.eye(hidden, device=draft.device, dtype=draft.dtype)
+        draft.fuse.weight.zero_()
+        draft.fuse.weight[:, -hidden:] = eye
+        draft.fc.weight.copy_(torch.cat([eye, eye], 1))
+    for p in draft.parameters():
+        p.requires_grad_(False)
+    return draft.eval()
+
+
+def load_eagle_dir(path: Path, target, target_fp: str) -> tuple[EagleDraft, dict]:
+    """Load an EAGLE draft directory against ``target`` (cast to its dtype, on its device);
+    refuse a draft trained for another target."""
+    meta = json.loads((path / DRAFT_META).read_text())
+    if meta.get("kind") != KIND:
+        raise PairError(f"draft {path} is not an EAGLE draft (kind {meta.get('kind', 'distilled')!r})")
+    if meta["target_fingerprint"] != target_fp:
+        raise PairError(
+            f"EAGLE draft {path} was trained for target {meta['target_fingerprint']} "
+            f"({meta.get('target', '?')}); this target is {target_fp}. Use the draft with its own target "
+            "or train a new one (specdec-llm distill --kind eagle)."
+        )
+    from safetensors.torch import load_file
+
+    own = load_file(str(path / "draft.safetensors"))
+    subset = own.pop(VOCAB_SUBSET, None)
+    draft = build_eagle(target, meta["feature_layers"], subset)
+    missing = draft.load_state_dict({k: v.to(draft.dtype) for k, v in own.items()}, strict=False)
+    expected = set(draft.own_state())
+    bad = sorted(expected & set(missing.missing_keys))
+    if bad or missing.unexpected_keys:
+        raise PairError(
+            f"EAGLE draft {path}: tensors do not fit the target (missing {bad[:3]}, "
+            f"unexpected {missing.unexpected_keys[:3]})"
+        )
+    return draft.eval(), meta
+
+
 # -- loaded pairs -------------------------------------------------------------------------
 @dataclass
 class Pair:
@@ -407,8 +555,6 @@ def load_pair(name_or_spec: str | PairSpec) -> Pair:
         if ref.startswith("pkg:") or (Path(ref).expanduser() / DRAFT_META).exists():
             path = draft_dir(ref)
             if json.loads((path / DRAFT_META).read_text()).get("kind") == "eagle":
-                from .eagle import load_eagle_dir
-
                 draft, meta = load_eagle_dir(path, target, t_fp)
             else:
                 draft, meta = load_draft_dir(path, target, t_fp)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import costcache, hf
+from . import costcache, hf, registry
 from . import drafters as drafting
 from .autok import BatchCosts, CostModel, Probes, RowOptions, Timer, calibrate, plan
 from .ragged import RaggedCache
@@ -79,7 +79,7 @@ class SpeculativeDecoder:
     ) -> None:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.kernels: dict[str, Any] = {}  # the matmul kernel chosen per weight shape and row count (CPU)
-        models = [target] + ([drafting.runnable(draft)] if draft is not None else [])
+        models = [target] + ([registry.runnable(draft)] if draft is not None else [])
         for model in models:
             self.kernels.update(hf.prepare(model, kernel_cache))
         sizes = [m.config.vocab_size for m in models]
@@ -87,7 +87,7 @@ class SpeculativeDecoder:
         if drafters is None:
             drafters = ["model"] if draft is not None else []
         names = [d for d in drafters if isinstance(d, str)]
-        built = iter(drafting.build(names, draft, self.vocab_size))
+        built = iter(registry.build(names, draft, self.vocab_size))
         self.drafters: list[Drafter] = [next(built) if isinstance(d, str) else d for d in drafters]
         # the target layers whose outputs a feature-level drafter reads (eagle.py): every
         # target forward returns them (a pair has one draft, so at most one such drafter)
