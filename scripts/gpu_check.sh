@@ -296,11 +296,15 @@ stage_eagle() {
   local hours="${GPU_EAGLE_HOURS:-0.06}" args=(--batch-size 64 --max-len 512 --steps 4000 --lr 1e-3)
   if [ "$DEVICE" = cpu ]; then args=(--batch-size 4 --max-len 128 --steps 20 --vocab-subset 4096); fi
   if [ "$QUICK" = 1 ]; then args=(--batch-size 2 --max-len 64 --steps 3 --vocab-subset 1024); fi
-  local fp
+  local fp corpus
   fp="$(cd "$WORK/corpus" && ls -td -- */ | head -1)"  # the target's folder the corpus stage grew
+  corpus="$WORK/corpus/${fp%/}"
+  # a dry run trains on the shards it just added only: teacher features for the whole corpus
+  # take minutes on a CPU
+  [ "$QUICK" = 1 ] && corpus="$WORK/result/corpus/${fp%/}"
   rm -rf "$WORK/result/eagle-draft"
   SPECDEC_DEVICE="$DEVICE" "$PY" -m specdec_llm distill --kind eagle --pair smollm2-135m --device "$DEVICE" \
-    --corpus "$WORK/corpus/${fp%/}" --work "$WORK/eagle" --out "$WORK/result/eagle-draft" --hours "$hours" "${args[@]}"
+    --corpus "$corpus" --work "$WORK/eagle" --out "$WORK/result/eagle-draft" --hours "$hours" "${args[@]}"
   "$PY" - "$WORK/result/eagle-draft/specdec_draft.json" "$LOGS/eagle.json" <<'PY'
 import json, sys
 meta = json.load(open(sys.argv[1]))
