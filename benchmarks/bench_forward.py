@@ -70,12 +70,12 @@ def engine_path(model, rows: int, context: list[int], w: int, repeats: int) -> f
 def plain_path(model, rows: int, context: list[int], w: int, repeats: int) -> float:
     cache = hf.new_cache(model)
     ids = torch.tensor([context] * rows, device=model.device)
-    model(input_ids=ids, **{hf._cache_kwarg(type(model)): cache}, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids, **{hf.cache_kwarg(type(model)): cache}, use_cache=True, logits_to_keep=1)
     n = len(context)
     new = torch.tensor([context[:w]] * rows, device=model.device)
 
     def run():
-        model(input_ids=new, **{hf._cache_kwarg(type(model)): cache}, use_cache=True, logits_to_keep=w)
+        model(input_ids=new, **{hf.cache_kwarg(type(model)): cache}, use_cache=True, logits_to_keep=w)
         cache.crop(-w)
 
     return median_ms(run, repeats) if cache.get_seq_length() == n else float("nan")

@@ -38,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .distill import cosine_lr
+from .engine import hf
 from .pairs import (  # noqa: F401 (the draft model lives beside the registry that loads it; re-exported)
     DRAFT_META,
     KIND,
@@ -49,7 +50,6 @@ from .pairs import (  # noqa: F401 (the draft model lives beside the registry th
     build_eagle,
     default_feature_layers,
     fingerprint,
-    layer_output,
     load_eagle_dir,
     shared_draft,
 )
@@ -105,18 +105,10 @@ def ttt_forward(draft: EagleDraft, ids: torch.Tensor, feats: torch.Tensor, steps
 @torch.no_grad()
 def teacher_signals(target, ids: torch.Tensor, attention_mask: torch.Tensor, layers: list[int]):
     """Teacher-forced target forward: features ``[B, T, len(layers)*H]`` and argmax ``[B, T]``."""
-    got: dict[int, torch.Tensor] = {}
-    hooks = [
-        target.model.layers[i].register_forward_hook(lambda m, a, o, i=i: got.__setitem__(i, layer_output(o)))
-        for i in dict.fromkeys(layers)
-    ]
-    try:
+    with hf.layer_outputs(target, tuple(layers)) as got:
         hidden = target.model(input_ids=ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    finally:
-        for hook in hooks:
-            hook.remove()
     argmax = torch.cat([target.lm_head(hidden[:, c : c + 64]).argmax(-1) for c in range(0, hidden.shape[1], 64)], 1)
-    return torch.cat([got[i] for i in layers], -1), argmax
+    return torch.cat(got, -1), argmax
 
 
 def _window(tokens, prompt_len: int, max_len: int) -> tuple[torch.Tensor, int]:

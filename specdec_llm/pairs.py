@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.metadata
-import inspect
 import json
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import RequestError, SpeculativeDecoder
+from .engine import RequestError, SpeculativeDecoder, hf
 from .errors import SpecDecError
 from .settings import get_settings
 
@@ -326,17 +325,21 @@ def shared_draft(target, layers: list[int], vocab_subset: torch.Tensor | None = 
     return draft.eval()
 
 
+def refuse_other_target(meta: dict, path: Path, target_fp: str, what: str, made: str, fix: str) -> None:
+    """A PairError unless the draft directory's ``meta`` names this target's fingerprint."""
+    if meta["target_fingerprint"] != target_fp:
+        raise PairError(
+            f"{what} {path} was {made} for target {meta['target_fingerprint']} "
+            f"({meta.get('target', '?')}); this target is {target_fp}. Use the draft with its own target or {fix}."
+        )
+
+
 def load_draft_dir(path: Path, target, target_fp: str):
     """Load a distilled draft directory against ``target``; refuse a different target."""
     from safetensors.torch import load_file
 
     meta = json.loads((path / DRAFT_META).read_text())
-    if meta["target_fingerprint"] != target_fp:
-        raise PairError(
-            f"draft {path} was distilled for target {meta['target_fingerprint']} "
-            f"({meta.get('target', '?')}); this target is {target_fp}. Use the draft with its own target "
-            "or distil a new one (specdec-llm distill)."
-        )
+    refuse_other_target(meta, path, target_fp, "draft", "distilled", "distil a new one (specdec-llm distill)")
     own = load_file(str(path / "draft.safetensors"))
     draft = shared_draft(target, meta["init_layers"], own.pop(VOCAB_SUBSET, None))
     dtype = next(target.parameters()).dtype
@@ -358,16 +361,6 @@ OWN_PREFIXES = ("model.model.layers.", "fuse.", "fc.")  # the draft's own tensor
 def default_feature_layers(n_layers: int) -> list[int]:
     """EAGLE-3's low / middle / high target layers: ``[1, N//2, N-1]`` (deduplicated for tiny targets)."""
     return list(dict.fromkeys(min(i, n_layers - 1) for i in (1, n_layers // 2, n_layers - 1)))
-
-
-def _cache_kwarg(model_cls) -> str:
-    params = inspect.signature(model_cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def layer_output(o):
-    """A decoder layer's output: a tensor, or a tuple whose first item is (transformers versions differ)."""
-    return o[0] if isinstance(o, tuple) else o
 
 
 class EagleDraft(torch.nn.Module):
@@ -405,15 +398,11 @@ class EagleDraft(torch.nn.Module):
 
         ``mask``: a 4-D additive mask over the keys (cached ones first), or None for causal;
         ``cache``: a transformers Cache the new keys and values are appended to."""
-        got = []
-        hook = self.model.model.layers[0].register_forward_hook(lambda m, a, o: got.append(layer_output(o)))
-        kw = {_cache_kwarg(type(self.model.model)): cache} if cache is not None else {}
-        try:
+        kw = {hf.cache_kwarg(type(self.model.model)): cache} if cache is not None else {}
+        with hf.layer_outputs(self.model, (0,)) as got:
             self.model.model(
                 inputs_embeds=u, attention_mask=mask, position_ids=position_ids, use_cache=cache is not None, **kw
             )
-        finally:
-            hook.remove()
         return got[0]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -474,12 +463,9 @@ def load_eagle_dir(path: Path, target, target_fp: str) -> tuple[EagleDraft, dict
     meta = json.loads((path / DRAFT_META).read_text())
     if meta.get("kind") != KIND:
         raise PairError(f"draft {path} is not an EAGLE draft (kind {meta.get('kind', 'distilled')!r})")
-    if meta["target_fingerprint"] != target_fp:
-        raise PairError(
-            f"EAGLE draft {path} was trained for target {meta['target_fingerprint']} "
-            f"({meta.get('target', '?')}); this target is {target_fp}. Use the draft with its own target "
-            "or train a new one (specdec-llm distill --kind eagle)."
-        )
+    refuse_other_target(
+        meta, path, target_fp, "EAGLE draft", "trained", "train a new one (specdec-llm distill --kind eagle)"
+    )
     from safetensors.torch import load_file
 
     own = load_file(str(path / "draft.safetensors"))

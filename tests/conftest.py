@@ -65,7 +65,7 @@ def prefill(model, token_ids: list[int], cache) -> None:
     from specdec_llm.engine import hf
 
     ids = torch.tensor([token_ids], device=model.device)
-    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{hf._cache_kwarg(type(model)): cache})
+    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{hf.cache_kwarg(type(model)): cache})
 
 
 def check_caches(batch) -> None:

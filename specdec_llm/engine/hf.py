@@ -29,7 +29,7 @@ from .lean import runner
 _CACHE_KWARG: dict[type[torch.nn.Module], str] = {}
 
 
-def _cache_kwarg(model_cls: type[torch.nn.Module]) -> str:
+def cache_kwarg(model_cls: type[torch.nn.Module]) -> str:
     """The forward's name for the KV cache argument, per model class."""
     if model_cls not in _CACHE_KWARG:
         params = inspect.signature(model_cls.forward).parameters
@@ -215,7 +215,7 @@ def forward_rows(
     lean = runner(model)
     if lean is not None:  # the same math without transformers' module machinery (lean.py)
         return lean(ids.to(model.device), cache, keep, mask, positions, embeds, features)
-    kwargs: dict[str, Any] = {_cache_kwarg(type(model)): cache}
+    kwargs: dict[str, Any] = {cache_kwarg(type(model)): cache}
     if mask is not None:
         if model.config._attn_implementation == "eager":  # eager adds a float mask; sdpa takes booleans
             mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(
