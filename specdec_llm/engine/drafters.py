@@ -269,6 +269,7 @@ class ModelDrafter:
     acceptance is tracked (geometric model), starting from a running estimate over past rows."""
 
     free, shared = False, False
+    row_state: type[_ModelRow]  # what a row keeps in row.state[name] (set below the class)
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, name: str = "model", prior: float = 0.5):
         self.model, self.vocab_size, self.name = model, vocab_size, name
@@ -280,7 +281,7 @@ class ModelDrafter:
     def tracker(self, row: Row) -> AcceptanceTracker:
         st: _ModelRow | None = row.state.get(self.name)
         if st is None:
-            st = row.state[self.name] = _ModelRow(AcceptanceTracker(self.prior))
+            st = row.state[self.name] = self.row_state(AcceptanceTracker(self.prior))
         return st.tracker
 
     def finish(self, row: Row) -> None:
@@ -309,6 +310,9 @@ class _ModelRow:
     tracker: AcceptanceTracker
     dlen: int = 0  # tokens of row.seq in the draft cache
     used: bool = False
+
+
+ModelDrafter.row_state = _ModelRow
 
 
 class _ModelSession:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from . import hf
-from .autok import AcceptanceTracker, Timer
+from .autok import Timer
 from .drafters import ModelDrafter, Proposal, _ModelRow, _ModelSession
 from .ragged import RaggedCache
 
@@ -54,9 +54,16 @@ def is_feature_draft(draft: object) -> bool:
     return hasattr(draft, "feature_layers") and hasattr(draft, "inputs")
 
 
+@dataclass
+class _EagleRow(_ModelRow):
+    pending: list[torch.Tensor] = field(default_factory=list)  # target features not yet fed, in order
+
+
 class EagleDrafter(ModelDrafter):
     """Drafts with a feature-level draft; otherwise a model drafter (acceptance tracking,
     calibrated step cost, the batch's plan chooses it per row like any model)."""
+
+    row_state = _EagleRow
 
     def __init__(self, draft: FeatureDraft, vocab_size: int, name: str = "eagle", prior: float = 0.5):
         super().__init__(draft.model, vocab_size, name, prior)
@@ -65,12 +72,6 @@ class EagleDrafter(ModelDrafter):
 
     def session(self, batch: Batch) -> _EagleSession:
         return _EagleSession(self, batch)
-
-    def tracker(self, row: Row) -> AcceptanceTracker:
-        st: _EagleRow | None = row.state.get(self.name)
-        if st is None:
-            st = row.state[self.name] = _EagleRow(AcceptanceTracker(self.prior))
-        return st.tracker
 
     @torch.no_grad()
     def embed(self, tokens: list[int], g: torch.Tensor, fuse: bool = False) -> torch.Tensor:
@@ -98,11 +99,6 @@ class EagleDrafter(ModelDrafter):
             return t.seconds
 
         return step
-
-
-@dataclass
-class _EagleRow(_ModelRow):
-    pending: list[torch.Tensor] = field(default_factory=list)  # target features not yet fed, in order
 
 
 class _EagleSession(_ModelSession):
