@@ -50,6 +50,7 @@ def main() -> None:
     variants = {}
     if blocks:
         variants["int4 (GGUF blocks), target head"] = quantized_copy(target, "int4", "target", blocks)
+    variants["int4 (GGUF blocks or re-quantized), bf16 head"] = quantized_copy(target, "int4", "bf16", blocks)
     variants["int4 (re-quantized), target head"] = quantized_copy(target, "int4", "target")
     variants["int4 (GGUF blocks or re-quantized), int4 head"] = quantized_copy(target, "int4", "int4", blocks)
     variants["int8, target head"] = quantized_copy(target, "int8", "target")

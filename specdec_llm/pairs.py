@@ -593,7 +593,7 @@ def quantized_draft(spec: PairSpec, target):
     ref = local_ref(spec.target)
     if scheme == "int4" and ref.endswith(".gguf"):
         blocks = gguf_blocks(Path(ref).expanduser(), target)
-    draft = quantized_copy(target, scheme, blocks=blocks)
+    draft = quantized_copy(target, scheme, blocks=blocks, kernel_cache=get_settings().cache_dir / "kernels.json")
     info = {
         "kind": "quantized",
         **draft.quantization,

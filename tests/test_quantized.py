@@ -7,6 +7,7 @@ bit for bit; a pair naming an unknown quantization is refused with the known one
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ from typer.testing import CliRunner
 
 from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
 from specdec_llm.engine.decoder import Batch
-from specdec_llm.engine.quant import Int4Linear, Int8Linear, quantize4, quantized_copy
+from specdec_llm.engine.kernels import fastest_ms
+from specdec_llm.engine.quant import CastHead, Int4Linear, Int8Linear, choose_head, quantize4, quantized_copy
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9], [30, 31, 32, 30, 31], [100, 3, 100, 3, 100], [7]]
 
@@ -41,7 +43,7 @@ def test_int4_blocks_round_trip_and_the_kernel_multiplies_by_them():
     assert (lin8(x) - x @ w.t()).abs().max() < 0.02 * (x @ w.t()).abs().max()
 
 
-@pytest.mark.parametrize("scheme,head", [("int4", "target"), ("int4", "int4"), ("int8", "target")])
+@pytest.mark.parametrize("scheme,head", [("int4", "target"), ("int4", "bf16"), ("int4", "int4"), ("int8", "target")])
 def test_quantized_drafter_alone_and_mixed_is_greedy_identical(target, scheme, head):
     draft = quantized_copy(target, scheme, head)
     assert not any(isinstance(m, torch.nn.Linear) for n, m in draft.model.layers.named_modules())
@@ -67,6 +69,32 @@ def test_quantized_drafter_alone_and_mixed_is_greedy_identical(target, scheme, h
     ]
     proposed, accepted = sum(c["proposed"] for c in q), sum(c["accepted"] for c in q)
     assert accepted > 0.6 * proposed, (accepted, proposed)  # a faithful copy of the target agrees with it
+
+
+def test_auto_head_follows_this_machines_measured_timings(target, tmp_path):
+    """"auto" takes the bf16 copy of the LM head only where the kernel timings (measured on
+    the real weights, cached per machine in kernels.json) make it faster by AUTO_MARGIN."""
+    cache = tmp_path / "kernels.json"
+    head = target.get_output_embeddings()
+    fastest_ms(head.weight, 1, cache)  # measured now and cached, as quantized_copy does at load
+    fastest_ms(head.weight.to(torch.bfloat16), 1, cache)
+    timings = json.loads(cache.read_text())
+    assert {k.split("|")[-2] for k in timings} == {"float32", "bfloat16"}
+
+    def cached(fp32_ms: float, bf16_ms: float) -> None:
+        for key, entry in timings.items():
+            ms = bf16_ms if "|bfloat16|" in key else fp32_ms
+            entry["ms"] = {kind: [ms] * len(v) for kind, v in entry["ms"].items()}
+        cache.write_text(json.dumps(timings))
+
+    cached(fp32_ms=2.0, bf16_ms=1.0)
+    assert choose_head(head, cache) == ("bf16", {"target": 2.0, "bf16": 1.0})
+    draft = quantized_copy(target, head="auto", kernel_cache=cache)
+    assert isinstance(draft.lm_head, CastHead) and draft.lm_head.weight.dtype == torch.bfloat16
+    assert draft.quantization["head"] == "bf16"
+    cached(fp32_ms=1.0, bf16_ms=0.9)  # faster, but not by the margin a copy of the head must earn
+    assert choose_head(head, cache)[0] == "target"
+    assert quantized_copy(target, head="auto", kernel_cache=cache).lm_head is target.lm_head
 
 
 def test_quantized_rows_join_and_leave_caches_exact(target):

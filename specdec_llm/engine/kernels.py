@@ -203,6 +203,32 @@ def _save(cache_file: Path | None, data: dict[str, Any]) -> None:
         log.info("could not save kernel timings to %s: %s", cache_file, e)
 
 
+def _entry(cached: dict[str, Any], machine: str, weights: list[torch.Tensor]) -> tuple[dict[str, Any], bool]:
+    """The timings of ``weights`` (one shape and dtype) from ``cached``, else measured now and
+    added to it; and whether they were measured."""
+    shape, dtype = tuple(weights[0].shape), weights[0].dtype
+    key = f"{machine}|{str(dtype).removeprefix('torch.')}|{shape[0]}x{shape[1]}x{len(weights)}"
+    entry = cached.get(key)
+    if entry is not None and entry.get("points") == list(POINTS):
+        return entry, False
+    times = measure(weights, kinds(dtype))
+    entry = {"points": list(POINTS), "ms": {k: [round(t * 1e3, 4) for t in v] for k, v in times.items()}}
+    cached[key] = entry
+    return entry, True
+
+
+def fastest_ms(weight: torch.Tensor, rows: int = 1, cache_file: Path | None = None) -> float:
+    """Milliseconds of the fastest kernel multiplying ``rows`` rows by ``weight`` on this
+    machine (the timings ``tune`` uses, from the same cache): for load-time choices between
+    copies of a weight in different dtypes."""
+    cached = _load(cache_file)
+    entry, new = _entry(cached, machine_key(), [weight.detach()])
+    if new:
+        _save(cache_file, cached)
+    i = next((i for i, p in enumerate(POINTS) if p >= rows), len(POINTS) - 1)
+    return min(float(v[i]) for v in entry["ms"].values())
+
+
 @torch.no_grad()
 def tune(model: torch.nn.Module, cache_file: Path | None = None, force: str | None = None) -> dict[str, Any]:
     """Give every Linear of ``model`` (on CPU) the fastest kernel per row count; returns
@@ -221,15 +247,11 @@ def tune(model: torch.nn.Module, cache_file: Path | None = None, force: str | No
     for (shape, dtype), mods in groups.items():
         # one matrix per module (a tied LM head shares the embedding's tensor: counted once)
         weights = list({w.data_ptr(): w.detach() for w in (cast(torch.Tensor, m.weight) for m in mods)}.values())
-        key = f"{machine}|{str(dtype).removeprefix('torch.')}|{shape[0]}x{shape[1]}x{len(weights)}"
-        entry = cached.get(key)
         if force is not None:
             entry = {"points": list(POINTS), "ms": {force: [0.0] * len(POINTS)}}
-        elif entry is None or entry.get("points") != list(POINTS):
-            times = measure(weights, kinds(dtype))
-            entry = {"points": list(POINTS), "ms": {k: [round(t * 1e3, 4) for t in v] for k, v in times.items()}}
-            cached[key] = entry
-            dirty = True
+        else:
+            entry, new = _entry(cached, machine, weights)
+            dirty = dirty or new
         choice = choose(entry["ms"])
         tab = table(choice)
         used = sorted(set(choice))

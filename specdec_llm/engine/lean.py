@@ -55,7 +55,7 @@ class LeanLlama:
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, gate_up = _fuse([attn.q_proj, attn.k_proj, attn.v_proj]), _fuse([mlp.gate_proj, mlp.up_proj])
-            fused.extend(m for m in (qkv, gate_up) if m is not None)
+            fused.extend(m for m in (qkv, gate_up) if isinstance(m, torch.nn.Linear))
             self.layers.append((layer.input_layernorm, attn, qkv, layer.post_attention_layernorm, mlp, gate_up))
         if len(fused):  # (supported: on the CPU)
             from .kernels import tune
@@ -127,13 +127,17 @@ class LeanLlama:
         return logits.float(), feats
 
 
-def _fuse(linears: list[Any]) -> torch.nn.Linear | None:
+def _fuse(linears: list[Any]) -> torch.nn.Module | None:
     """One Linear over sibling Linears that read the same input (q/k/v, gate/up): one matmul
     instead of several over the same dot products (a kernel may round the last bits
     differently for another output width, as any two kernels may: kernels.py; on the demo
     target the logits came out bit-identical). A copy of their weights (the siblings keep
     theirs for transformers' own forward); None unless all are plain float Linears (a
-    quantized copy fuses its own)."""
+    quantized copy fused its own: that matmul, called once here instead of through its parts)."""
+    whole = getattr(linears[0], "part_of", None)  # engine/quant.py: Slice parts of one int4 matmul
+    if whole is not None:
+        own = all(getattr(m, "part_of", None) is whole for m in linears)
+        return whole if own and whole.sizes == [m.out_features for m in linears] else None
     if not all(type(m) is torch.nn.Linear for m in linears):
         return None
     ws: list[torch.Tensor] = [m.weight.detach() for m in linears]  # plain Linears (checked above)
