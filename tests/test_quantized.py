@@ -72,7 +72,7 @@ def test_quantized_drafter_alone_and_mixed_is_greedy_identical(target, scheme, h
 
 
 def test_auto_head_follows_this_machines_measured_timings(target, tmp_path):
-    """"auto" takes the bf16 copy of the LM head only where the kernel timings (measured on
+    """ "auto" takes the bf16 copy of the LM head only where the kernel timings (measured on
     the real weights, cached per machine in kernels.json) make it faster by AUTO_MARGIN."""
     cache = tmp_path / "kernels.json"
     head = target.get_output_embeddings()

@@ -244,7 +244,7 @@ def tune(model: torch.nn.Module, cache_file: Path | None = None, force: str | No
     cached = _load(cache_file)
     report: dict[str, Any] = {}
     dirty = False
-    for (shape, dtype), mods in groups.items():
+    for (shape, _dtype), mods in groups.items():
         # one matrix per module (a tied LM head shares the embedding's tensor: counted once)
         weights = list({w.data_ptr(): w.detach() for w in (cast(torch.Tensor, m.weight) for m in mods)}.values())
         if force is not None:

@@ -140,7 +140,7 @@ class CastHead(torch.nn.Module):
 
 
 def choose_head(head: torch.nn.Module, kernel_cache: Path | None = None) -> tuple[str, dict[str, float]]:
-    """"bf16" where a bf16 copy of ``head`` multiplies one row in at most AUTO_MARGIN of the
+    """ "bf16" where a bf16 copy of ``head`` multiplies one row in at most AUTO_MARGIN of the
     time of the target's own head on this machine (fastest kernel of each, timed on the real
     weights, cached with the kernel timings), else "target"; and the two timings (ms)."""
     weight = cast(torch.Tensor, head.weight)
