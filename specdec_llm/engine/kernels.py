@@ -248,7 +248,7 @@ def tune(model: torch.nn.Module, cache_file: Path | None = None, force: str | No
         # one matrix per module (a tied LM head shares the embedding's tensor: counted once)
         weights = list({w.data_ptr(): w.detach() for w in (cast(torch.Tensor, m.weight) for m in mods)}.values())
         if force is not None:
-            entry = {"points": list(POINTS), "ms": {force: [0.0] * len(POINTS)}}
+            entry: dict[str, Any] = {"points": list(POINTS), "ms": {force: [0.0] * len(POINTS)}}
         else:
             entry, new = _entry(cached, machine, weights)
             dirty = dirty or new
