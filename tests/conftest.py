@@ -71,11 +71,15 @@ def prefill(model, token_ids: list[int], cache) -> None:
 def check_caches(batch) -> None:
     """Every row's valid cache columns equal a fresh prefill of exactly its emitted prefix:
     the target holds seq[:-1], each draft model seq[:dlen] (holes and padding are invisible)."""
+    from specdec_llm.engine.drafters import SelfDrafter
+
     dec = batch.dec
     checks = [(batch.tcache, dec.target, lambda r: len(r.seq) - 1)]
     for name, s in batch.sessions.items():
         if not s.free:
-            checks.append((s.cache, s.d.model, lambda r, name=name: r.state[name].dlen))
+            # a self-draft (the target quantized) holds the target's own keys and values
+            model = dec.target if isinstance(s.d, SelfDrafter) else s.d.model
+            checks.append((s.cache, model, lambda r, name=name: r.state[name].dlen))
     for cache, model, length in checks:
         assert cache.rows == len(batch.rows)
         for b, r in enumerate(batch.rows):

@@ -435,6 +435,50 @@ class _ModelSession:
             st.dlen -= k - 1 - n
 
 
+class SelfDrafter(ModelDrafter):
+    """The target's own weights, quantized (quant.py), as its draft. Its layers and KV layout
+    are the target's, so a row's draft cache catches up by copying the target's keys and
+    values of the positions it has not seen (the prompt, tokens another drafter had
+    accepted) instead of running the draft over them: the target computed them anyway, and
+    exactly. On a long prompt that prefill was most of a quantized draft's cost. The draft's
+    own keys and values of the tokens it fed are dropped after each verification and the
+    accepted positions copied from the target too, so its cache always holds the target's
+    exact keys and values of ``seq[:dlen]``, and only the tokens in flight are its own."""
+
+    def session(self, batch: Batch) -> _SelfSession:
+        return _SelfSession(self, batch)
+
+
+class _SelfSession(_ModelSession):
+    d: SelfDrafter
+
+    def add(self, row: Row) -> None:
+        self.d.tracker(row)
+        self.joining.append(RaggedCache(self.d.model, 1))  # filled from the target's cache when it drafts
+
+    def behind(self, row: Row) -> int:
+        return min(1, super().behind(row))  # a copy, not a forward, brings it up to date
+
+    def catch_up(self, rows: list[Row], ks: dict[int, int]) -> None:
+        """Every drafting row's cache up to ``seq[:-1]``: the target's cache holds exactly
+        those positions (its last token is fed by the next verification)."""
+        spans = {b: (rows[b].state[self.d.name].dlen, len(rows[b].seq) - 1) for b in ks}
+        with Timer() as t:
+            self.cache.append_from(self.batch.tcache, spans)
+        for b, (start, end) in spans.items():
+            rows[b].state[self.d.name].dlen = end
+            rows[b].stats.draft_time_s += t.seconds * (end - start) / max(1, sum(e - s for s, e in spans.values()))
+
+    def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:
+        """Everything this iteration fed (the last token, then the drafts) leaves the cache:
+        the next catch-up copies the accepted positions from the target."""
+        k = len(prop.tokens)
+        st = row.state[self.d.name]
+        st.tracker.update(k, n)
+        self.cache.drop(b, self.columns[:k])
+        st.dlen = len(row.seq) - 1  # row.seq is not yet advanced
+
+
 def pick(row: Row, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     """A draft token from a draft model's logits (and its processed distribution when sampling)."""
     req = row.req
@@ -459,5 +503,5 @@ def prefill(
 
 if TYPE_CHECKING:
     _Counts = dict[tuple[int, ...], dict[int, int]]  # context -> {next token: count}
-    Drafter = Lookup | Suffix | ModelDrafter  # (eagle.EagleDrafter is a ModelDrafter)
+    Drafter = Lookup | Suffix | ModelDrafter  # (eagle.EagleDrafter, SelfDrafter are ModelDrafters)
     Session = _Free | _ModelSession

@@ -171,5 +171,31 @@ class RaggedCache:
         valid[row, : own.width] = own.valid[0]
         self.valid = valid
 
+    @torch.inference_mode()
+    def append_from(self, src: RaggedCache, spans: dict[int, tuple[int, int]]) -> None:
+        """Append to each row ``b`` the keys and values of ``src``'s row ``b`` at its valid
+        positions ``spans[b] = (start, end)`` (its logical positions, counted in valid columns),
+        as a forward of those tokens would have: new columns, left-padded, holes for the
+        other rows. ``src`` must be a cache of a model with this one's layers (a quantized
+        copy of it: quant.py), rows aligned with this cache's."""
+        spans = {b: s for b, s in spans.items() if s[1] > s[0]}
+        if not spans:
+            return
+        w, width = max(e - s for s, e in spans.values()), self.width
+        where = {b: src.valid[b].nonzero()[s:e, 0] for b, (s, e) in spans.items()}  # source columns
+        for mine, theirs in zip(hf.layers(self.cache), hf.layers(src.cache)):
+            if theirs.kbuf is None:
+                continue
+            kbuf, vbuf = mine.reserve(self.rows, width + w, *theirs.bufs)
+            for b, cols in where.items():
+                at = slice(width + w - len(cols), width + w)
+                kbuf[b, :, at] = theirs.keys[b].index_select(1, cols.to(kbuf.device))
+                vbuf[b, :, at] = theirs.values[b].index_select(1, cols.to(vbuf.device))
+            mine.view(self.rows, width + w)
+        new = torch.zeros(self.rows, w, dtype=torch.bool)
+        for b, cols in where.items():
+            new[b, w - len(cols) :] = True
+        self.valid = torch.cat([self.valid, new], 1)
+
     def _live_layers(self) -> list[hf.GrowingLayer]:
         return [layer for layer in hf.layers(self.cache) if layer.kbuf is not None]

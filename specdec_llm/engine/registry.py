@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
-from .drafters import KNOWN, MODELS, Lookup, ModelDrafter, Suffix
+from .drafters import KNOWN, MODELS, Lookup, ModelDrafter, SelfDrafter, Suffix
 from .eagle import EagleDrafter, is_feature_draft
 
 if TYPE_CHECKING:
@@ -43,8 +43,10 @@ def build(names: list[str], draft_model: Any = None, vocab_size: int | None = No
                 )
             # the target's own weights in 4 bits agree with it on ~0.99 of greedy tokens (README):
             # start there, so the schedule tries it from the first row; rows then correct it
-            prior = 0.9 if getattr(draft_model, "quantization", None) else 0.5
-            out.append(ModelDrafter(draft_model, vocab_size or int(draft_model.config.vocab_size), name, prior))
+            # and shares the target's KV layout, so it catches up from the target's cache (SelfDrafter)
+            own = bool(getattr(draft_model, "quantization", None))
+            cls = SelfDrafter if own else ModelDrafter
+            out.append(cls(draft_model, vocab_size or int(draft_model.config.vocab_size), name, 0.9 if own else 0.5))
         else:
             raise ValueError(f"unknown drafter {name!r}; known drafters: {', '.join(KNOWN)}")
     if len({d.name for d in out}) != len(out):
