@@ -8,9 +8,10 @@ Same prompts, same pair, same prepared weights, one run, methods interleaved per
 Methods: transformers ``generate`` (target only), transformers prompt lookup
 (``prompt_lookup_num_tokens=10``), transformers assisted generation (the pair's draft), the
 engine at k=0, the engine with each of the pair's drafters alone (k=auto), and the engine's
-default (every drafter, chosen per iteration). Each engine method has its own decoder, so
-its suffix index has seen the earlier prompts' outputs only, never the prompt being
-timed (as a server that has answered earlier requests). Prints tokens/s per category and
+default (every drafter, chosen per iteration); for a quantized self-draft, ``quantized`` and
+the default again with the draft's one-token step compiled (``compile_draft``). Each engine
+method has its own decoder, so its suffix index has seen the earlier prompts' outputs only,
+never the prompt being timed (as a server that has answered earlier requests). Prints tokens/s per category and
 overall, the ratio to ``generate``, acceptance, tokens per target forward and whether
 greedy outputs matched ``generate`` token for token; the CPU model and flags first.
 """
@@ -28,7 +29,7 @@ from bench_forward import cpu_info
 from rich.console import Console
 from rich.table import Table
 
-from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
+from specdec_llm.engine import GenerationRequest, SpeculativeDecoder, compiled
 from specdec_llm.evaluate import read_prompts
 from specdec_llm.pairs import load_pair, quiet_loading
 
@@ -55,8 +56,18 @@ def main() -> None:
     ref_dec = pair.decoder()  # prepares the weights (kernels measured on this machine) for every method
     eos = set(ref_dec.eos_token_ids)
 
-    def decoder(drafters):
-        d = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, drafters=drafters, vocab_size=pair.vocab_size)
+    def decoder(drafters, compile_draft=False):
+        d = SpeculativeDecoder(
+            pair.target,
+            pair.draft,
+            pair.tokenizer,
+            drafters=drafters,
+            vocab_size=pair.vocab_size,
+            compile_draft=compile_draft,
+        )
+        if compile_draft:
+            print(f"compiled draft step: {d.kernels['compiled draft step']}", flush=True)
+        compiled.ENABLED = compile_draft  # (its calibration measures the step it will run)
         d.calibrate_batches(1)
         return d
 
@@ -68,10 +79,11 @@ def main() -> None:
 
         return run
 
-    def engine(drafters, k="auto"):
-        dec = decoder(drafters)
+    def engine(drafters, k="auto", compile_draft=False):
+        dec = decoder(drafters, compile_draft)
 
         def run(ids):
+            compiled.ENABLED = compile_draft  # the compiled step serves its own methods only
             res = dec.generate(GenerationRequest(prompt=ids, max_new_tokens=n, k=k))
             return res.token_ids, res.stats
 
@@ -85,6 +97,9 @@ def main() -> None:
     for name in names:
         methods[f"engine {name}"] = engine([name])
     methods["engine default (" + "+".join(names) + ")"] = engine(names)
+    if pair.spec.quantized:  # its one-token step compiled (engine/compiled.py), where measured faster
+        methods["engine quantized compiled"] = engine(["quantized"], compile_draft=True)
+        methods["engine default compiled (" + "+".join(names) + ")"] = engine(names, compile_draft=True)
     if args.methods:
         keep = {m.strip() for m in args.methods.split(",")} | {BASE}
         methods = {m: f for m, f in methods.items() if m in keep or m.split(" (")[0] in keep}

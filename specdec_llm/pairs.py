@@ -52,6 +52,7 @@ class PairSpec:
     k: int | str = "auto"  # what a request's k="auto" means for this pair: "auto" or a fixed integer
     drafters: list[str] | None = None  # default: lookup, suffix, and model when there is a draft
     trust_remote_code: bool = False
+    compile_draft: bool = False  # compile a quantized draft's one-token step (engine/compiled.py)
     description: str = ""
     source: str = "builtin"  # builtin | user file path
 
@@ -101,6 +102,11 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
         quantized = isinstance(draft, str) and draft.startswith(QUANTIZED)
         if quantized:
             _quantization(draft, f"{source}: pair {name!r}")
+        if "compile_draft" in fields and (not isinstance(fields["compile_draft"], bool) or not quantized):
+            raise PairError(
+                f"{source}: pair {name!r}: compile_draft must be true or false, and needs "
+                f'draft = "quantized:int4" (it compiles the quantized draft\'s step)'
+            )
         drafters = fields.get("drafters")
         if drafters is not None:
             from .engine.drafters import KNOWN
@@ -502,6 +508,7 @@ class Pair:
             vocab_size=self.vocab_size,
             default_k=self.spec.k,
             kernel_cache=get_settings().cache_dir / "kernels.json",
+            compile_draft=self.spec.compile_draft,
         )
 
 

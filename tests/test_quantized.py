@@ -15,10 +15,11 @@ import torch
 from conftest import check_caches, greedy_reference, tiny_llama
 from typer.testing import CliRunner
 
-from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
+from specdec_llm.engine import GenerationRequest, SpeculativeDecoder, compiled, hf
 from specdec_llm.engine.decoder import Batch
 from specdec_llm.engine.kernels import fastest_ms
 from specdec_llm.engine.quant import CastHead, Int4Linear, Int8Linear, choose_head, quantize4, quantized_copy
+from specdec_llm.engine.ragged import RaggedCache
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9], [30, 31, 32, 30, 31], [100, 3, 100, 3, 100], [7]]
 
@@ -157,13 +158,52 @@ def test_unknown_quantization_exits_2_naming_the_known_ones(tmp_path, monkeypatc
     from specdec_llm.settings import reload_settings
 
     path = tmp_path / "pairs.toml"
-    path.write_text(f'[pairs.q]\ntarget = "{tiny_pair_dir}/target"\ndraft = "quantized:int3"\n')
     monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(path))
-    reload_settings()
+    cases = {
+        'draft = "quantized:int3"': "unknown quantization 'quantized:int3'; known: quantized:int4, quantized:int8",
+        'draft = "quantized:int4"\ncompile_draft = "yes"': "compile_draft must be true or false",
+        "compile_draft = true": 'compile_draft must be true or false, and needs draft = "quantized:int4"',
+    }
     try:
-        res = CliRunner().invoke(app, ["generate", "hello", "--pair", "q", "--max-new-tokens", "2"])
-        assert res.exit_code == 2
-        assert "unknown quantization 'quantized:int3'; known: quantized:int4, quantized:int8" in res.output
+        for fields, message in cases.items():
+            path.write_text(f'[pairs.q]\ntarget = "{tiny_pair_dir}/target"\n{fields}\n')
+            reload_settings()
+            res = CliRunner().invoke(app, ["generate", "hello", "--pair", "q", "--max-new-tokens", "2"])
+            assert res.exit_code == 2, fields
+            assert message in " ".join(res.output.split()), (fields, res.output)
     finally:
         monkeypatch.delenv("SPECDEC_CONFIG_FILE")
         reload_settings()
+
+
+def test_compiled_draft_step_equals_the_lean_step_and_keeps_greedy_output(target):
+    """The compiled one-token step (engine/compiled.py) writes the same keys and values and
+    gives the lean step's logits on a row whose cache has holes; decoding with it (batch 1
+    compiled, several rows not) stays identical to greedy."""
+    draft = quantized_copy(target)
+    hf.prepare(draft)
+    report = compiled.attach(draft, force=True, context=16, reps=2)
+    assert report["kept"] and report["compiled_ms"] > 0, report
+    step = draft.__dict__[hf.COMPILED_STEP]
+    caches = [RaggedCache(draft, 1) for _ in range(2)]
+    for cache in caches:
+        cache.forward([[5, 6, 7, 8, 9, 10, 11]], 1)
+        cache.drop(0, [2, 4])  # holes: a mask and positions of their own
+    compiled.ENABLED = False
+    try:
+        want = caches[0].forward([[12]], 1)
+    finally:
+        compiled.ENABLED = True
+    calls = step.calls
+    got = caches[1].forward([[12]], 1)
+    assert step.calls == calls + 1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(hf.layers(caches[0].cache), hf.layers(caches[1].cache)):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+    dec = SpeculativeDecoder(target, draft, drafters=["lookup", "quantized"], compile_draft=True)
+    reqs = [GenerationRequest(prompt=p, max_new_tokens=20, k=3, drafter="quantized") for p in PROMPTS]
+    for max_batch in (1, 3):
+        for req, res in zip(reqs, dec.generate_many(reqs, max_batch=max_batch)):
+            assert res.token_ids == greedy_reference(target, req.prompt, req.max_new_tokens), (req, max_batch)
+    assert step.calls > calls + 20

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import costcache, hf, registry
+from . import compiled, costcache, hf, registry
 from . import drafters as drafting
 from .autok import BatchCosts, CostModel, Probes, RowOptions, Timer, calibrate, plan
 from .ragged import RaggedCache
@@ -55,6 +55,8 @@ class SpeculativeDecoder:
     embedding beyond it is ignored). ``kernel_cache``: a JSON file where the matmul kernel
     timings of this machine are kept (kernels.py; None measures at every load); the measured
     decoding costs (costcache.py) are kept beside it, in ``costs.json`` (or ``cost_cache``).
+    ``compile_draft``: compile an int4 self-draft's one-token step (compiled.py: ~30-80 s
+    once, kept only where it is measured faster on this machine).
     ``default_k`` is what a request's k="auto" means: "auto"
     (choose per iteration from measured costs) or a fixed integer. A seeded sampling request
     never uses the timing-driven schedule (the same seed must give the same text whatever
@@ -76,12 +78,15 @@ class SpeculativeDecoder:
         context_length: int | None = None,
         kernel_cache: Path | None = None,
         cost_cache: Path | str | None = None,
+        compile_draft: bool = False,
     ) -> None:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.kernels: dict[str, Any] = {}  # the matmul kernel chosen per weight shape and row count (CPU)
         models = [target] + ([registry.runnable(draft)] if draft is not None else [])
         for model in models:
             self.kernels.update(hf.prepare(model, kernel_cache))
+        if compile_draft and draft is not None:  # kept where measured faster (compiled.py)
+            self.kernels["compiled draft step"] = compiled.attach(models[-1])
         sizes = [m.config.vocab_size for m in models]
         self.vocab_size = vocab_size or min(sizes)
         if drafters is None:

@@ -112,6 +112,9 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
+COMPILED_STEP = "_specdec_step"  # where compiled.attach keeps a model's compiled one-token step
+
+
 def new_cache(model: PreTrainedModel) -> DynamicCache:
     """A DynamicCache of ``GrowingLayer``s (models whose layers all use full attention)."""
     cache = DynamicCache(config=model.config)
@@ -212,6 +215,9 @@ def forward_rows(
     after the layer, before the final norm) come back too, concatenated, float32 [B, W, n*H]
     (None when no layer is asked).
     """
+    step = model.__dict__.get(COMPILED_STEP)  # a compiled one-token draft step (compiled.py), where kept
+    if step is not None and step.takes(ids, keep, embeds, features):
+        return step(ids, cache, mask, positions), None
     lean = runner(model)
     if lean is not None:  # the same math without transformers' module machinery (lean.py)
         return lean(ids.to(model.device), cache, keep, mask, positions, embeds, features)

@@ -68,6 +68,15 @@ class LeanLlama:
                     weight.data = weight.data.new_empty(0)
         self.fused = fused
 
+    def rotary_of(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin at ``positions`` [B, W], [B, 1, W, head_dim] (LlamaRotaryEmbedding's math)."""
+        freqs = positions[..., None].float() * self.rotary.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scaling = self.rotary.attention_scaling
+        cos: torch.Tensor = (emb.cos() * scaling).to(dtype).unsqueeze(1)
+        sin: torch.Tensor = (emb.sin() * scaling).to(dtype).unsqueeze(1)
+        return cos, sin
+
     @torch.inference_mode()
     def __call__(
         self,
@@ -91,11 +100,7 @@ class LeanLlama:
             positions = (torch.arange(w, device=h.device) + past).unsqueeze(0)
         if mask is None and w > 1:  # one row, no holes: causal over the past and the chunk
             mask = torch.ones(w, past + w, dtype=torch.bool, device=h.device).tril(past)[None, None]
-        freqs = positions[..., None].float() * self.rotary.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scaling = self.rotary.attention_scaling
-        cos: torch.Tensor = (emb.cos() * scaling).to(h.dtype).unsqueeze(1)
-        sin: torch.Tensor = (emb.sin() * scaling).to(h.dtype).unsqueeze(1)
+        cos, sin = self.rotary_of(positions, h.dtype)
         half, shape = self.head_dim // 2, (rows, w, -1, self.head_dim)
 
         def rope(x: torch.Tensor) -> torch.Tensor:
