@@ -5,9 +5,11 @@
 Agreement: the target's greedy answers to Spec-Bench dev prompts (chat template), then every
 draft variant teacher-forced on them; the share of positions where the draft's argmax is the
 target's. Variants: int4 from the GGUF's own blocks (a GGUF target) or re-quantized from the
-fp32 weights, with the target's LM head or an int4 one. Step: one new token on a 100-token
-context through the engine's cache (RaggedCache), batch 1, interleaved medians; the ratio to
-the target's step is what the schedule weighs against acceptance. Prints the CPU first.
+fp32 weights, with the target's LM head, a bf16 or an int4 one; and the engine's draft (head
+chosen by "auto") with its one-token step compiled (engine/compiled.py: the same weights as
+a row above, so only its step is timed). Step: one new token on a 100-token context through
+the engine's cache (RaggedCache), batch 1, interleaved medians; the ratio to the target's
+step is what the schedule weighs against acceptance. Prints the CPU first.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 from bench_forward import cpu_info
 
-from specdec_llm.engine import hf
+from specdec_llm.engine import compiled, hf
 from specdec_llm.engine.quant import model_bytes, quantized_copy
 from specdec_llm.engine.ragged import RaggedCache
 from specdec_llm.evaluate import read_prompts
@@ -80,6 +82,13 @@ def main() -> None:
     models = {"target": target, **variants}
     for m in models.values():
         hf.prepare(m, kernels)
+    # the engine's draft (auto head) with its one-token step compiled (engine/compiled.py):
+    # the same weights and head as a row above, so its agreement is that row's
+    fast = quantized_copy(target, "int4", "auto", blocks, kernel_cache=kernels)
+    hf.prepare(fast, kernels)
+    report = compiled.attach(fast, force=True)
+    print(f"compiled step: {report}", flush=True)
+    models[f"int4, {fast.quantization['head']} head, step compiled"] = fast
     ids = list(range(1000, 1100))
     caches = {}
     for name, m in models.items():

@@ -206,4 +206,4 @@ def test_compiled_draft_step_equals_the_lean_step_and_keeps_greedy_output(target
     for max_batch in (1, 3):
         for req, res in zip(reqs, dec.generate_many(reqs, max_batch=max_batch)):
             assert res.token_ids == greedy_reference(target, req.prompt, req.max_new_tokens), (req, max_batch)
-    assert step.calls > calls + 20
+    assert step.calls > calls + 20 and not step.failed  # (no recompile: it would have failed over to lean)

@@ -52,6 +52,8 @@ class CompiledStep:
     def __init__(self, runner: lean.LeanLlama) -> None:
         self.lean = runner
         self.calls = 0  # (tests: it served)
+        self.traced = False  # the one compile happens on the first call (attach's timing); never again
+        self.failed = False
         self.fn: Callable[..., torch.Tensor] = torch.compile(self._layers, dynamic=True, fullgraph=True)
 
     def _layers(
@@ -88,24 +90,36 @@ class CompiledStep:
         return lean._rms(h, m.norm.weight, m.norm.variance_epsilon)
 
     def takes(self, ids: torch.Tensor, keep: int, embeds: torch.Tensor | None, features: tuple[int, ...]) -> bool:
-        return ENABLED and ids.shape == (1, 1) and keep == 1 and embeds is None and not features
+        return ENABLED and not self.failed and ids.shape == (1, 1) and keep == 1 and embeds is None and not features
 
     def __call__(
         self, ids: torch.Tensor, cache: DynamicCache, mask: torch.Tensor | None, positions: torch.Tensor | None
     ) -> torch.Tensor:
-        self.calls += 1
         layers = hf.layers(cache)
         width = layers[0].width
+        if not width:  # an empty cache (a one-token prompt): nothing to attend to but itself
+            return self.lean(ids, cache, 1, mask, positions)[0]
+        self.calls += 1
         for layer in layers:  # room for the new column (GrowingLayer.update's reserve)
             layer.reserve(1, width + 1, layer.keys, layer.values)
         if positions is None:
             positions = torch.tensor([[width]])
         if mask is None:  # one graph for both: every cached column is valid
             mask = torch.ones(1, 1, 1, width + 1, dtype=torch.bool)
-        cos, sin = self.lean.rotary_of(positions, self.lean.embed.weight.dtype)
-        h = self.fn(
-            ids, [lay.bufs[0][:1] for lay in layers], [lay.bufs[1][:1] for lay in layers], width, mask, cos, sin
-        )
+        with torch.inference_mode():  # every input an inference tensor, as when it was traced (else: a recompile)
+            ids, mask = ids.clone(), mask.clone()
+            cos, sin = self.lean.rotary_of(positions, self.lean.embed.weight.dtype)
+        args = (ids, [lay.bufs[0][:1] for lay in layers], [lay.bufs[1][:1] for lay in layers], width, mask, cos, sin)
+        try:  # a guard that fails later would recompile for a minute in the middle of a request: refused
+            with torch.compiler.set_stance("fail_on_recompile" if self.traced else "default"):
+                h = self.fn(*args)
+        except Exception as e:  # (re-raised on the first call) the lean step serves from now on
+            if not self.traced:
+                raise
+            log.warning("the compiled draft step would recompile (%s); the uncompiled step serves from now on", e)
+            self.failed = True
+            return self.lean(ids, cache, 1, mask, positions)[0]
+        self.traced = True
         for layer in layers:
             layer.view(1, width + 1)
         logits: torch.Tensor = self.lean.head(h)
