@@ -102,7 +102,8 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
         quantized = isinstance(draft, str) and draft.startswith(QUANTIZED)
         if quantized:
             _quantization(draft, f"{source}: pair {name!r}")
-        if "compile_draft" in fields and (not isinstance(fields["compile_draft"], bool) or not quantized):
+        compile_draft = fields.get("compile_draft", False)
+        if not isinstance(compile_draft, bool) or (compile_draft and not quantized):
             raise PairError(
                 f"{source}: pair {name!r}: compile_draft must be true or false, and needs "
                 f'draft = "quantized:int4" (it compiles the quantized draft\'s step)'

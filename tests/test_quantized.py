@@ -155,6 +155,7 @@ def test_gguf_draft_weights_equal_the_targets_bit_for_bit(smollm2):
 
 def test_unknown_quantization_exits_2_naming_the_known_ones(tmp_path, monkeypatch, tiny_pair_dir):
     from specdec_llm.cli import app
+    from specdec_llm.pairs import get_spec
     from specdec_llm.settings import reload_settings
 
     path = tmp_path / "pairs.toml"
@@ -165,6 +166,9 @@ def test_unknown_quantization_exits_2_naming_the_known_ones(tmp_path, monkeypatc
         "compile_draft = true": 'compile_draft must be true or false, and needs draft = "quantized:int4"',
     }
     try:
+        path.write_text(f'[pairs.q]\ntarget = "{tiny_pair_dir}/target"\ncompile_draft = false\n')
+        reload_settings()
+        assert get_spec("q").compile_draft is False  # false is fine on any pair
         for fields, message in cases.items():
             path.write_text(f'[pairs.q]\ntarget = "{tiny_pair_dir}/target"\n{fields}\n')
             reload_settings()
