@@ -70,23 +70,14 @@ class CompiledStep:
         column ``width`` of its buffers; the final-normed hidden state [1, 1, H]."""
         m = self.lean
         h = F.embedding(ids, m.embed.weight, m.embed.padding_idx)
-        half, shape = m.head_dim // 2, (1, 1, -1, m.head_dim)
+        for i, entry in enumerate(m.layers):
 
-        def rope(x: torch.Tensor) -> torch.Tensor:
-            return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+            def kv(k: torch.Tensor, v: torch.Tensor, i: int = i) -> tuple[torch.Tensor, torch.Tensor]:
+                kbufs[i][:, :, width : width + 1].copy_(k)
+                vbufs[i][:, :, width : width + 1].copy_(v)
+                return kbufs[i][:, :, : width + 1], vbufs[i][:, :, : width + 1]
 
-        for i, (norm1, attn, qkv, norm2, mlp, gate_up) in enumerate(m.layers):
-            x = lean._rms(h, norm1.weight, norm1.variance_epsilon)
-            q, k, v = qkv.forward(x).split(qkv.sizes, dim=-1)
-            q = rope(q.reshape(shape).transpose(1, 2))
-            kbufs[i][:, :, width : width + 1].copy_(rope(k.reshape(shape).transpose(1, 2)))
-            vbufs[i][:, :, width : width + 1].copy_(v.reshape(shape).transpose(1, 2))
-            keys, values = kbufs[i][:, :, : width + 1], vbufs[i][:, :, : width + 1]
-            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-            h = h + attn.o_proj.forward(a.transpose(1, 2).reshape(1, 1, -1))
-            x = lean._rms(h, norm2.weight, norm2.variance_epsilon)
-            g, u = gate_up.forward(x).split(gate_up.sizes, dim=-1)
-            h = h + mlp.down_proj.forward(F.silu(g) * u)
+            h = lean.layer(entry, h, cos, sin, mask, m.head_dim, kv)
         return lean._rms(h, m.norm.weight, m.norm.variance_epsilon)
 
     def takes(self, ids: torch.Tensor, keep: int, embeds: torch.Tensor | None, features: tuple[int, ...]) -> bool:

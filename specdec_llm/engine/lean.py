@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from transformers import DynamicCache, PreTrainedModel
 
     from .hf import GrowingLayer
@@ -88,7 +90,7 @@ class LeanLlama:
         embeds: torch.Tensor | None = None,
         features: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        rows, w = ids.shape
+        w = ids.shape[1]
         if embeds is not None:
             h = embeds.to(self.embed.weight.device, self.dtype)
         else:
@@ -101,35 +103,51 @@ class LeanLlama:
         if mask is None and w > 1:  # one row, no holes: causal over the past and the chunk
             mask = torch.ones(w, past + w, dtype=torch.bool, device=h.device).tril(past)[None, None]
         cos, sin = self.rotary_of(positions, h.dtype)
-        half, shape = self.head_dim // 2, (rows, w, -1, self.head_dim)
-
-        def rope(x: torch.Tensor) -> torch.Tensor:
-            return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-        for i, (norm1, attn, qkv, norm2, mlp, gate_up) in enumerate(self.layers):
-            x = _rms(h, norm1.weight, norm1.variance_epsilon)
-            if qkv is not None:
-                q, k, v = qkv.forward(x).split(qkv.sizes, dim=-1)
-            else:
-                q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
-            q = rope(q.reshape(shape).transpose(1, 2))
-            k = rope(k.reshape(shape).transpose(1, 2))
-            v = v.reshape(shape).transpose(1, 2)
-            k, v = layers[i].update(k, v)
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-            h = h + attn.o_proj.forward(a.transpose(1, 2).reshape(rows, w, -1))
-            x = _rms(h, norm2.weight, norm2.variance_epsilon)
-            if gate_up is not None:
-                g, u = gate_up.forward(x).split(gate_up.sizes, dim=-1)
-            else:
-                g, u = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
-            h = h + mlp.down_proj.forward(F.silu(g) * u)
+        for i, entry in enumerate(self.layers):
+            h = layer(entry, h, cos, sin, mask, self.head_dim, layers[i].update)
             if i in features:
                 caught[i] = h
         feats = torch.cat([caught[i] for i in features], -1).float() if features else None
         h = _rms(h[:, -keep:], self.norm.weight, self.norm.variance_epsilon)
         logits: torch.Tensor = self.head(h)
         return logits.float(), feats
+
+
+def layer(
+    entry: tuple[Any, ...],
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor | None,
+    head_dim: int,
+    kv: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """One decoder layer (an entry of ``LeanLlama.layers``) over ``h`` [B, W, H]: ``kv`` takes
+    the chunk's keys and values [B, heads, W, head_dim] into the cache and returns everything
+    the chunk attends to (``GrowingLayer.update``; compiled.py writes its buffers in place)."""
+    norm1, attn, qkv, norm2, mlp, gate_up = entry
+    rows, w = h.shape[:2]
+    shape, half = (rows, w, -1, head_dim), head_dim // 2
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    x = _rms(h, norm1.weight, norm1.variance_epsilon)
+    if qkv is not None:
+        q, k, v = qkv.forward(x).split(qkv.sizes, dim=-1)
+    else:
+        q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
+    q = rope(q.reshape(shape).transpose(1, 2))
+    k, v = kv(rope(k.reshape(shape).transpose(1, 2)), v.reshape(shape).transpose(1, 2))
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+    h = h + attn.o_proj.forward(a.transpose(1, 2).reshape(rows, w, -1))
+    x = _rms(h, norm2.weight, norm2.variance_epsilon)
+    if gate_up is not None:
+        g, u = gate_up.forward(x).split(gate_up.sizes, dim=-1)
+    else:
+        g, u = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
+    out: torch.Tensor = h + mlp.down_proj.forward(F.silu(g) * u)
+    return out
 
 
 def _fuse(linears: list[Any]) -> torch.nn.Module | None:
