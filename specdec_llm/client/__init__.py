@@ -35,6 +35,7 @@ from .jobs import (
     status,
     submit,
     wait,
+    wait_for_empty_queue,
     write_results,
 )
 from .local import log_tail, start_local_worker, stop_local_worker
@@ -73,5 +74,6 @@ __all__ = [
     "stop_local_worker",
     "submit",
     "wait",
+    "wait_for_empty_queue",
     "write_results",
 ]

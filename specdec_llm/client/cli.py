@@ -313,6 +313,8 @@ def register(app: typer.Typer) -> None:
                         )
 
                     client.wait(job, workers=procs, on_progress=show, requeue_lost_after_s=60, restart=restart)
+                if procs:  # a resumed job's rows were enqueued twice: let our worker take the no-ops too
+                    client.wait_for_empty_queue(pair, timeout_s=15)
             except RuntimeError as e:  # the local worker stopped
                 fail(e)
             except KeyboardInterrupt:

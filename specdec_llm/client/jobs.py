@@ -292,6 +292,19 @@ def requeue_lost(job_id: str) -> int:
     return sent
 
 
+def wait_for_empty_queue(pair: str, *, timeout_s: float, poll_s: float = 0.2) -> bool:
+    """Until ``pair``'s queue holds no message, for at most ``timeout_s``; whether it emptied.
+    A job is done when each row has finished once, but a resumed job may still have queued
+    duplicates of finished rows (enqueued again because their messages could have been
+    lost): a local worker about to stop takes them first, so none is left behind."""
+    deadline = time.monotonic() + timeout_s
+    while (queue_size(pair) or 0) > 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 STORE_GRACE_S = 300  # s: how long `wait` keeps looking while the database cannot be read
 
 
