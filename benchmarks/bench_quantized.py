@@ -56,6 +56,7 @@ def main() -> None:
     variants["int4 (re-quantized), target head"] = quantized_copy(target, "int4", "target")
     variants["int4 (GGUF blocks or re-quantized), int4 head"] = quantized_copy(target, "int4", "int4", blocks)
     variants["int8, target head"] = quantized_copy(target, "int8", "target")
+    variants["fp8, target head"] = quantized_copy(target, "fp8", "target")
     print(
         f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.pair} "
         f"{spec.dtype}; target {model_bytes(target) / 1e6:.0f} MB",

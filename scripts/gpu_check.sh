@@ -3,7 +3,7 @@
 # own time budget (timeout), leaving logs and $OUT/summary.json (per stage: status, seconds,
 # key figures; the GPU's name). A stage that fails does not stop the next ones.
 #
-#   scripts/gpu_check.sh [--device cuda:0|cpu] [--quick] [--stages setup,fidelity,speed,worker]
+#   scripts/gpu_check.sh [--device cuda:0|cpu] [--quick] [--stages setup,fidelity,speed,quantized,worker]
 #                        [--bundle DIR] [--threads N] [--keep-logs]
 #
 #   1 setup     install the carried wheels (DIR/call*/wheels, pip --no-index --no-deps --target,
@@ -15,12 +15,15 @@
 #               fp32 on CUDA; fp32 on CPU)
 #   3 speed     benchmarks/bench_engine.py, bench_batch.py, bench_forward.py per dtype (bf16,
 #               fp16 on CUDA; fp32 on CPU), JSON figures
-#   4 worker    `specdec-llm run` of a 20-row job on --device through the embedded broker
+#   4 quantized the target's own weights as its draft: benchmarks/bench_engine.py on the int4
+#               self-draft pair (tinygemm on CUDA) and, on CUDA, the fp8 one (torch._scaled_mm),
+#               against generate and k = 0, per dtype
+#   5 worker    `specdec-llm run` of a 20-row job on --device through the embedded broker
 #               (no Redis, SQLite in a fresh data dir), then `specdec-llm report`
 #
 # OUT defaults to a new temporary folder; the logs end up in $OUT/logs.tar.gz (a device call
 # returns at most 8 files) unless --keep-logs. Budgets (seconds) can be changed with
-# GPU_CHECK_BUDGETS="setup=90,fidelity=150,speed=160,worker=80" (the CUDA defaults).
+# GPU_CHECK_BUDGETS="setup=90,fidelity=150,speed=160,quantized=120,worker=80" (the CUDA defaults).
 # Python: $PYTHON or python3.
 # Preparing the bundle and the device calls: scripts/gpu_prepare.sh and the README's "GPU check".
 set -uo pipefail
@@ -29,7 +32,7 @@ SELF="$REPO/scripts/gpu_check.sh"
 TOOLS="$REPO/scripts/gpu_tools.py"
 
 if [ "${1:-}" != "--_stage" ]; then  # ---------------------------------------------- the driver
-  DEVICE=cuda:0 QUICK=0 STAGES=setup,fidelity,speed,worker BUNDLE="$REPO/.gpu" THREADS="" KEEP=""
+  DEVICE=cuda:0 QUICK=0 STAGES=setup,fidelity,speed,quantized,worker BUNDLE="$REPO/.gpu" THREADS="" KEEP=""
   while [ $# -gt 0 ]; do
     case "$1" in
       --device) DEVICE="$2"; shift 2 ;;
@@ -49,10 +52,10 @@ if [ "${1:-}" != "--_stage" ]; then  # -----------------------------------------
   rm -f "$OUT/summary.json" "$OUT/logs.tar.gz"
   if [ "$DEVICE" = cpu ]; then
     FID_DTYPES=float32 SPEED_DTYPES=float32 WORKER_DTYPE=float32 THREADS="${THREADS:-1}"
-    BUDGETS="setup=180,fidelity=300,speed=300,worker=240"
+    BUDGETS="setup=180,fidelity=300,speed=300,quantized=300,worker=240"
   else
     FID_DTYPES=bfloat16,float16,float32 SPEED_DTYPES=bfloat16,float16 WORKER_DTYPE=bfloat16
-    BUDGETS="setup=90,fidelity=150,speed=160,worker=80"
+    BUDGETS="setup=90,fidelity=150,speed=160,quantized=120,worker=80"
   fi
   BUDGETS="${GPU_CHECK_BUDGETS:-$BUDGETS}"
   export REPO DEVICE QUICK BUNDLE THREADS OUT WORK PY FID_DTYPES SPEED_DTYPES WORKER_DTYPE LOGS="$OUT/logs"
@@ -211,6 +214,27 @@ stage_speed() {
                    && tail -n 1 "$WORK/forward.out" | tee "$out" ;;
       esac || fails=$((fails + 1))
       json_merge "$LOGS/speed.json" "$out"  # after each run: a stage out of time keeps what it finished
+    done
+  done
+  [ "$fails" = 0 ] || { echo "$fails benchmark runs failed"; return 1; }
+}
+
+stage_quantized() {
+  local engine=(--per-category 1 --max-new-tokens 64) pairs=(smollm2-135m-q4 smollm2-135m-fp8) fails=0
+  if [ "$QUICK" = 1 ]; then
+    printf '%s\n' '{"prompt": "Name three colors.", "category": "qa"}' > "$WORK/quantized_prompts.jsonl"
+    engine=(--prompts "$WORK/quantized_prompts.jsonl" --per-category 1 --max-new-tokens 8)
+  fi
+  [ "$CUDA" = 1 ] || pairs=(smollm2-135m-q4)  # fp8 has no native CPU kernel (30x an fp32 matmul)
+  local threads=(); [ -n "$THREADS" ] && threads=(--threads "$THREADS")
+  for dtype in ${SPEED_DTYPES//,/ }; do
+    export SPECDEC_DEVICE="$DEVICE" SPECDEC_DTYPE="$dtype"
+    for pair in "${pairs[@]}"; do
+      echo "=== $dtype: bench_engine --pair $pair (at ${SECONDS} s)"
+      local out="$LOGS/${pair#smollm2-135m-}_$dtype.json"
+      "$PY" benchmarks/bench_engine.py --pair "$pair" --methods "hf generate,engine k=0,engine quantized" \
+        "${engine[@]}" "${threads[@]}" --json "$out" || fails=$((fails + 1))
+      json_merge "$LOGS/quantized.json" "$out"
     done
   done
   [ "$fails" = 0 ] || { echo "$fails benchmark runs failed"; return 1; }

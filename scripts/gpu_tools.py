@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PAIR = "smollm2-135m"
+SELF_DRAFT, SELF_DRAFT_FP8 = "smollm2-135m-q4", "smollm2-135m-fp8"  # the quantized stage's pairs
 MIB = 1 << 20
 TREE_LIMIT = 64 * MIB  # what one device call may carry: working tree + carried paths
 MARGIN = 2 * MIB
@@ -275,15 +276,19 @@ def cmd_join(args) -> None:
 
 
 def pair_toml(target: str) -> str:
-    """The built-in demo pair with its target replaced by a GGUF path (a user pairs file
-    overrides a built-in pair of the same name)."""
+    """The built-in pairs of the demo target (the demo pair and its int4 self-draft) with
+    their target replaced by a GGUF path (a user pairs file overrides a built-in pair of the
+    same name), and ``SELF_DRAFT_FP8``: the self-draft in fp8."""
     import tomllib
 
-    spec = tomllib.loads((REPO / "specdec_llm" / "builtin_pairs.toml").read_text())["pairs"][PAIR]
-    spec["target"] = target
-    lines = [f"[pairs.{PAIR}]"]
-    for key, value in spec.items():
-        lines.append(f"{key} = {json.dumps(value)}")  # strings, lists of strings: TOML reads JSON's forms
+    builtin = tomllib.loads((REPO / "specdec_llm" / "builtin_pairs.toml").read_text())["pairs"]
+    specs = {PAIR: builtin[PAIR], SELF_DRAFT: builtin[SELF_DRAFT]}
+    specs[SELF_DRAFT_FP8] = {**builtin[SELF_DRAFT], "draft": "quantized:fp8", "description": "fp8 self-draft"}
+    lines = []
+    for name, spec in specs.items():
+        lines.append(f"[pairs.{name}]")
+        for key, value in {**spec, "target": target}.items():
+            lines.append(f"{key} = {json.dumps(value)}")  # strings, lists of strings: TOML reads JSON's forms
     return "\n".join(lines) + "\n"
 
 

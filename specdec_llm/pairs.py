@@ -132,7 +132,7 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
                 )
             if "quantized" in drafters and not quantized:
                 raise PairError(
-                    f"{source}: pair {name!r}: drafter 'quantized' needs draft = \"quantized:int4\" (or int8)"
+                    f"{source}: pair {name!r}: drafter 'quantized' needs draft = \"quantized:int4\" (or int8, fp8)"
                 )
         out[name] = PairSpec(name=name, source=source, **fields)
     return out
@@ -601,7 +601,10 @@ def quantized_draft(spec: PairSpec, target):
     ref = local_ref(spec.target)
     if scheme == "int4" and ref.endswith(".gguf"):
         blocks = gguf_blocks(Path(ref).expanduser(), target)
-    draft = quantized_copy(target, scheme, blocks=blocks, kernel_cache=get_settings().cache_dir / "kernels.json")
+    try:
+        draft = quantized_copy(target, scheme, blocks=blocks, kernel_cache=get_settings().cache_dir / "kernels.json")
+    except ValueError as e:  # a scheme this device cannot run
+        raise PairError(f"pair {spec.name}: {e}") from None
     info = {
         "kind": "quantized",
         **draft.quantization,

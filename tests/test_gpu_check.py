@@ -57,7 +57,7 @@ def test_pair_toml_overrides_the_demo_target(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(path))
     try:
         reload_settings()
-        spec = registry()["smollm2-135m"]
+        spec, q4, fp8 = (registry()[name] for name in ("smollm2-135m", "smollm2-135m-q4", "smollm2-135m-fp8"))
     finally:
         monkeypatch.undo()
         reload_settings()
@@ -65,6 +65,8 @@ def test_pair_toml_overrides_the_demo_target(tmp_path, monkeypatch):
     assert spec.target == "/models/x.gguf" and spec.source == str(path)
     for key in ("draft", "dtype", "device", "k", "drafters", "description"):
         assert getattr(spec, key) == getattr(builtin, key)
+    assert (q4.target, fp8.target) == ("/models/x.gguf", "/models/x.gguf")  # the quantized stage's pairs
+    assert (q4.draft, fp8.draft, fp8.drafters) == ("quantized:int4", "quantized:fp8", q4.drafters)
 
 
 def dry_run(script: str, bundle: Path, out: Path, work: Path):
@@ -120,7 +122,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc, summary = dry_run("gpu_check.sh", bundle, out, work)
     stages = summary["stages"]
-    assert list(stages) == ["setup", "fidelity", "speed", "worker"]
+    assert list(stages) == ["setup", "fidelity", "speed", "quantized", "worker"]
     assert {name: s["status"] for name, s in stages.items()} == dict.fromkeys(stages, "ok"), proc.stdout[-3000:]
     assert summary["ok"] is True and proc.returncode == 0
 
@@ -138,6 +140,10 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert speed["bench_engine_float32"]["methods"]["hf generate"]["tokens_per_s"]["all"] > 0
     assert speed["bench_batch_float32"]["a_tokens_per_s"] > 0
     assert speed["bench_forward_float32"]["verify_ratio"]["1"] == 1.0
+
+    quantized = stages["quantized"]["figures"]["q4_float32"]["methods"]  # the int4 self-draft pair
+    assert quantized["engine quantized"]["matched"] == quantized["engine quantized"]["prompts"] == 1  # greedy = generate
+    assert quantized["engine quantized"]["tokens_per_s"]["all"] > 0
 
     worker = stages["worker"]["figures"]
     assert worker["ok_rows"] == 20 and worker["worker_on_device"] and worker["report"][0]["ok"] == 20

@@ -1,4 +1,4 @@
-"""The quantized self-draft (engine/quant.py): the target's own weights in 4 or 8 bits.
+"""The quantized self-draft (engine/quant.py): the target's own weights in 4 or 8 bits (int4, int8, fp8).
 
 Greedy output stays token-identical with it, alone and mixed with the free drafters in one
 batch (caches checked after every step); the sampled distribution stays the target's; a
@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from specdec_llm.engine import GenerationRequest, SpeculativeDecoder, compiled, hf
 from specdec_llm.engine.decoder import Batch
 from specdec_llm.engine.kernels import fastest_ms
-from specdec_llm.engine.quant import CastHead, Int4Linear, Int8Linear, choose_head, quantize4, quantized_copy
+from specdec_llm.engine.quant import CastHead, Fp8Linear, Int4Linear, Int8Linear, choose_head, quantize4, quantized_copy
 from specdec_llm.engine.ragged import RaggedCache
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9], [30, 31, 32, 30, 31], [100, 3, 100, 3, 100], [7]]
@@ -42,9 +42,14 @@ def test_int4_blocks_round_trip_and_the_kernel_multiplies_by_them():
     assert (y - ref).abs().max() < 0.05 * ref.abs().max()  # bf16 activations and scales inside the kernel
     lin8 = Int8Linear(w, None)
     assert (lin8(x) - x @ w.t()).abs().max() < 0.02 * (x @ w.t()).abs().max()
+    fp8 = Fp8Linear(w, None)  # e4m3 weights and activations: 3 mantissa bits each
+    assert fp8.q.dtype == torch.float8_e4m3fn and fp8(x).dtype == x.dtype
+    assert (fp8(x) - x @ w.t()).abs().max() < 0.1 * (x @ w.t()).abs().max()
 
 
-@pytest.mark.parametrize("scheme,head", [("int4", "target"), ("int4", "bf16"), ("int4", "int4"), ("int8", "target")])
+@pytest.mark.parametrize(
+    "scheme,head", [("int4", "target"), ("int4", "bf16"), ("int4", "int4"), ("int8", "target"), ("fp8", "target")]
+)
 def test_quantized_drafter_alone_and_mixed_is_greedy_identical(target, scheme, head):
     draft = quantized_copy(target, scheme, head)
     assert not any(isinstance(m, torch.nn.Linear) for n, m in draft.model.layers.named_modules())
@@ -161,7 +166,7 @@ def test_unknown_quantization_exits_2_naming_the_known_ones(tmp_path, monkeypatc
     path = tmp_path / "pairs.toml"
     monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(path))
     cases = {
-        'draft = "quantized:int3"': "unknown quantization 'quantized:int3'; known: quantized:int4, quantized:int8",
+        'draft = "quantized:int3"': "unknown quantization 'quantized:int3'; known: quantized:int4, quantized:int8, quantized:fp8",
         'draft = "quantized:int4"\ncompile_draft = "yes"': "compile_draft must be true or false",
         "compile_draft = true": 'compile_draft must be true or false, and needs draft = "quantized:int4"',
     }

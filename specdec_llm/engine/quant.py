@@ -9,6 +9,12 @@ or a symmetric per-row int8. The matmuls are PyTorch's own weight-only kernels:
   on CUDA; both take bf16 activations and bf16 (scale, zero) pairs with
   ``w = (q - 8) * scale + zero``, so ``zero = low + 8 * scale``.
 - int8: ``aten._weight_int8pack_mm`` (per-row scales), any device.
+- fp8: float8 e4m3 weights with per-row scales, and each activation row scaled into e4m3
+  on the fly (a floating-point format: the outliers that ruin int8 activations keep their
+  relative precision), multiplied by ``torch._scaled_mm`` with fp32 accumulation. Native on
+  GPUs with fp8 tensor cores (compute capability 8.9+: L4, L40S, H100, H200); elsewhere
+  torch computes it on a slow reference path (30x an fp32 matmul on our CPUs), which the
+  schedule's measured draft cost then turns down.
 
 torchao wraps these same kernels behind its tensor subclasses; a GGUF-exact build needs our
 own nibbles and scales, so we call the kernels directly (one small module, no subclass).
@@ -30,7 +36,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 GROUP = 32
-SCHEMES = ("int4", "int8")  # draft = "quantized:SCHEME"
+SCHEMES = ("int4", "int8", "fp8")  # draft = "quantized:SCHEME"
 # the draft's LM head: "auto" (measured at load, below), the target's own (shared), a bf16 copy, an int4 copy
 HEADS = ("auto", "target", "bf16", "int4")
 AUTO_MARGIN = 0.8  # "auto" takes the bf16 copy where its one-row matmul is at most this share of the target's
@@ -115,6 +121,45 @@ class Int8Linear(torch.nn.Module):
         flat = x.reshape(-1, self.in_features)
         y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale.to(flat.dtype))
         y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` [N, K] as e4m3 values and per-row fp32 scales [N, 1] (``t ~ values * scale``)."""
+    scale = (t.detach().abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    return (t / scale).to(FP8), scale
+
+
+def fp8_native(device: torch.device) -> bool:
+    """Whether ``device`` multiplies fp8 in hardware (CUDA compute capability 8.9 or later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Linear(torch.nn.Module):
+    """y = x @ W.T (+ b) with W in e4m3 (per-row scales) and x scaled into e4m3 per row on
+    each call; fp32 accumulation, y in x's dtype."""
+
+    q: torch.Tensor  # buffers
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        q, scale = fp8_rows(w.float())
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale.t().contiguous())  # [1, N], as _scaled_mm takes it
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xs = fp8_rows(x.reshape(-1, self.in_features))
+        out = torch.bfloat16 if x.dtype == torch.float32 and x.is_cuda else x.dtype  # (CUDA: no fp32 output)
+        y = torch._scaled_mm(xq, self.q.t(), scale_a=xs, scale_b=self.scale, out_dtype=out)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -212,6 +257,10 @@ def _fuse(module: torch.nn.Module, names: tuple[str, ...]) -> None:
 def _quantized(linear: torch.nn.Linear, scheme: str, blocks: Blocks | None) -> torch.nn.Module:
     if scheme == "int8":
         return Int8Linear(linear.weight, linear.bias)
+    if scheme == "fp8":
+        if linear.in_features % 16 or linear.out_features % 16:
+            return linear  # _scaled_mm's shape rule (multiples of 16): stays as it is
+        return Fp8Linear(linear.weight, linear.bias)
     if linear.in_features % GROUP or linear.out_features % 16:
         return linear  # the int4 kernels' shape rules (groups of GROUP columns, rows in 16s): stays as it is
     return Int4Linear(blocks or quantize4(linear.weight), linear.bias, linear.weight.device)
@@ -238,6 +287,13 @@ def quantized_copy(
         raise ValueError(f"unknown quantization {scheme!r}; known: {', '.join(SCHEMES)}")
     if head not in HEADS:
         raise ValueError(f"unknown draft head {head!r}; known: {', '.join(HEADS)}")
+    device = next(target.parameters()).device
+    if scheme == "fp8" and device.type == "cuda" and not fp8_native(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"quantization fp8 needs a GPU with fp8 tensor cores (compute capability 8.9+; this one has "
+            f"{major}.{minor}): use quantized:int4 or quantized:int8"
+        )
     head_ms: dict[str, float] = {}
     if head == "auto":
         head, head_ms = choose_head(target.get_output_embeddings(), kernel_cache)
