@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -564,7 +564,11 @@ class Batch:
             self.tcache.drop(b, range(start + big_k - k + 1 + n, start + big_k + 1))
             if prop is not None:
                 self.sessions[prop.drafter].commit(b, r, prop, n)
-            r.advance(prop.drafter if prop else None, k, n, (prop.tokens[:n] if prop else []) + [nxt])
+            new = (prop.tokens[:n] if prop else []) + [nxt]
+            for name, offer in self.offers[b].items():  # free proposals not verified: what they would have got
+                if prop is None or name != prop.drafter:
+                    cast(drafting._Free, self.sessions[name]).shadow(r, offer, new)
+            r.advance(prop.drafter if prop else None, k, n, new)
 
         # the target-only counterfactual: a k = 0 iteration is one (the proposals nobody
         # verified are speculation's own cost); any other costs a plain step per token

@@ -124,6 +124,21 @@ class _Free:
     def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:
         self.acceptance.update(prop.features, n)
 
+    def shadow(self, row: Row, prop: Proposal, emitted: list[int]) -> None:
+        """Learn from a proposal that was made but not verified (another drafter's was, or
+        none): on a greedy row the target's tokens of this iteration (``emitted``) say how
+        many of its first tokens would have been accepted. Past ``emitted`` nothing is known
+        (a censored observation: examined and accepted, no rejection). Without it a drafter
+        the plan keeps passing over would never earn the estimate that gets it chosen."""
+        if not row.req.greedy:
+            return  # (sampled: a token's acceptance is a probability, not seen from the output)
+        n = next((i for i, (a, b) in enumerate(zip(prop.tokens, emitted)) if a != b), None)
+        if n is not None:
+            self.acceptance.update(prop.features, n)
+        else:
+            seen = min(len(prop.tokens), len(emitted))
+            self.acceptance.update(prop.features[:seen], seen)
+
     def finish(self, row: Row) -> None:
         pass
 
