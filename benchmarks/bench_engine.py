@@ -90,19 +90,21 @@ def main() -> None:
         return run
 
     names = pair.spec.drafter_names()
-    methods = {BASE: hf(), "hf prompt lookup": hf(prompt_lookup_num_tokens=10)}
+    # (name -> a builder: only the methods asked for are built, so no unused draft is compiled)
+    builders = {BASE: hf, "hf prompt lookup": lambda: hf(prompt_lookup_num_tokens=10)}
     if pair.draft is not None:
-        methods["hf assisted"] = hf(assistant_model=pair.draft)
-    methods["engine k=0"] = engine([], k=0)
+        builders["hf assisted"] = lambda: hf(assistant_model=pair.draft)
+    builders["engine k=0"] = lambda: engine([], k=0)
     for name in names:
-        methods[f"engine {name}"] = engine([name])
-    methods["engine default (" + "+".join(names) + ")"] = engine(names)
+        builders[f"engine {name}"] = lambda name=name: engine([name])
+    builders["engine default (" + "+".join(names) + ")"] = lambda: engine(names)
     if pair.spec.quantized:  # its one-token step compiled (engine/compiled.py), where measured faster
-        methods["engine quantized compiled"] = engine(["quantized"], compile_draft=True)
-        methods["engine default compiled (" + "+".join(names) + ")"] = engine(names, compile_draft=True)
+        builders["engine quantized compiled"] = lambda: engine(["quantized"], compile_draft=True)
+        builders["engine default compiled (" + "+".join(names) + ")"] = lambda: engine(names, compile_draft=True)
     if args.methods:
         keep = {m.strip() for m in args.methods.split(",")} | {BASE}
-        methods = {m: f for m, f in methods.items() if m in keep or m.split(" (")[0] in keep}
+        builders = {m: f for m, f in builders.items() if m in keep or m.split(" (")[0] in keep}
+    methods = {m: build() for m, build in builders.items()}
 
     rows = read_prompts(Path(args.prompts), args.per_category)
     cats = sorted({r["category"] for r in rows})

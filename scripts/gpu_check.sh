@@ -23,7 +23,7 @@
 #
 # OUT defaults to a new temporary folder; the logs end up in $OUT/logs.tar.gz (a device call
 # returns at most 8 files) unless --keep-logs. Budgets (seconds) can be changed with
-# GPU_CHECK_BUDGETS="setup=90,fidelity=150,speed=160,quantized=120,worker=80" (the CUDA defaults).
+# GPU_CHECK_BUDGETS="setup=90,fidelity=150,speed=150,quantized=100,worker=80" (the CUDA defaults).
 # Python: $PYTHON or python3.
 # Preparing the bundle and the device calls: scripts/gpu_prepare.sh and the README's "GPU check".
 set -uo pipefail
@@ -55,7 +55,7 @@ if [ "${1:-}" != "--_stage" ]; then  # -----------------------------------------
     BUDGETS="setup=180,fidelity=300,speed=300,quantized=300,worker=240"
   else
     FID_DTYPES=bfloat16,float16,float32 SPEED_DTYPES=bfloat16,float16 WORKER_DTYPE=bfloat16
-    BUDGETS="setup=90,fidelity=150,speed=160,quantized=120,worker=80"
+    BUDGETS="setup=90,fidelity=150,speed=150,quantized=100,worker=80"
   fi
   BUDGETS="${GPU_CHECK_BUDGETS:-$BUDGETS}"
   export REPO DEVICE QUICK BUNDLE THREADS OUT WORK PY FID_DTYPES SPEED_DTYPES WORKER_DTYPE LOGS="$OUT/logs"

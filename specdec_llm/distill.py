@@ -38,6 +38,7 @@ from .pairs import (
     draft_dir,
     fingerprint,
     load_draft_dir,
+    reference,
     shared_draft,
 )
 
@@ -289,6 +290,28 @@ def cosine_lr(step: int, lr: float, warmup: int, steps: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def save_adam(opt: torch.optim.Optimizer, params: list, path: Path) -> None:
+    """AdamW's moments of ``params`` as safetensors (checkpoints hold no pickle)."""
+    state = {}
+    for i, p in enumerate(params):
+        if p in opt.state:
+            state[f"{i}.exp_avg"] = opt.state[p]["exp_avg"].cpu()
+            state[f"{i}.exp_avg_sq"] = opt.state[p]["exp_avg_sq"].cpu()
+    save_file(state, str(path))
+
+
+def load_adam(opt: torch.optim.Optimizer, params: list, path: Path, step: int) -> None:
+    """Restore ``save_adam``'s moments into ``opt`` (on each parameter's device) at ``step``."""
+    state = load_file(str(path))
+    for i, p in enumerate(params):
+        if f"{i}.exp_avg" in state:
+            opt.state[p] = {
+                "step": torch.tensor(float(step)),
+                "exp_avg": state[f"{i}.exp_avg"].to(p.device),
+                "exp_avg_sq": state[f"{i}.exp_avg_sq"].to(p.device),
+            }
+
+
 def _batches(examples, batch_size: int, max_len: int, rng: random.Random):
     order = list(range(len(examples)))
     while True:
@@ -386,7 +409,7 @@ def save_draft(draft, out: Path, target, layers: list[int], extra: dict, dtype: 
     draft.config.to_json_file(str(out / "config.json"))
     meta = {
         "format": 1,
-        "target": getattr(target.config, "_name_or_path", "") or target.config.model_type,
+        "target": reference(target),
         "target_fingerprint": fingerprint(target),
         "init_layers": layers,
         "shared": SHARED_TENSORS,
@@ -442,14 +465,7 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
     step, history, tokens_seen = 0, [], 0
     if resuming:
         draft.load_state_dict(load_file(str(ckpt / "draft.safetensors")), strict=False)
-        opt_state = load_file(str(ckpt / "optim.safetensors"), device=str(draft.device))
-        for i, p in enumerate(params):
-            if f"{i}.exp_avg" in opt_state:
-                opt.state[p] = {
-                    "step": torch.tensor(float(state["step"])),
-                    "exp_avg": opt_state[f"{i}.exp_avg"],
-                    "exp_avg_sq": opt_state[f"{i}.exp_avg_sq"],
-                }
+        load_adam(opt, params, ckpt / "optim.safetensors", state["step"])
         step, history, tokens_seen = state["step"], state.get("history", []), state.get("tokens_seen", 0)
 
     rng = random.Random(cfg.seed + step)
@@ -469,12 +485,7 @@ def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progres
             {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items() if k.startswith("model.layers")},
             str(ckpt / "draft.safetensors"),
         )
-        opt_state = {}
-        for i, p in enumerate(params):
-            if p in opt.state:
-                opt_state[f"{i}.exp_avg"] = opt.state[p]["exp_avg"]
-                opt_state[f"{i}.exp_avg_sq"] = opt.state[p]["exp_avg_sq"]
-        save_file({k: v.cpu() for k, v in opt_state.items()}, str(ckpt / "optim.safetensors"))
+        save_adam(opt, params, ckpt / "optim.safetensors")
         if subset is not None:
             save_file({VOCAB_SUBSET: subset.to(torch.int32)}, str(ckpt / "subset.safetensors"))
         (ckpt / "state.json").write_text(

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .distill import cosine_lr
+from .distill import cosine_lr, load_adam, save_adam
 from .engine import hf
 from .pairs import (  # noqa: F401 (the draft model lives beside the registry that loads it; re-exported)
     DRAFT_META,
@@ -51,6 +51,7 @@ from .pairs import (  # noqa: F401 (the draft model lives beside the registry th
     default_feature_layers,
     fingerprint,
     load_eagle_dir,
+    reference,
     shared_draft,
 )
 
@@ -287,7 +288,7 @@ def save_eagle(draft: EagleDraft, out: Path, target, extra: dict, dtype: str = "
     meta = {
         "format": 1,
         "kind": KIND,
-        "target": getattr(target.config, "_name_or_path", "") or target.config.model_type,
+        "target": reference(target),
         "target_fingerprint": fingerprint(target),
         "feature_layers": draft.feature_layers,
         "vocab_subset": len(head.ids) if isinstance(head, SubsetHead) else 0,
@@ -388,7 +389,7 @@ def train_eagle(target, examples, work: Path, out: Path, cfg: EagleConfig, resum
     step, history, tokens_seen = 0, [], 0
     if state:
         draft.load_state_dict(load_file(str(ckpt / "draft.safetensors"), device=str(dev)), strict=False)
-        opt.load_state_dict(torch.load(ckpt / "optim.pt", map_location=dev, weights_only=True))
+        load_adam(opt, params, ckpt / "optim.safetensors", state["step"])
         step, history, tokens_seen = state["step"], state["history"], state["tokens_seen"]
 
     rng = random.Random(cfg.seed + step)
@@ -414,7 +415,7 @@ def train_eagle(target, examples, work: Path, out: Path, cfg: EagleConfig, resum
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in draft.own_state().items()}, str(ckpt / "draft.safetensors")
         )
-        torch.save(opt.state_dict(), ckpt / "optim.pt")
+        save_adam(opt, params, ckpt / "optim.safetensors")
         if subset is not None:
             save_file({VOCAB_SUBSET: subset.to(torch.int32).cpu()}, str(ckpt / "subset.safetensors"))
         tmp = ckpt / "state.json.tmp"

@@ -269,6 +269,15 @@ def load_tokenizer(ref: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(resolve(ref, trust_remote_code), trust_remote_code=trust_remote_code)
 
 
+REFERENCE = "_specdec_reference"  # load_pair keeps the target's reference (as the pair names it) on the model
+
+
+def reference(model) -> str:
+    """How a draft's metadata names its target: the pair's reference (``pkg:...``, a hub id,
+    a path) where ``load_pair`` loaded it, else the model's own name; never a cache path."""
+    return model.__dict__.get(REFERENCE) or getattr(model.config, "_name_or_path", "") or model.config.model_type
+
+
 def fingerprint(model) -> str:
     """Identity of a model's weights: tensor names and shapes plus the embedding's values."""
     h = hashlib.sha256()
@@ -532,6 +541,7 @@ def load_pair(name_or_spec: str | PairSpec) -> Pair:
     if spec.dtype not in DTYPES:
         raise PairError(f"pair {spec.name}: dtype {spec.dtype!r} unknown; use one of {', '.join(DTYPES)}")
     target = load_model(spec.target, spec.dtype, spec.device, spec.trust_remote_code, pair=spec.name)
+    target.__dict__[REFERENCE] = spec.target
     tokenizer = load_tokenizer(spec.target, spec.trust_remote_code)
     t_fp = fingerprint(target)
     vocab = min(target.config.vocab_size, len(tokenizer))

@@ -11,7 +11,7 @@ from conftest import check_caches, greedy_reference, perturbed, tiny_llama
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder
 from specdec_llm.engine.decoder import Batch
-from specdec_llm.engine.drafters import Lookup, SuffixIndex
+from specdec_llm.engine.drafters import Lookup, Proposal, SuffixIndex
 
 # prompts that repeat themselves, so prompt lookup has matches from the first token
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9], [30, 31, 32, 30, 31], [100, 3, 100, 3, 100], [7]]
@@ -65,6 +65,34 @@ def test_each_drafter_alone_and_mixed_in_one_batch_is_greedy_identical(target):
         d: sum(r.stats.drafter_tokens.get(d, {}).get("accepted", 0) for r in out) for d in ("lookup", "suffix", "model")
     }
     assert all(used.values()), used  # every drafter's tokens were accepted somewhere
+
+
+def test_a_free_proposal_not_verified_still_teaches_its_drafter(target):
+    """Counterfactual learning on greedy rows: the lookup proposals a fixed-k row made but
+    did not verify (the draft model comes first) are scored against the target's tokens."""
+
+    class R:
+        req = GenerationRequest(prompt=[1])
+
+    lookup = Lookup()
+    for tokens, emitted, counts in (
+        ([4, 5, 6], [4, 5, 9], (2, 3)),  # rejected at the third: 2 accepted of 3 examined
+        ([4, 5, 6], [4, 5], (4, 5)),  # the target said nothing past 2 tokens: both accepted, none rejected
+        ([4, 5, 6], [4, 5, 6, 7], (7, 8)),  # all accepted
+    ):
+        prop = Proposal("lookup", tokens, None, [0.3] * 3, [(True, (1, i)) for i in range(3)])
+        lookup.shadow(R(), prop, emitted)
+        c = lookup.acceptance.counts
+        assert (sum(v[0] for v in c.values()), sum(v[1] for v in c.values())) == counts
+    R.req = GenerationRequest(prompt=[1], temperature=1.0)
+    lookup.shadow(R(), prop, [4])  # sampled: a token's acceptance is not seen from the output
+    assert sum(v[1] for v in lookup.acceptance.counts.values()) == 8
+
+    dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3), drafters=["model", "lookup"])
+    res = dec.generate(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=40, k=3))
+    assert set(res.stats.drafter_tokens) == {"model"}  # lookup never verified...
+    learned = dec.drafter("lookup").acceptance.counts
+    assert sum(v[1] for v in learned.values()) >= 10  # ...but it learned from every iteration
 
 
 def test_rows_join_and_leave_with_mixed_drafters_caches_exact(target):

@@ -216,9 +216,9 @@ def forward_rows(
     (None when no layer is asked).
     """
     step = model.__dict__.get(COMPILED_STEP)  # a compiled one-token draft step (compiled.py), where kept
-    if step is not None and step.takes(ids, keep, embeds, features):
-        return step(ids, cache, mask, positions), None
     lean = runner(model)
+    if step is not None and step.lean is lean and step.takes(ids, keep, embeds, features):  # (not after a cast)
+        return step(ids, cache, mask, positions), None
     if lean is not None:  # the same math without transformers' module machinery (lean.py)
         return lean(ids.to(model.device), cache, keep, mask, positions, embeds, features)
     kwargs: dict[str, Any] = {cache_kwarg(type(model)): cache}
