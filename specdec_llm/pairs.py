@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import RequestError, SpeculativeDecoder, hf
+from .engine import RequestError, SpeculativeDecoder, hf, kernels
 from .errors import SpecDecError
 from .settings import get_settings
 
@@ -333,6 +333,7 @@ def shared_draft(target, layers: list[int], vocab_subset: torch.Tensor | None = 
     draft.model.rotary_emb = base.rotary_emb
     draft.lm_head = target.lm_head if vocab_subset is None else SubsetHead(target.lm_head, vocab_subset)
     draft.model.layers = torch.nn.ModuleList(copy.deepcopy(base.layers[i]) for i in layers)
+    kernels.untune(draft.model.layers)  # a tuned target's Linears multiply by its own copies: the draft's are its own
     for new_idx, layer in enumerate(draft.model.layers):
         layer.self_attn.layer_idx = new_idx
     draft.generation_config = target.generation_config

@@ -156,3 +156,22 @@ def test_subset_head_draft_trains_reloads_and_stays_lossless(distilled, tmp_path
         assert res.token_ids == (ref[: ref.index(eos) + 1] if eos in ref else ref)
         logits = draft(input_ids=seq[None]).logits[0]
         assert set(logits.argmax(-1).tolist()) <= inside
+
+
+def test_a_draft_built_from_a_tuned_target_multiplies_by_its_own_weights():
+    """A target whose Linears got this machine's kernels (hf.prepare: they multiply by copies
+    of their weights) gives a draft whose layers are its own: training them changes it."""
+    from specdec_llm.engine import hf
+
+    tuned, plain = tiny_llama(0), tiny_llama(0)
+    hf.prepare(tuned)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    a, b = shared_draft(tuned, [0, 1]), shared_draft(plain, [0, 1])
+    with torch.no_grad():
+        torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=1e-4, atol=1e-4)
+        before = a(ids).logits
+        for d in (a, b):
+            d.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+        torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(a(ids).logits, before)
+

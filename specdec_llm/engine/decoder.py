@@ -107,6 +107,9 @@ class SpeculativeDecoder:
         self.max_k = max_k if self.drafters else 0
         self.default_k, self.seeded_k = default_k, seeded_k
         self.costs = BatchCosts(max_k=self.max_k)
+        # per batch-size bucket: iterations in a row in which auto rows drafted, across batches
+        # and requests (a request alone seldom reaches PLAIN_EVERY iterations)
+        self.drafting_runs: dict[int, int] = {}
         if cost_cache is None and kernel_cache is not None:
             cost_cache = Path(kernel_cache).with_name(costcache.FILE)
         self.cost_cache = None if cost_cache is None else Path(cost_cache)
@@ -436,7 +439,6 @@ class Batch:
         # sessions that read the target's features of each row's new positions (eagle.py)
         self.watchers = [s for s in self.sessions.values() if hasattr(s, "observe")]
         self.probes = Probes()
-        self.drafting_run = 0  # iterations in a row in which auto rows drafted
         self.joining: list[RaggedCache] = []  # the target caches of rows that joined since the last step
 
     def add(self, request: GenerationRequest, on_text: TextCallback | None = None, tag: Any = None) -> Row:
@@ -512,11 +514,12 @@ class Batch:
                 )
             chosen = plan(cost, options, n_fixed, fixed_width, fixed_steps, probe_row=probe)
             drafted = any(k for _, k in chosen)
-            self.drafting_run = self.drafting_run + 1 if drafted else 0
-            if drafted and not n_fixed and probe is None and self.drafting_run > PLAIN_EVERY:
+            bucket = BatchCosts.bucket(len(rows))
+            run = dec.drafting_runs[bucket] = dec.drafting_runs.get(bucket, 0) + 1 if drafted else 0
+            if drafted and not n_fixed and probe is None and run > PLAIN_EVERY:
                 # a plain iteration now and then measures the target-only step in this
                 # batch's real conditions: the counterfactual behind the reported speedup
-                chosen, self.drafting_run = [(None, 0)] * len(chosen), 0
+                chosen, dec.drafting_runs[bucket] = [(None, 0)] * len(chosen), 0
             for b, pick in zip(auto, chosen):
                 picks[b] = pick
             self.probes.record(drafted=any(k for _, k in chosen), probed=probe is not None)
