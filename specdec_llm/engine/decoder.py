@@ -43,6 +43,9 @@ TextCallback = Callable[[str], None]
 # after this many drafting iterations in a row, one plain (k = 0) iteration: the target-only
 # step it measures keeps the speedup's counterfactual honest (~1% of a drafting job's tokens)
 PLAIN_EVERY = 64
+# the first one comes sooner: until a batch size has seen a plain iteration, its k = 0 cost
+# is the calibration's shape scaled by drafting iterations, which can be off by 10-20%
+PLAIN_FIRST = 8
 
 
 class SpeculativeDecoder:
@@ -516,7 +519,8 @@ class Batch:
             drafted = any(k for _, k in chosen)
             bucket = BatchCosts.bucket(len(rows))
             run = dec.drafting_runs[bucket] = dec.drafting_runs.get(bucket, 0) + 1 if drafted else 0
-            if drafted and not n_fixed and probe is None and run > PLAIN_EVERY:
+            every = PLAIN_EVERY if cost.seen.get("plain") else PLAIN_FIRST
+            if drafted and not n_fixed and probe is None and run > every:
                 # a plain iteration now and then measures the target-only step in this
                 # batch's real conditions: the counterfactual behind the reported speedup
                 chosen, dec.drafting_runs[bucket] = [(None, 0)] * len(chosen), 0
