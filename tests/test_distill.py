@@ -174,4 +174,3 @@ def test_a_draft_built_from_a_tuned_target_multiplies_by_its_own_weights():
             d.model.layers[0].mlp.down_proj.weight.mul_(3.0)
         torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(a(ids).logits, before)
-

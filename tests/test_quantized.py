@@ -217,7 +217,8 @@ def test_compiled_draft_step_equals_the_lean_step_and_keeps_greedy_output(target
             assert res.token_ids == greedy_reference(target, req.prompt, req.max_new_tokens), (req, max_batch)
     assert step.calls > calls + 20 and not step.failed  # (no recompile: it would have failed over to lean)
     calls = step.calls
-    del draft.__dict__["_specdec_lean"]  # a new lean forward (as after a cast): the step traced from the old one stands down
+    # a new lean forward (as after a cast): the step traced from the old one stands down
+    del draft.__dict__["_specdec_lean"]
     cache = RaggedCache(draft, 1)
     cache.forward([[5, 6, 7]], 1)
     assert cache.forward([[8]], 1).shape[-1] == target.config.vocab_size and step.calls == calls

@@ -49,9 +49,10 @@ class CostModel:
     # what a plain (k = 0) iteration costs besides its forward (accepting, streaming text...):
     # an EMA over observed k = 0 iterations; None until one was seen (or loaded)
     plain_overhead_s: float | None = None
-    # a k = 0 forward observed / as the scaled shape predicts it: corrects the shape's k = 0
-    # point where real contexts differ from the calibration's (1 until a k = 0 iteration is seen)
-    zero_ratio: float = 1.0
+    # seconds of a k = 0 forward as k = 0 iterations measured it (an EMA; None until one is
+    # seen): the target-only step itself, not the calibrated shape at a scale that drafting
+    # iterations of other widths moved (their errors are not the k = 0 point's)
+    plain_forward_s: float | None = None
     seen: dict[str, int] = field(default_factory=dict)  # live observations per scale since calibration
 
     @property
@@ -59,10 +60,11 @@ class CostModel:
         return 0 in self.verify_s
 
     def plain_step(self) -> float:
-        """Seconds of one target-only iteration at this batch size, as this process measures it
-        now: the k = 0 forward (the calibrated shape at the live scale, corrected by what k = 0
-        iterations observed), plus the observed overhead of a plain iteration."""
-        return self.verify(0) * self.zero_ratio + (self.plain_overhead_s or 0.0)
+        """Seconds of one target-only iteration at this batch size, as this process measures it:
+        the k = 0 forward that k = 0 iterations measured (until one is seen, the calibrated
+        shape at the live scale), plus the observed overhead of a plain iteration."""
+        forward = self.plain_forward_s if self.plain_forward_s is not None else self.verify(0)
+        return forward + (self.plain_overhead_s or 0.0)
 
     def observe_plain(self, seconds: float, forward_s: float) -> None:
         """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward."""
@@ -70,8 +72,8 @@ class CostModel:
         old = self.plain_overhead_s
         extra = max(0.0, seconds - forward_s)
         self.plain_overhead_s = extra if old is None else (1 - w) * old + w * extra
-        if self.calibrated:
-            self.zero_ratio = (1 - w) * self.zero_ratio + w * forward_s / self.verify(0)
+        old_forward = self.plain_forward_s
+        self.plain_forward_s = forward_s if old_forward is None else (1 - w) * old_forward + w * forward_s
 
     def to_dict(self) -> dict[str, Any]:
         """The costs as measured now (live scales folded in), for the on-disk cache."""
@@ -79,7 +81,7 @@ class CostModel:
             "verify_s": {str(k): self.verify(k) for k in sorted(self.verify_s)},
             "draft_s": {n: v * self.draft_scale.get(n, 1.0) for n, v in sorted(self.draft_s.items())},
             "plain_overhead_s": self.plain_overhead_s,
-            "zero_ratio": self.zero_ratio,
+            "plain_forward_s": self.plain_forward_s,
         }
 
     def load(self, data: dict[str, Any]) -> None:
@@ -87,7 +89,7 @@ class CostModel:
         self.verify_s = {int(k): float(v) for k, v in data["verify_s"].items() if int(k) <= self.max_k}
         self.draft_s = {n: float(v) for n, v in data.get("draft_s", {}).items()}
         self.plain_overhead_s = data.get("plain_overhead_s")
-        self.zero_ratio = float(data.get("zero_ratio") or 1.0)
+        self.plain_forward_s = data.get("plain_forward_s")
         self.verify_scale, self.draft_scale, self.seen, self.width_ratio = 1.0, {}, {}, {}
 
     def _calibrated_verify(self, k: int) -> float:
@@ -250,7 +252,7 @@ def calibrate(
     cost.width_ratio = {}
     cost.draft_scale = {}
     cost.seen = {}
-    cost.zero_ratio = 1.0
+    cost.plain_forward_s = None
 
 
 class AcceptanceTracker:
