@@ -231,7 +231,7 @@ def grow(
     template's assistant turn). The target is cast to ``dtype`` in place (as distill does);
     its fingerprint is taken before. Returns counts; ``progress`` gets them after each shard."""
     from .distill import _generate
-    from .pairs import fingerprint
+    from .pairs import fingerprint, reference
 
     fp = fingerprint(target)
     corpus = Corpus(corpus_dir(root, fp))
@@ -257,7 +257,7 @@ def grow(
     ]
     model = target.to(getattr(torch, dtype))
     meta = {
-        "target": target_ref or getattr(target.config, "_name_or_path", "") or target.config.model_type,
+        "target": target_ref or reference(target),
         "target_fingerprint": fp,
         "dtype": dtype,
         "device": str(model.device),
