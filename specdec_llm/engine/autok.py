@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 EMA = 0.2  # weight of a new timing sample
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the acceptance prior
+# a plain forward sample counts at most this factor from the current estimate: the baseline behind
+# a reported speedup must not follow one iteration that another process slowed down
+PLAIN_CLIP = 1.5
 MARGIN = 1.1  # k > 0 only when it promises at least 10% more tokens/s than k = 0
 
 
@@ -73,6 +76,8 @@ class CostModel:
         extra = max(0.0, seconds - forward_s)
         self.plain_overhead_s = extra if old is None else (1 - w) * old + w * extra
         old_forward = self.plain_forward_s
+        if old_forward is not None:  # one sample disturbed by other load moves the estimate by ~10% at most
+            forward_s = min(max(forward_s, old_forward / PLAIN_CLIP), old_forward * PLAIN_CLIP)
         self.plain_forward_s = forward_s if old_forward is None else (1 - w) * old_forward + w * forward_s
 
     def to_dict(self) -> dict[str, Any]:
