@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from .checks import check_seed
 from .cli_common import fail, parse_k, user_errors
@@ -105,9 +105,22 @@ def pairs_list() -> None:
 
     with user_errors():
         pairs = registry()
-    table = Table("name", "target", "draft", "dtype", "device", "source")
-    for spec in pairs.values():
-        table.add_row(spec.name, spec.target, spec.draft or "-", spec.dtype, spec.device, spec.source)
+    rows = [(s.name, s.target, s.draft or "-", s.dtype, s.device, s.source) for s in pairs.values()]
+
+    def whole(i: int, header: str) -> Column:  # never cut, never folded: as wide as its longest value
+        return Column(header, no_wrap=True, min_width=max(len(v) for v in (header, *(r[i] for r in rows))))
+
+    # names, dtypes and devices keep their width (never cut); targets, drafts and sources fold
+    table = Table(
+        whole(0, "name"),
+        Column("target", overflow="fold"),
+        Column("draft", overflow="fold"),
+        whole(3, "dtype"),
+        whole(4, "device"),
+        Column("source", overflow="fold"),
+    )
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 

@@ -50,6 +50,8 @@ def check_device(device: str | None) -> str | None:
 
 def check_batching(max_batch: int, concurrency: int) -> None:
     """--max-batch B > 1 is one process (threads pool) holding the pair: refuse --concurrency N > 1."""
+    if concurrency < 1:
+        fail("concurrency: use at least 1")
     if max_batch < 1:
         fail("max-batch: use at least 1")
     if max_batch > 1 and concurrency > 1:

@@ -7,6 +7,9 @@ empty report says so. Each test here failed before its fix."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import typer
@@ -235,3 +238,180 @@ def test_every_error_derives_from_spec_dec_error_and_keeps_its_base():
     }
     for error, base in bases.items():
         assert issubclass(error, SpecDecError) and issubclass(error, base), error
+
+
+# -- hostile input: refused in one line before anything is enqueued or started ----------------------
+@pytest.fixture
+def embedded(pairs_file, tmp_path, monkeypatch):
+    """Embedded mode in a fresh data dir: no broker URL, the default SQLite store there."""
+    for var in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND", "SPECDEC_DATABASE_URL", "SPECDEC_PRICE_PER_HOUR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("SPECDEC_THREADS", "1")
+    reload_settings()
+    yield tmp_path / "data"
+    monkeypatch.delenv("SPECDEC_DATA_DIR")
+    reload_settings()
+
+
+def test_a_broker_url_kombu_cannot_read_is_refused_before_anything(embedded, tmp_path, monkeypatch):
+    from specdec_llm import client
+
+    monkeypatch.setenv("SPECDEC_BROKER_URL", "redis://127.0.0.1:6379/7?password=secret")
+    reload_settings()
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "hi"}\n')
+    for args in (["submit", str(path), "--pair", "tiny"], ["worker", "--pair", "tiny"]):
+        r = CliRunner().invoke(main_cli(), args)
+        one_line_exit_2(r, "SPECDEC_BROKER_URL: ")
+        assert "redis://:PASSWORD@127.0.0.1:6379/7" in r.stderr and "secret" not in r.output
+        assert "specdec worker:" not in r.output  # no Celery started
+    assert not (embedded / "specdec.db").exists()  # no row written
+    with pytest.raises(client.QueueError, match=r"\?password=\*\*\*"):  # the library's path too
+        client.submit(path, "tiny")
+    monkeypatch.setenv("SPECDEC_BROKER_URL", "redis://127.0.0.1:port/0")
+    with pytest.raises(client.QueueError, match=r"cannot read redis://127\.0\.0\.1:port/0"):
+        client.check_broker_url(reload_settings())
+    monkeypatch.setenv("SPECDEC_BROKER_URL", "redis://:secret@127.0.0.1:6379/7")
+    client.check_broker_url(reload_settings())  # the fix: the password in the userinfo
+
+
+def test_a_decimal_comma_in_a_price_is_refused_not_read_as_another_price(db, monkeypatch):
+    from specdec_llm.store.reports import parse_prices
+
+    for value in ("1,5", ["1,5"], "cuda=1,5", ["2", "3"]):
+        with pytest.raises(store.ReportInputError, match=r"^--price-per-hour: .*(dot decimal \(1\.5\)|given twice)"):
+            parse_prices(value)
+    assert parse_prices("1.5") == {"*": 1.5} and parse_prices("cuda=2.5,cpu=0.05") == {"cuda": 2.5, "cpu": 0.05}
+    one_line_exit_2(
+        CliRunner().invoke(main_cli(), ["report", "--price-per-hour", "1,5"]),
+        "--price-per-hour: cannot read '1,5': a comma separates device kinds, not decimals; "
+        "use a dot decimal (1.5) or the cuda=2.5,cpu=0.05 form",
+    )
+    monkeypatch.setenv("SPECDEC_PRICE_PER_HOUR", "1,5")
+    reload_settings()
+    one_line_exit_2(CliRunner().invoke(main_cli(), ["report"]), "SPECDEC_PRICE_PER_HOUR: cannot read '1,5'")
+
+
+@pytest.mark.parametrize(
+    "args, env, fragment",
+    [
+        (["--price-per-hour", "abc"], {}, "--price-per-hour: cannot read 'abc'"),
+        (["--price-per-hour", "1,5"], {}, "use a dot decimal (1.5)"),
+        ([], {"SPECDEC_PRICE_PER_HOUR": "abc"}, "SPECDEC_PRICE_PER_HOUR: cannot read 'abc'"),
+    ],
+)
+def test_a_bad_worker_price_is_refused_before_celery_starts(embedded, monkeypatch, args, env, fragment):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    reload_settings()
+    r = CliRunner().invoke(main_cli(), ["worker", "--pair", "tiny", *args])
+    one_line_exit_2(r, fragment)  # (it was exit 3, "could not load pair", after Celery started)
+    assert "specdec worker:" not in r.output and "could not load pair" not in r.output
+
+
+def test_the_worker_takes_the_per_device_price_form(embedded, tmp_path):
+    """`worker --price-per-hour cuda=9,cpu=3.6` (it was "Input should be a valid number"): a
+    real worker prices its rows with its device kind's price."""
+    from specdec_llm import client
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "The quick brown fox"}\n')
+    job = client.submit(path, "tiny", {"max_new_tokens": 4})["job_id"]
+    proc = client.start_local_worker(
+        "tiny", device="cpu", extra=["--price-per-hour", "cuda=9,cpu=3.6", "--no-calibrate"]
+    )
+    try:
+        assert client.wait(job, workers=[proc], timeout_s=180)["ok"] == 1
+    finally:
+        client.stop_local_worker(proc)
+    [row] = client.results(job)
+    [rep] = store.summary(job=job, group_by=())
+    assert rep["cost_usd"] == pytest.approx(row["wall_time_s"] / 3600 * 3.6)
+
+
+def test_pairs_list_never_cuts_a_name_at_80_columns(embedded):
+    from specdec_llm.pairs import registry
+
+    env = {**os.environ, "COLUMNS": "80"}
+    out = subprocess.run(
+        [sys.executable, "-m", "specdec_llm", "pairs", "list"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in out.stdout
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+    rows = []  # one row per pair: each column's folded pieces joined again
+    for cell in cells:
+        if cell[0]:
+            rows.append(cell)
+        else:
+            rows[-1] = [a + b for a, b in zip(rows[-1], cell, strict=True)]
+    assert [r[:3] for r in rows] == [[s.name, s.target, s.draft or "-"] for s in registry().values()]
+    assert {r[0] for r in rows} >= {"smollm2-135m", "smollm2-135m-q4", "tiny"}
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--concurrency", "0"], "concurrency: use at least 1"),
+        (["--price-per-hour", "1,5"], "use a dot decimal (1.5)"),
+        (["--k", "many"], "k: 'many' is not a number"),
+        (["--temperature", "-1"], "temperature: -1.0 must be >= 0"),
+        (["--mode", "fast"], "mode: unknown mode 'fast'"),
+        (["--device", "tpu"], "device: 'tpu' unknown"),
+        (["--pair", "nope"], "unknown pair 'nope'"),
+    ],
+)
+def test_run_and_submit_check_every_option_before_a_row_is_written(embedded, tmp_path, args, fragment):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "hi"}\n')
+    one_line_exit_2(CliRunner().invoke(main_cli(), ["run", str(path), "--pair", "tiny", *args]), fragment)
+    if "--concurrency" not in args and "--price-per-hour" not in args and "--device" not in args:  # run's own
+        one_line_exit_2(CliRunner().invoke(main_cli(), ["submit", str(path), "--pair", "tiny", *args]), fragment)
+    assert not (embedded / "specdec.db").exists()  # nothing enqueued
+    assert not list((embedded / "queue").glob("*.msg"))
+
+
+def test_retry_and_run_say_cancelled_rows_stay_cancelled_and_retry_cancelled_runs_them(embedded, tmp_path):
+    from specdec_llm import client
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    job = client.submit(path, "tiny")["job_id"]
+    assert client.cancel(job)["cancelled"] == 2
+    how = f"2 cancelled rows skipped (they stay cancelled; `specdec-llm retry {job} --cancelled` runs them again)"
+    r = CliRunner().invoke(main_cli(), ["retry", job])
+    assert r.exit_code == 0 and f"job {job}: 0 rows enqueued again; {how}" in r.stdout, r.output
+    out = tmp_path / "out.jsonl"
+    r = CliRunner().invoke(main_cli(), ["run", str(path), "--pair", "tiny", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "0 to generate (2 done before)" in r.stderr and how in " ".join(r.stderr.split()), r.stderr
+    assert how in r.stdout  # and in the summary
+    r = CliRunner().invoke(main_cli(), ["retry", job, "--cancelled"])
+    assert r.exit_code == 0 and r.stdout.strip() == f"job {job}: 2 rows enqueued again", r.output
+    assert client.job_counts(job) == {"queued": 2, "running": 0, "ok": 0, "failed": 0, "cancelled": 0}
+    assert len(list((embedded / "queue").glob("*.specdec.tiny.msg"))) == 4  # sent again (the first 2 are no-ops)
+
+
+def test_langchain_models_check_generation_parameters_at_construction(pairs_file):
+    from specdec_llm.errors import SpecDecError
+    from specdec_llm.langchain import ChatSpecDec, SpecDecLLM
+
+    cases = [
+        ({"temperature": -1}, "temperature: -1.0 must be >= 0"),
+        ({"temperature": "hot"}, "temperature: must be a number, got 'hot'"),  # pydantic's type error
+        ({"top_p": 0}, "top_p: 0.0 must be in (0, 1]"),
+        ({"max_tokens": 0}, "max_new_tokens: 0 is below 1"),
+        ({"k": "lots"}, "k: must be an integer, got 'lots'"),
+        ({"k": 65}, "k: 65 is too large"),
+        ({"stop": [""]}, "stop: must be a list of non-empty strings"),
+        ({"decoding": "fast"}, "decoding: unknown mode 'fast'"),
+        ({"seed": 2**64}, "seed: 18446744073709551616 is above"),
+    ]
+    for model in (SpecDecLLM, ChatSpecDec):
+        for kwargs, fragment in cases:
+            with pytest.raises(RequestError) as e:
+                model(pair="tiny", backend="local", **kwargs)
+            assert isinstance(e.value, SpecDecError) and str(e.value).startswith(fragment), (model, kwargs, e.value)
+        assert model(pair="tiny", backend="local", temperature=0.7, top_p=0.9, k=4).temperature == 0.7

@@ -16,7 +16,16 @@ task code (``workers/``), and Celery only when it sends. Plain dicts in and out.
     client.wait(job["job_id"]); client.results(job["job_id"])
 """
 
-from .broker import QueueError, broker_display, check_broker, is_embedded, live_workers, queue_name, queue_size
+from .broker import (
+    QueueError,
+    broker_display,
+    check_broker,
+    check_broker_url,
+    is_embedded,
+    live_workers,
+    queue_name,
+    queue_size,
+)
 from .jobs import (
     FINISHED,
     FORMATS,
@@ -55,6 +64,7 @@ __all__ = [
     "build_request",
     "cancel",
     "check_broker",
+    "check_broker_url",
     "enqueue",
     "follow_stream",
     "get_job",

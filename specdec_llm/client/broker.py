@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -37,6 +38,7 @@ SOFT_TIME_LIMIT = 3600  # s: the task is told (SoftTimeLimitExceeded) and fails 
 TIME_LIMIT = SOFT_TIME_LIMIT + 300  # s: the pool kills the process running it
 VISIBILITY_TIMEOUT = 2 * TIME_LIMIT  # s: Redis redelivers an unacknowledged message after this
 CONFIG_ENV = "SPECDEC_CELERY_CONFIG"
+URL_FIELDS = ("transport", "hostname", "port", "userid", "password", "virtual_host")  # kombu's, not a query's
 
 _apps: dict[tuple, object] = {}
 
@@ -64,6 +66,40 @@ def broker_display(settings: Settings | None = None) -> str:
     from specdec_llm.store.db import mask_query
 
     return mask_query(maybe_sanitize_url(settings.broker_url))  # user:pass@ and ?password=...
+
+
+def check_broker_url(settings: Settings | None = None) -> None:
+    """Raise ``QueueError`` when kombu cannot read ``SPECDEC_BROKER_URL`` (before a row is
+    written or a worker starts: kombu would fail later, with a traceback); the message shows
+    the URL with its password hidden."""
+    settings = settings or get_settings()
+    url = settings.broker_url
+    if not url:
+        return
+    from kombu.utils.url import url_to_parts
+
+    from specdec_llm.store.db import mask_query
+
+    shown = mask_query(re.sub(r"(://[^/@?#]*?:)[^/@?#]*@", r"\1***@", url))
+    try:
+        parts = url_to_parts(url)
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError as e:  # a port that is not a number
+        raise QueueError(
+            f"SPECDEC_BROKER_URL: cannot read {shown} ({str(e).replace(url, shown)}); "
+            "use scheme://[:PASSWORD@]host:port/db, e.g. redis://:PASSWORD@127.0.0.1:6379/0"
+        ) from None
+    clash = [key for key in URL_FIELDS if key in parts.query]
+    if clash:
+        example = (
+            f"{parts.scheme}://{parts.username or ''}:PASSWORD@{parts.hostname or 'host'}{port}/{parts.path or ''}"
+        )
+        fix = (
+            f"put the password in the URL's userinfo instead: {example}"
+            if "password" in clash
+            else "give it in the URL itself (scheme://user:PASSWORD@host:port/path) instead"
+        )
+        raise QueueError(f"SPECDEC_BROKER_URL: {shown} has {clash[0]}= in its query, which kombu cannot take; {fix}")
 
 
 def celery_config(settings: Settings) -> dict:
@@ -105,6 +141,7 @@ def celery_config(settings: Settings) -> dict:
             worker_enable_remote_control=False,  # no broadcast over files: fewer folders to poll
         )
     else:
+        check_broker_url(settings)
         broker = settings.broker_url
         backend = settings.result_backend or (broker if broker.startswith(("redis://", "rediss://")) else None)
         conf.update(

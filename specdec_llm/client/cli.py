@@ -70,7 +70,7 @@ def register(app: typer.Typer) -> None:
         device: DeviceOpt = None,
         concurrency: Annotated[int, typer.Option(help="Pool processes, each holding the pair (1 per GPU)")] = 1,
         queues: Annotated[str | None, typer.Option(help="Comma-separated queues (default: specdec.<pair>)")] = None,
-        price_per_hour: Annotated[float | None, typer.Option(help="USD per device-hour, for cost estimates")] = None,
+        price_per_hour: PriceOpt = [],  # noqa: B006
         calibrate: Annotated[bool, typer.Option(help="Measure target-only and speculative tok/s at start")] = True,
         max_batch: MaxBatchOpt = None,
         max_wait_ms: Annotated[
@@ -96,6 +96,7 @@ def register(app: typer.Typer) -> None:
 
         --max-batch B > 1 decodes up to B requests as one batch: one process (Celery's threads
         pool, B task threads, at most B messages reserved) holding the pair once."""
+        from specdec_llm import client, store
         from specdec_llm.pairs import get_spec
         from specdec_llm.settings import get_settings
 
@@ -111,6 +112,9 @@ def register(app: typer.Typer) -> None:
         if metrics_port is not None and not 0 < metrics_port < 65536:
             fail(f"metrics-port: {metrics_port} is not a TCP port; use 1-65535")
         device = check_device(device) or spec.device
+        with user_errors():  # before Celery starts or the pair loads
+            client.check_broker_url()
+            price = store.price_for(price_per_hour or None, device)  # the flag, else SPECDEC_PRICE_PER_HOUR
         from workers.cli import start_worker  # the worker side: Celery, the task, the runtime
 
         raise typer.Exit(
@@ -119,7 +123,7 @@ def register(app: typer.Typer) -> None:
                 device=device,
                 concurrency=concurrency,
                 queues=queues,
-                price_per_hour=price_per_hour,
+                price_per_hour=price,
                 calibrate=calibrate,
                 max_batch=max_batch,
                 max_wait_ms=max_wait_ms,
@@ -158,7 +162,7 @@ def register(app: typer.Typer) -> None:
             sub = client.submit(file, pair, params, name=name)
         print(
             f"job {sub['job_id']}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} enqueued for "
-            f"pair {pair} via {client.broker_display()}",
+            f"pair {pair} via {client.broker_display()}{_cancelled_note(sub['job_id'], sub['cancelled'])}",
             file=sys.stderr,
         )
         print(sub["job_id"])
@@ -208,15 +212,20 @@ def register(app: typer.Typer) -> None:
         _export(items, fmt, out)
 
     @app.command()
-    def retry(job: str) -> None:
-        """Re-enqueue a job's failed rows and lost ones (queued or running with no worker)."""
+    def retry(
+        job: str,
+        cancelled: Annotated[bool, typer.Option("--cancelled", help="Run the cancelled rows again too")] = False,
+    ) -> None:
+        """Re-enqueue a job's failed rows and lost ones (queued or running with no worker);
+        --cancelled: its cancelled rows too (else they stay cancelled)."""
         from specdec_llm import client
 
         with user_errors():
-            r = client.retry(job)
+            r = client.retry(job, cancelled=cancelled)
         print(
             f"job {job}: {r['enqueued']} rows enqueued again"
             + (f"; {r['bad_input']} refused at submit (fix the input and submit it again)" if r["bad_input"] else "")
+            + _cancelled_note(job, r["cancelled"])
         )
 
     @app.command()
@@ -263,7 +272,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from specdec_llm import client
+        from specdec_llm import client, store
         from specdec_llm.settings import get_settings
 
         err = Console(stderr=True)
@@ -273,6 +282,8 @@ def register(app: typer.Typer) -> None:
         check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
         out = out or Path(f"{file.stem}.results.{'csv' if fmt == 'csv' else 'jsonl'}")
         _check_output(fmt, out)  # before generating anything, not after
+        with user_errors():  # the price (the flag, else SPECDEC_PRICE_PER_HOUR): now, not after the job
+            store.price_for(price_per_hour or None, device or "cpu")
         t0 = time.time()
         procs = []
         with user_errors():
@@ -280,7 +291,7 @@ def register(app: typer.Typer) -> None:
             job = sub["job_id"]
             err.print(
                 f"job {job}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} to generate "
-                f"({sub['done']} done before); broker {client.broker_display()}"
+                f"({sub['done']} done before); broker {client.broker_display()}{_cancelled_note(job, sub['cancelled'])}"
             )
             try:
                 if sub["enqueued"]:
@@ -326,7 +337,10 @@ def register(app: typer.Typer) -> None:
             _export(client.results(job), fmt, out, job=job)
             st = client.status(job, price_per_hour=price_per_hour or None)
         c, wall = st["counts"], time.time() - t0
-        print(f"job {job}: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled; results in {out}")
+        print(
+            f"job {job}: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled; results in {out}"
+            + _cancelled_note(job, c["cancelled"])
+        )
         print(
             f"  {st['output_tokens']} output tokens; {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s over the "
             f"job ({wall:.1f} s this run), {_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request"
@@ -344,6 +358,16 @@ def register(app: typer.Typer) -> None:
             )
         if c["failed"]:
             print(f"  {c['failed']} rows failed: see their 'error' in {out}; `specdec-llm retry {job}` runs them again")
+
+
+def _cancelled_note(job: str, cancelled: int) -> str:
+    """What a command that skips a job's cancelled rows says about them ("" when none)."""
+    if not cancelled:
+        return ""
+    return (
+        f"; {cancelled} cancelled rows skipped (they stay cancelled; "
+        f"`specdec-llm retry {job} --cancelled` runs them again)"
+    )
 
 
 def _check_output(fmt: str, out: Path) -> None:

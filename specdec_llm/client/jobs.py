@@ -22,7 +22,7 @@ from specdec_llm.store import jobs
 from specdec_llm.store.jobs import job_requests
 
 from . import rows as R
-from .broker import TASK, QueueError, get_app, queue_name, queue_size, reaching
+from .broker import TASK, QueueError, check_broker_url, get_app, queue_name, queue_size, reaching
 from .local import log_tail
 
 log = logging.getLogger(__name__)
@@ -54,12 +54,14 @@ def submit(path: Path, pair: str, params: dict | None = None, *, name: str | Non
 
     Raises ``InputError`` (unreadable file), ``RequestError`` (unknown pair, bad job-level
     parameters) or ``StoreError``; bad rows fail alone. Returns ``{"job_id", "rows",
-    "created", "bad", "enqueued", "done"}``.
+    "created", "bad", "enqueued", "done", "cancelled"}`` (cancelled rows count as done and
+    are not run again: ``retry(job_id, cancelled=True)`` runs them).
     """
     from specdec_llm.pairs import get_spec  # (torch: not for commands that only read)
 
     params = {k: v for k, v in (params or {}).items() if v is not None}
     get_spec(pair)  # unknown pair: fail now, not in a worker
+    check_broker_url()  # a URL kombu cannot read: fail now, not with the rows saved
     R.check_params(params)
     rows = R.read_rows(Path(path))
     R.check_rows(rows, params)
@@ -71,7 +73,8 @@ def submit(path: Path, pair: str, params: dict | None = None, *, name: str | Non
         params=params,
         job_id=job_id,
     )
-    pending = {r["id"] for r in job_requests(job_id, outputs=False) if r["status"] in PENDING}  # new or lost
+    status = {r["id"]: r["status"] for r in job_requests(job_id, outputs=False)}
+    pending = {rid for rid, st in status.items() if st in PENDING}  # new or lost
     todo, bad = [], 0
     for r, rid in zip(rows, (R.request_id(job_id, r) for r in rows)):
         bad += r.error is not None
@@ -87,6 +90,7 @@ def submit(path: Path, pair: str, params: dict | None = None, *, name: str | Non
         "bad": bad,
         "enqueued": len(todo),
         "done": len(rows) - len(todo) - bad,
+        "cancelled": sum(st == "cancelled" for st in status.values()),  # of "done": they stay cancelled
     }
 
 
@@ -231,18 +235,25 @@ def write_results(items: list[dict], fmt: str, out) -> None:
 
 
 # -- retry and cancel --------------------------------------------------------------------------
-def retry(job_id: str) -> dict:
+def retry(job_id: str, *, cancelled: bool = False) -> dict:
     """Re-enqueue failed rows (not those refused at submit: they would fail again) and lost
     ones (queued: a message lost with its broker; running with an expired lease: a worker
-    lost), in one UPDATE. Rows running under a live lease are left to their worker."""
+    lost), in one UPDATE; ``cancelled``: cancelled rows too (else they stay cancelled, and
+    ``"cancelled"`` says how many). Rows running under a live lease are left to their worker."""
     get_job(job_id)
-    rows = jobs.requeue(job_id, lease_timeout_s=get_settings().lease_timeout_s)
+    check_broker_url()
+    rows = jobs.requeue(job_id, lease_timeout_s=get_settings().lease_timeout_s, cancelled=cancelled)
     by_pair: dict[str, list[str]] = {}
     for r in rows:
         by_pair.setdefault(r["pair"], []).append(r["id"])
     for pair, ids in by_pair.items():
         _enqueue_job(job_id, ids, pair)
-    return {"job_id": job_id, "enqueued": len(rows), "bad_input": jobs.refused_count(job_id)}
+    return {
+        "job_id": job_id,
+        "enqueued": len(rows),
+        "bad_input": jobs.refused_count(job_id),
+        "cancelled": 0 if cancelled else jobs.counts(job_id)["cancelled"],
+    }
 
 
 def cancel(job_id: str) -> dict:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Literal
 
 from langchain_core.language_models import LangSmithParams
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 
 from specdec_llm.checks import check_seed
 from specdec_llm.engine import SPEEDUP_BASIS, GenerationRequest, RequestError
@@ -38,6 +38,19 @@ INFO_FIELDS = (
     "drafter",
     "drafter_tokens",
 )
+# the fields that are generation parameters (checked at construction), by the engine's names
+GENERATION_FIELDS = {
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "k": "k",
+    "drafter": "drafter",
+    "stop": "stop",
+    "chat": "chat",
+    "decoding": "mode",
+}
 CALL_OPTIONS = (
     "max_new_tokens",
     "temperature",
@@ -64,6 +77,19 @@ def get_backend(name: str) -> Backend:
     from .local import LocalBackend
 
     return LocalBackend()
+
+
+def check_generation(gen: dict) -> None:
+    """``RequestError`` naming the first bad generation parameter in ``gen`` (the engine's
+    names, any subset): ``GenerationRequest.validate``'s rules and the seed torch takes.
+    The LangChain field ``decoding`` is named as such, not as the engine's ``mode``."""
+    try:
+        GenerationRequest(prompt="x", **gen).validate()
+        check_seed(gen.get("seed"))
+    except RequestError as e:
+        if e.field != "mode":
+            raise
+        raise RequestError("decoding", str(e).removeprefix("mode: ")) from None
 
 
 # -- the shared part of both models -----------------------------------------------------------------
@@ -108,6 +134,21 @@ class SpecDecBase(BaseModel):
     """Remote mode: submissions retried after a broker fault before BrokerUnavailable."""
     api_key: SecretStr | None = None
     """Not used (the pool needs no key); accepted as one of LangChain's standard parameters."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        """Generation parameters are checked here, by the engine's rules (``RequestError``
+        naming the field and the fix), not at the first call; so is a value of the wrong
+        type for one of them (pydantic's ``ValidationError`` otherwise)."""
+        try:
+            super().__init__(**kwargs)
+        except ValidationError as e:
+            bad = [err for err in e.errors() if err["loc"] and err["loc"][0] in GENERATION_FIELDS]
+            if not bad:
+                raise
+            name, value = bad[0]["loc"][0], bad[0].get("input")
+            check_generation({GENERATION_FIELDS[name]: value})  # the engine's message, when its rules refuse it
+            raise RequestError(name, f"{value!r}: {bad[0]['msg']}") from None
+        self._check({name: getattr(self, name) for name in CALL_OPTIONS}, list(self.stop or []), messages=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -168,6 +209,33 @@ class SpecDecBase(BaseModel):
             return self.backend
         return "remote" if get_settings().broker_url else "local"
 
+    @staticmethod
+    def _check(opt: dict, stop: list[str], *, messages: bool) -> dict:
+        """The generation parameters of ``opt`` (``CALL_OPTIONS``' values), checked, with
+        its job metadata and timeout: ``RequestError`` naming the first bad one."""
+        gen = dict(
+            max_new_tokens=opt["max_new_tokens"],
+            temperature=opt["temperature"],
+            top_p=opt["top_p"],
+            top_k=opt["top_k"],
+            seed=opt["seed"],
+            k=opt["k"],
+            drafter=opt["drafter"],
+            stop=stop,
+            chat=bool(opt["chat"]) and not messages,
+            mode=opt["decoding"],
+        )
+        check_generation(gen)
+        if opt["job_metadata"] is not None:
+            try:
+                json.dumps(opt["job_metadata"])
+            except (TypeError, ValueError) as e:
+                raise RequestError("job_metadata", f"must be JSON-serialisable ({e})") from None
+        timeout = opt["timeout"]
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise RequestError("timeout", f"{timeout!r}: use a number of seconds > 0, or None")
+        return gen
+
     def _resolve(self, stop: list[str] | None, kwargs: dict, *, messages: bool) -> Call:
         """This call's settings: fields, overridden by the call's keyword arguments."""
         kwargs = dict(kwargs)
@@ -181,28 +249,8 @@ class SpecDecBase(BaseModel):
             raise RequestError(unknown[0], f"unknown option; use one of {', '.join(CALL_OPTIONS)}")
         opt = {name: kwargs.get(name, getattr(self, name)) for name in CALL_OPTIONS}
         stop = list(stop) if stop is not None else list(self.stop or [])
-        gen = dict(
-            max_new_tokens=opt["max_new_tokens"],
-            temperature=opt["temperature"],
-            top_p=opt["top_p"],
-            top_k=opt["top_k"],
-            seed=opt["seed"],
-            k=opt["k"],
-            drafter=opt["drafter"],
-            stop=stop,
-            chat=bool(opt["chat"]) and not messages,
-            mode=opt["decoding"],
-        )
-        GenerationRequest(prompt="x", **gen).validate()  # RequestError naming the bad field
-        check_seed(gen["seed"])
-        if opt["job_metadata"] is not None:
-            try:
-                json.dumps(opt["job_metadata"])
-            except (TypeError, ValueError) as e:
-                raise RequestError("job_metadata", f"must be JSON-serialisable ({e})") from None
+        gen = self._check(opt, stop, messages=messages)
         timeout = opt["timeout"]
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise RequestError("timeout", f"{timeout!r}: use a number of seconds > 0, or None")
         from specdec_llm.pairs import get_spec
 
         get_spec(pair)  # unknown pair: RequestError now, not in a worker

@@ -32,14 +32,15 @@ function takes ``url=`` to use another database. Times are naive UTC (``utcnow()
     take(request_id, owner, *, lease_timeout_s, worker=None) -> bool   # start a row under a lease
     renew(request_ids, owner) -> int;  reclaim(lease_timeout_s, *, max_attempts=None) -> [{"id", "pair"}]
     counts(job_id, *, lease_timeout_s=None) -> {status: n, "lost", "requeued"}
-    requeue(job_id, *, lease_timeout_s) -> [{"id", "pair"}];  cancel(job_id) -> int;  refused_count(job_id)
+    requeue(job_id, *, lease_timeout_s, cancelled=False) -> [{"id", "pair"}]
+    cancel(job_id) -> int;  refused_count(job_id)
     job_requests(job_id, *, outputs=True) -> [dict]   # every row, its output and key telemetry, input order
 
 ``reports`` (reads only)
     summary(since=None, until=None, group_by=("pair",), pair=None, job=None,
             price_per_hour=None, url=None) -> list[dict]
     GROUP_FIELDS, METRICS, ReportInputError
-    parse_prices(value) -> {device kind: USD/hour};  price_for(value, device) -> float | None
+    parse_prices(value, option="--price-per-hour") -> {device kind: USD/hour};  price_for(value, device) -> float | None
                               # the one price parser (value None: SPECDEC_PRICE_PER_HOUR)
 
 ``render``: to_tables (fitted to a width) / to_table / table_text / to_csv / to_json / to_html, and

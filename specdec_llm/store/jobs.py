@@ -194,24 +194,26 @@ def job_requests(job_id: str, *, outputs: bool = True, url: str | None = None) -
     return out
 
 
-def requeue(job_id: str, *, lease_timeout_s: float, url: str | None = None) -> list[dict[str, Any]]:
+def requeue(
+    job_id: str, *, lease_timeout_s: float, cancelled: bool = False, url: str | None = None
+) -> list[dict[str, Any]]:
     """``retry``: failed rows (not those refused at submit: they would fail again), queued
-    rows, and running rows whose lease expired go back to "queued", in one UPDATE; rows
-    running under a live lease are left to their worker. Returns them as ``[{"id", "pair"}]``
-    (the caller enqueues them)."""
+    rows, running rows whose lease expired and, with ``cancelled``, cancelled rows go back
+    to "queued", in one UPDATE; rows running under a live lease are left to their worker.
+    Returns them as ``[{"id", "pair"}]`` (the caller enqueues them)."""
     with _writing(url) as s:
         cutoff = utcnow() - timedelta(seconds=lease_timeout_s)
         refused = Request.params["_input_error"].as_string().is_not(None)
+        again = [
+            Request.status == "queued",
+            _lost(cutoff),
+            and_(Request.status == "failed", or_(Request.params.is_(None), ~refused)),
+        ]
+        if cancelled:
+            again.append(Request.status == "cancelled")
         rows = s.execute(
             update(Request)
-            .where(
-                Request.job_id == job_id,
-                or_(
-                    Request.status == "queued",
-                    _lost(cutoff),
-                    and_(Request.status == "failed", or_(Request.params.is_(None), ~refused)),
-                ),
-            )
+            .where(Request.job_id == job_id, or_(*again))
             .values(status="queued", error=None, lease_owner=None, heartbeat_at=None)
             .returning(Request.id, Request.pair_id)
             .execution_options(synchronize_session=False)

@@ -144,18 +144,20 @@ def parse_when(
     raise ReportInputError(f"--{option}: expected a date, a datetime or text, not {type(value).__name__}")
 
 
-def parse_prices(value: Any) -> dict[str, float] | None:
+def parse_prices(value: Any, option: str = "--price-per-hour") -> dict[str, float] | None:
     """USD per device-hour by device kind: 2.5 (every kind), {"cuda": 2.5, "cpu": 0.1,
     "*": 1.0} ("*" = any other kind), or text such as "2.5", "cuda=2.5,cpu=0.1" (as in
     SPECDEC_PRICE_PER_HOUR) or ["cuda=2.5", "cpu=0.1"] (a repeated CLI option; each item
-    may hold commas too). The one price parser: reports, workers and LangChain use it."""
+    may hold commas too). The one price parser: reports, workers and LangChain use it.
+    A comma separates kinds, never decimals: "1,5" is refused, not read as 5. ``option``
+    names where the value came from in the errors."""
     if value is None or value == [] or value == () or value == "":
         return None
     if isinstance(value, (int, float, str)):
         value = [value]
     if not isinstance(value, Mapping):
-        value = [part for v in value for part in (str(v).split(",") if isinstance(v, str) else [v]) if part != ""]
-    items = value.items() if isinstance(value, Mapping) else (_price_item(v) for v in value)
+        value = [part for v in value for part in (_split_prices(v, option) if isinstance(v, str) else [v])]
+    items = value.items() if isinstance(value, Mapping) else (_price_item(v, option) for v in value)
     prices: dict[str, float] = {}
     for kind, price in items:
         try:
@@ -163,8 +165,14 @@ def parse_prices(value: Any) -> dict[str, float] | None:
         except (TypeError, ValueError):
             price = -1.0
         if not price >= 0 or price == float("inf"):
-            raise ReportInputError(f"--price-per-hour: {kind}={price!r} is not a price; use USD per device-hour >= 0")
-        prices[str(kind).strip().lower() or "*"] = price
+            raise ReportInputError(f"{option}: {kind}={price!r} is not a price; use USD per device-hour >= 0")
+        kind = str(kind).strip().lower() or "*"
+        if kind in prices:
+            raise ReportInputError(
+                f"{option}: {'a price for every device' if kind == '*' else kind} is given twice; "
+                "give each device kind once, e.g. 2.5 or cuda=2.5,cpu=0.05"
+            )
+        prices[kind] = price
     return prices
 
 
@@ -174,13 +182,24 @@ def price_for(value: Any, device: str) -> float | None:
     None when none applies. Workers and LangChain's local mode price their rows with it."""
     from .record import device_kind
 
+    option = "--price-per-hour"
     if value is None:
-        value = get_settings().price_per_hour
-    prices = parse_prices(value) or {}
+        value, option = get_settings().price_per_hour, "SPECDEC_PRICE_PER_HOUR"
+    prices = parse_prices(value, option) or {}
     return prices.get(device_kind(device), prices.get("*"))
 
 
-def _price_item(v: object) -> tuple[str, float]:
+def _split_prices(text: str, option: str) -> list[str]:
+    parts = [part for part in text.split(",") if part.strip()]
+    if len(parts) > 1 and not all("=" in part for part in parts):  # "1,5": a decimal comma, not two prices
+        raise ReportInputError(
+            f"{option}: cannot read {text!r}: a comma separates device kinds, not decimals; "
+            "use a dot decimal (1.5) or the cuda=2.5,cpu=0.05 form"
+        )
+    return parts
+
+
+def _price_item(v: object, option: str) -> tuple[str, float]:
     if isinstance(v, (int, float)):
         return "*", v
     kind, sep, price = str(v).partition("=")
@@ -190,7 +209,7 @@ def _price_item(v: object) -> tuple[str, float]:
         return kind, float(price)
     except ValueError:
         raise ReportInputError(
-            f"--price-per-hour: cannot read {v!r}; use USD per device-hour, e.g. 2.5 or cuda=2.5,cpu=0.05"
+            f"{option}: cannot read {v!r}; use USD per device-hour, e.g. 2.5 or cuda=2.5,cpu=0.05"
         ) from None
 
 
@@ -341,9 +360,10 @@ def summary(
         raise ReportInputError(
             f"--since ({since_dt:%Y-%m-%d %H:%M}) must be before --until ({until_dt:%Y-%m-%d %H:%M})"
         )
+    option = "--price-per-hour"
     if price_per_hour is None:
-        price_per_hour = get_settings().price_per_hour
-    prices = parse_prices(price_per_hour)
+        price_per_hour, option = get_settings().price_per_hour, "SPECDEC_PRICE_PER_HOUR"
+    prices = parse_prices(price_per_hour, option)
     url = resolve_url(url)
     check_schema(url)
     with session_scope(url) as s:
