@@ -30,7 +30,7 @@ $(TEST): $(BASE)
 install: $(ALL)
 
 demo: $(ALL)
-	$(BIN)/specdec-llm run examples/demo_prompts.jsonl --pair smollm2-135m --chat --max-new-tokens 48 --out runs/demo_results.jsonl
+	$(BIN)/specdec-llm run examples/demo_prompts.jsonl --chat --max-new-tokens 48 --out runs/demo_results.jsonl
 
 test: $(TEST)
 	./scripts/services.sh

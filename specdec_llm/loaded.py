@@ -31,7 +31,7 @@ class Loaded:
         return self.pair.tokenizer
 
 
-def get(pair, *, threads: int | None = None, max_batch: int = 1, max_wait_ms: float = 20.0) -> Loaded:
+def get(pair, *, threads: int | None = None, max_batch: int | str = 1, max_wait_ms: float = 20.0) -> Loaded:
     """``pair`` (a name or a ``PairSpec``) loaded, with its server. The first load sets
     torch's threads (``pairs.use_threads(threads)``). A server with other batching settings,
     or a closed one, is replaced (the loaded models are kept)."""
@@ -59,7 +59,7 @@ def get(pair, *, threads: int | None = None, max_batch: int = 1, max_wait_ms: fl
         if (
             server is None
             or server.closed.is_set()
-            or (server.max_batch, server.max_wait) != (max_batch, max_wait_ms / 1000)
+            or ("auto" if server.auto else server.max_batch, server.max_wait) != (max_batch, max_wait_ms / 1000)
         ):
             if server is not None:
                 server.close()

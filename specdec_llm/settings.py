@@ -17,7 +17,7 @@ class Settings(BaseSettings):
     # Pairs
     config_file: Path = Path(platformdirs.user_config_dir(APP)) / "pairs.toml"
     cache_dir: Path = Path(platformdirs.user_cache_dir(APP))
-    default_pair: str = "smollm2-135m"
+    default_pair: str = "smollm2-135m-q4"  # the fastest built-in pair (README: figures)
     device: str | None = None  # overrides every pair's device, e.g. "cuda:0"
     dtype: str | None = None  # overrides every pair's dtype, e.g. "bfloat16"
     threads: int | None = None  # torch intra-op threads (CPU)
@@ -30,8 +30,9 @@ class Settings(BaseSettings):
     # USD per device-hour for cost figures: "2.5" for every device, or "cuda=2.5,cpu=0.05"
     price_per_hour: str | None = None
     # Worker dynamic batching: up to max_batch requests decode as one batch (1 = one at a
-    # time, prefork pool); an idle worker waits max_wait_ms for a burst to start together.
-    max_batch: int = 1
+    # time, prefork pool; "auto" = the size with the most tokens/s on this machine, from its
+    # measured costs); an idle worker waits max_wait_ms for a burst to start together.
+    max_batch: int | str = "auto"
     max_wait_ms: float = 20.0
     # Leases: a worker renews the heartbeat of each row it runs every lease_heartbeat_s; a
     # running row without a heartbeat for lease_timeout_s lost its worker and is requeued.

@@ -225,3 +225,43 @@ def test_batch_server_joins_callers_from_threads(target):
             assert res.token_ids == greedy_reference(target, req.prompt, req.max_new_tokens)
     assert len(seen) == 9 and max(seen) > 2  # callers really shared batches
     assert not server.thread.is_alive()
+
+
+def test_a_bulk_job_batch_size_is_the_one_with_the_most_tokens_per_second():
+    """autok.best_batch: from the measured cost of each batch-size bucket, the size whose rows
+    decode the most tokens per second (drafting where it pays at that size), the smallest within
+    5% of the best; a draft that pays alone does not make batch 1 win over cheap batching."""
+    from specdec_llm.engine.autok import CostModel, best_batch
+
+    def cost(v0: float, per_k: float, draft: float) -> CostModel:
+        return CostModel(max_k=4, verify_s={k: v0 + per_k * k for k in range(5)}, draft_s={"model": draft})
+
+    # plain: 100, 182, 333, 267 tok/s; drafting at 0.9 acceptance is worth ~1.6x at batch 1 only
+    costs = {1: cost(0.010, 0.0005, 0.002), 2: cost(0.011, 0.004, 0.004), 4: cost(0.012, 0.01, 0.008)}
+    costs[8] = cost(0.030, 0.03, 0.02)
+    assert best_batch(costs, {"model": 0.9}) == 4
+    assert best_batch({1: costs[1]}, {"model": 0.9}) == 1
+    # nearly flat beyond 2 rows: the smaller size (lower latency and memory for the same speed)
+    flat = {1: cost(0.010, 0.01, 1.0), 2: cost(0.0100, 0.01, 1.0), 4: cost(0.0199, 0.01, 1.0)}
+    assert best_batch(flat, {}) == 2
+
+
+def test_an_auto_batch_server_chooses_its_size_before_serving(target):
+    """BatchServer(max_batch="auto") measures (or reads) the buckets' costs and takes the best
+    size before the first request; its rows decode exactly as one at a time."""
+    from specdec_llm.engine.serve import AUTO_CAP, BatchServer
+
+    dec = SpeculativeDecoder(target, perturbed(target, 0.05, seed=1))
+    server = BatchServer(dec, max_batch="auto")
+    try:
+        assert server.ready.wait(120)
+        assert 1 <= server.max_batch <= AUTO_CAP
+        assert set(dec.costs.models) >= {1, 2, 4, 8, 16, 32}  # every bucket was measured
+        reqs = [GenerationRequest(prompt=[1, 2, i], max_new_tokens=12) for i in range(6)]
+        futures = [server.submit(r) for r in reqs]
+        got = [f.result(120).token_ids for f in futures]
+    finally:
+        server.close(30)
+    assert got == [dec.generate(r).token_ids for r in reqs]
+    with pytest.raises(ValueError, match="max_batch"):
+        BatchServer(dec, max_batch="big")

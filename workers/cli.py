@@ -24,7 +24,7 @@ def start_worker(
     queues: str | None,
     price_per_hour: float | None,
     calibrate: bool,
-    max_batch: int,
+    max_batch: int | str,
     max_wait_ms: float,
     metrics_port: int | None,
     loglevel: str,
@@ -61,8 +61,13 @@ def start_worker(
             f"(multiprocess folder {folder})",
             file=sys.stderr,
         )
-    if options.pool == "threads":  # one process, B task threads feeding one batch
-        shape, pool_size = f"batches of up to {max_batch} (threads pool, max wait {max_wait_ms:g} ms)", max_batch
+    if options.pool == "threads":  # one process, B task threads feeding one batch (no fork: torch may load here)
+        from specdec_llm.engine.serve import AUTO_CAP
+
+        size = "the size measured fastest here" if max_batch == "auto" else max_batch
+        shape = f"batches of up to {size} (threads pool, max wait {max_wait_ms:g} ms)"
+        # auto: the server decodes as many rows as measured fastest (at most AUTO_CAP); the rest wait their turn
+        pool_size = AUTO_CAP if max_batch == "auto" else max_batch
     else:
         shape, pool_size = f"concurrency {concurrency}", concurrency
     print(

@@ -55,14 +55,15 @@ class WorkerOptions:
     threads: int | None = None  # torch threads on CPU (None: SPECDEC_THREADS or torch's default)
     calibrate: bool = True
     calibration_tokens: int = 32
-    max_batch: int = 1  # rows decoded together; > 1: the threads pool, one process per device
+    # rows decoded together; > 1 or "auto" (chosen from measured costs): the threads pool, one process per device
+    max_batch: int | str = 1
     max_wait_ms: float = 20.0  # an idle server waits this long for a burst to start as one batch
     metrics_port: int | None = None  # Prometheus metrics on this port (workers/metrics.py)
 
     @property
     def pool(self) -> str:
         """The Celery pool this worker runs: ``threads`` when it batches, else ``prefork``."""
-        return "threads" if self.max_batch > 1 else "prefork"
+        return "threads" if self.max_batch == "auto" or int(self.max_batch) > 1 else "prefork"
 
 
 @dataclass
@@ -149,7 +150,7 @@ def load(options: WorkerOptions) -> Runtime:
         price_per_hour=store.price_for(options.price_per_hour, spec.device),
     )
     log.info(
-        "worker %s: pair %s on %s (%s), %s; batches of up to %d (max wait %g ms); store %s",
+        "worker %s: pair %s on %s (%s), %s; batches of up to %s (max wait %g ms); store %s",
         os.getpid(),
         spec.name,
         spec.device,
@@ -262,7 +263,9 @@ def _metrics_process_exit(pid=None, **_) -> None:
 @celeryd_after_setup.connect
 def _load_before_threads(**_) -> None:
     """The threads pool has no fork: load (and calibrate) once in the worker process itself,
-    before its pool and consumer start. A failure stops the worker before it takes a message."""
+    before its pool and consumer start. A failure stops the worker before it takes a message.
+    With ``--max-batch auto`` the server chooses the batch size from the measured costs (the
+    pool has ``AUTO_CAP`` task threads: the requests beyond that size wait for a place)."""
     if _options is None or _options.pool != "threads":
         return
     try:
@@ -274,6 +277,11 @@ def _load_before_threads(**_) -> None:
         raise SystemExit(
             LOAD_FAILED_EXIT
         ) from None  # not an Exception: Celery's signal dispatch lets it through to the worker
+    rt.server.ready.wait()
+    if _options.max_batch == "auto":
+        log.info(
+            "batches of up to %d rows: the most tokens/s on this machine by its measured costs", rt.server.max_batch
+        )
     if _options.calibrate:
         calibrate(rt, _options.calibration_tokens)
 

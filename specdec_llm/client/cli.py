@@ -35,11 +35,12 @@ PriceOpt = Annotated[list[str], typer.Option("--price-per-hour", help="USD per d
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: the pair's device)")]
 FormatOpt = Annotated[str, typer.Option("--format", "-f", help="jsonl, csv or openai (OpenAI Batch output lines)")]
 MaxBatchOpt = Annotated[
-    int | None,
+    str | None,
     typer.Option(
         "--max-batch",
-        help="Requests decoded together as one batch (default: SPECDEC_MAX_BATCH or 1); "
-        "> 1 runs one process with that many task threads (threads pool)",
+        help="Requests decoded together as one batch: an integer, or 'auto' (default: SPECDEC_MAX_BATCH "
+        "or auto: the size with the most tokens/s on this machine, chosen from measured costs); > 1 or auto "
+        "runs one process with that many task threads (threads pool)",
     ),
 ]
 
@@ -71,7 +72,13 @@ def register(app: typer.Typer) -> None:
         concurrency: Annotated[int, typer.Option(help="Pool processes, each holding the pair (1 per GPU)")] = 1,
         queues: Annotated[str | None, typer.Option(help="Comma-separated queues (default: specdec.<pair>)")] = None,
         price_per_hour: PriceOpt = [],  # noqa: B006
-        calibrate: Annotated[bool, typer.Option(help="Measure target-only and speculative tok/s at start")] = True,
+        calibrate: Annotated[
+            bool,
+            typer.Option(
+                help="Also measure target-only and speculative tok/s on a short prompt at start (the pair's "
+                "baseline for rows recorded before each request measured its own)"
+            ),
+        ] = False,
         max_batch: MaxBatchOpt = None,
         max_wait_ms: Annotated[
             float | None,
@@ -104,9 +111,8 @@ def register(app: typer.Typer) -> None:
             spec = get_spec(pair or get_settings().default_pair)  # reads the registry only: no model, no CUDA
         if concurrency < 1:
             fail("concurrency: use at least 1")
-        max_batch = get_settings().max_batch if max_batch is None else max_batch
         max_wait_ms = get_settings().max_wait_ms if max_wait_ms is None else max_wait_ms
-        check_batching(max_batch, concurrency)
+        max_batch = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
         if max_wait_ms < 0:
             fail("max-wait-ms: use 0 or more")
         if metrics_port is not None and not 0 < metrics_port < 65536:
@@ -279,7 +285,7 @@ def register(app: typer.Typer) -> None:
         params = _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode)
         pair = pair or get_settings().default_pair
         device = check_device(device)
-        check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
+        max_batch = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
         out = out or Path(f"{file.stem}.results.{'csv' if fmt == 'csv' else 'jsonl'}")
         _check_output(fmt, out)  # before generating anything, not after
         with user_errors():  # the price (the flag, else SPECDEC_PRICE_PER_HOUR): now, not after the job

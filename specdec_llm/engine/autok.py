@@ -62,12 +62,15 @@ class CostModel:
     def calibrated(self) -> bool:
         return 0 in self.verify_s
 
+    def plain_forward(self) -> float:
+        """Seconds of a k = 0 forward: as plain iterations measured it, else the calibrated shape."""
+        return self.plain_forward_s if self.plain_forward_s is not None else self.verify(0)
+
     def plain_step(self) -> float:
         """Seconds of one target-only iteration at this batch size, as this process measures it:
         the k = 0 forward that k = 0 iterations measured (until one is seen, the calibrated
         shape at the live scale), plus the observed overhead of a plain iteration."""
-        forward = self.plain_forward_s if self.plain_forward_s is not None else self.verify(0)
-        return forward + (self.plain_overhead_s or 0.0)
+        return self.plain_forward() + (self.plain_overhead_s or 0.0)
 
     def observe_plain(self, seconds: float, forward_s: float) -> None:
         """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward."""
@@ -166,7 +169,20 @@ def plan(
     fixed_steps: dict[str, int] | None = None,
     probe_row: int | None = None,
 ) -> list[tuple[str | None, int]]:
-    """Each auto row's (drafter, k): the choice with the most expected tokens per second.
+    """Each auto row's (drafter, k): ``planned``'s choice."""
+    return planned(cost, rows, fixed_rows, fixed_width, fixed_steps, probe_row)[1]
+
+
+def planned(
+    cost: CostModel,
+    rows: list[RowOptions],
+    fixed_rows: int = 0,
+    fixed_width: int = 0,
+    fixed_steps: dict[str, int] | None = None,
+    probe_row: int | None = None,
+) -> tuple[float, list[tuple[str | None, int]]]:
+    """The expected tokens per second of the batch, and each auto row's (drafter, k): the
+    choice with the most expected tokens per second.
 
     One target forward verifies every row at the width of the longest proposal, so a row
     may propose up to that width at no extra cost; a model drafter costs its k steps once
@@ -196,7 +212,12 @@ def plan(
             width = max(width, best[2])
             if best[1] == model and model is not None:
                 steps[model] = max(steps.get(model, 0), best[2])
-        seconds = cost.verify(width) + sum(s * cost.draft(m) for m, s in steps.items() if s)
+        # not drafting costs the plain forward as measured (per batch-size bucket); drafting
+        # never costs less than that
+        base = cost.plain_forward()
+        seconds = (max(base, cost.verify(width)) if width else base) + sum(
+            s * cost.draft(m) for m, s in steps.items() if s
+        )
         return tokens / seconds, picks
 
     base_rate, base = evaluate(0, None)
@@ -209,8 +230,18 @@ def plan(
     # drafting must promise a clear gain: the model's small errors (calibrated without the
     # masks and per-row work of a real batch) must not make a marginal k a loss
     if probe_row is None and best_rate < MARGIN * base_rate:
-        return base
-    return best
+        return base_rate, base
+    return best_rate, best
+
+
+def best_batch(costs: dict[int, CostModel], rates: dict[str, float], within: float = 0.95) -> int:
+    """The batch size (a bucket of ``costs``) with the most expected tokens per second for a
+    bulk job, each row drafting as ``plan`` would at the model drafters' acceptance ``rates``
+    (or not at all, where drafting does not pay at that size): the smallest within ``within``
+    of the best (lower latency and memory for nearly the same throughput)."""
+    speed = {b: planned(c, [RowOptions(models=dict(rates)) for _ in range(b)])[0] for b, c in costs.items()}
+    top = max(speed.values())
+    return min(b for b, v in speed.items() if v >= within * top)
 
 
 class BatchCosts:

@@ -29,7 +29,7 @@ import torch
 
 from . import compiled, costcache, hf, registry
 from . import drafters as drafting
-from .autok import BatchCosts, CostModel, Probes, RowOptions, Timer, calibrate, plan
+from .autok import BatchCosts, CostModel, Probes, RowOptions, Timer, best_batch, calibrate, plan
 from .ragged import RaggedCache
 from .sampling import accept_greedy, accept_sampled, probs
 from .types import FinishReason, GenerationRequest, GenerationResult, RequestError, Stats
@@ -234,6 +234,16 @@ class SpeculativeDecoder:
         for rows in sorted({BatchCosts.bucket(r) for r in range(1, max_batch + 1)}):
             self.ensure_calibrated(rows)
 
+    def best_batch(self, cap: int = 32) -> int:
+        """The batch size up to ``cap`` that decodes a bulk job fastest on this machine, from
+        the measured costs of every batch-size bucket (cached on disk: a second process
+        measures nothing) and the model drafters' acceptance so far (autok.best_batch)."""
+        buckets = sorted({BatchCosts.bucket(r) for r in range(1, cap + 1)})
+        for rows in buckets:
+            self.ensure_calibrated(rows)
+        rates = {d.name: d.prior for d in self.drafters if isinstance(d, drafting.ModelDrafter)}
+        return min(cap, best_batch({b: self.costs[b] for b in buckets}, rates))
+
     def ensure_calibrated(self, rows: int) -> None:
         """The cost model of a batch of ``rows`` ready: loaded from the cache, else measured."""
         cost = self.costs[rows]
@@ -284,7 +294,10 @@ class SpeculativeDecoder:
 
         steps = {d.name: d.time_step(rows, ids) for d in self.drafters if isinstance(d, drafting.ModelDrafter)}
         time_verify(0), [fn() for fn in steps.values()]  # warm up
-        calibrate(cost, time_verify, steps)
+        # every k for small batches; wide batches at a few (drafting seldom pays there, and each
+        # point costs a forward of rows * (k + 1) tokens): the others are interpolated
+        points = range(self.max_k + 1) if rows <= 4 else sorted({0, 1, 2, 4, self.max_k})
+        calibrate(cost, time_verify, steps, points=[p for p in points if p <= self.max_k])
 
 
 class Row:

@@ -10,6 +10,9 @@ steps; between steps it takes waiting requests up to ``max_batch`` rows. A bad r
 fails its own Future with the RequestError at join time; an error inside a step (out of
 memory...) fails the rows of that batch and the loop goes on with a fresh one. A
 request whose ``deadline`` (time.monotonic()) passes leaves the batch with TimeoutError.
+``max_batch="auto"`` (a bulk job's worker) takes the batch size with the most expected
+tokens per second on this machine, from its measured costs (``SpeculativeDecoder.best_batch``,
+cached on disk), before serving; ``ready`` is set once it is chosen.
 ``cancel(future)`` withdraws a request: not started yet, it never joins; in the batch, it
 leaves before the next step (its Future raises CancelledError); the other rows go on.
 The decoder's measured costs are written to its on-disk cache (costcache.py) when the
@@ -31,14 +34,19 @@ from .types import GenerationRequest, GenerationResult, RequestError
 _Item = tuple[GenerationRequest, TextCallback | None, float | None, "Future[GenerationResult]"]
 
 log = logging.getLogger(__name__)
+AUTO = "auto"  # max_batch: the batch size with the most tokens/s on this machine, up to AUTO_CAP
+AUTO_CAP = 32
 SAVE_EVERY_S = 30.0  # an idle server writes its live decoding costs to the cache at most this often
 
 
 class BatchServer:
-    def __init__(self, decoder: SpeculativeDecoder, max_batch: int = 8, max_wait_ms: float = 20.0):
-        if max_batch < 1:
-            raise ValueError("max_batch: use at least 1")
-        self.decoder, self.max_batch, self.max_wait = decoder, max_batch, max_wait_ms / 1000
+    def __init__(self, decoder: SpeculativeDecoder, max_batch: int | str = 8, max_wait_ms: float = 20.0):
+        if max_batch != AUTO and (not isinstance(max_batch, int) or max_batch < 1):
+            raise ValueError(f"max_batch: use at least 1, or {AUTO!r}")
+        self.auto = max_batch == AUTO  # the decoder chooses it from measured costs (best_batch)
+        self.max_batch = 1 if self.auto else int(max_batch)
+        self.decoder, self.max_wait = decoder, max_wait_ms / 1000
+        self.ready = threading.Event()  # set once the batch size is chosen and its costs measured
         self.inbox: queue.Queue[_Item | None] = queue.Queue()
         self.closed = threading.Event()
         self.cancelled: set[Future[GenerationResult]] = (
@@ -88,9 +96,12 @@ class BatchServer:
 
             torch.cuda.set_device(device)
         try:
+            if self.auto:
+                self.max_batch = self.decoder.best_batch(AUTO_CAP)
             self.decoder.calibrate_batches(self.max_batch)
         except Exception:  # a batch calibrates lazily instead
             log.exception("could not calibrate the batch sizes up to %d", self.max_batch)
+        self.ready.set()
         batch = Batch(self.decoder)
         while not self.closed.is_set():
             if not batch.rows:  # idle: block for one request, then gather a burst
