@@ -38,7 +38,7 @@ def batch_fleet(tmp_path_factory, redis_url, pairs_toml):  # noqa: F811
     surely starts as one batch on a busy CI machine)."""
     folder = tmp_path_factory.mktemp("batch_fleet")
     fleet = make_fleet(folder, redis_url, 0, sqlite_url(folder), pairs_toml)
-    fleet.start_worker("batching", args=("--max-batch", "4", "--max-wait-ms", "200"))
+    fleet.start_worker("batching", args=("--max-batch", "4", "--max-wait-ms", "200", "--calibrate"))
     yield fleet
     fleet.stop()
 

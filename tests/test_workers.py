@@ -80,6 +80,10 @@ class Fleet:
         full = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
         full.update(self.env, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env)
         log = self.folder / f"{name}.log"
+        if (
+            "--max-batch" not in args
+        ):  # these fleets run the one-row prefork worker (auto batching: test_jobs, test_batch)
+            args = ("--max-batch", "1", *args)
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "specdec_llm", "worker", "--pair", "tiny", *args],
@@ -197,7 +201,7 @@ def pg_fleet(tmp_path_factory, redis_url, pairs_toml):
             folder, redis_url, 1, u.set(port=proxy.port).render_as_string(hide_password=False), pairs_toml
         )
         fleet.direct_url, fleet.proxy = url, proxy
-        fleet.start_worker()
+        fleet.start_worker(args=("--calibrate",))  # the start-up calibration run (off by default) records a baseline
         try:
             yield fleet
         finally:
