@@ -49,7 +49,7 @@ def run_job(prompts: list[str], tokens: int, pair: str | None) -> dict:
             sys.exit(f"run failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
         results = [json.loads(line) for line in (Path(folder) / "out.jsonl").read_text().splitlines()]
         summary = proc.stdout.strip()
-    out_tokens = sum(len(r.get("token_ids") or []) for r in results)
+    out_tokens = sum(r.get("output_tokens") or 0 for r in results)
     return {"wall_s": wall, "tokens": out_tokens, "summary": summary}
 
 

@@ -20,6 +20,7 @@ import copy
 import hashlib
 import importlib.metadata
 import json
+import os
 import tomllib
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -611,7 +612,7 @@ def quantized_draft(spec: PairSpec, target):
     blocks = {}
     ref = local_ref(spec.target)
     if scheme == "int4" and ref.endswith(".gguf"):
-        blocks = gguf_blocks(Path(ref).expanduser(), target)
+        blocks = cached_gguf_blocks(Path(ref).expanduser(), target, spec.trust_remote_code)
     try:
         draft = quantized_copy(target, scheme, blocks=blocks, kernel_cache=get_settings().cache_dir / "kernels.json")
     except ValueError as e:  # a scheme this device cannot run
@@ -636,6 +637,29 @@ def _quantization(draft: str, where: str) -> str:
 
 
 GGUF_INT4 = {"Q4_0": 18, "Q4_1": 20}  # block bytes (32 weights each)
+
+
+def cached_gguf_blocks(path: Path, target, trust_remote_code: bool = False) -> dict:
+    """``gguf_blocks`` kept beside the GGUF's converted model (``q4_blocks.safetensors``):
+    reading a GGUF's metadata and matching its tensors took ~6 s of every worker's start."""
+    from safetensors.torch import load_file, save_file
+
+    from .engine.quant import Blocks
+
+    file = _gguf_cache(path, trust_remote_code) / "q4_blocks.safetensors"
+    parts = ("q", "scale", "low")
+    if file.is_file():
+        try:
+            flat = load_file(file)
+            names = {key.rsplit(".", 1)[0] for key in flat}
+            return {n: Blocks(*(flat[f"{n}.{p}"] for p in parts)) for n in names}
+        except (OSError, KeyError, ValueError):  # damaged: match again
+            pass
+    blocks = gguf_blocks(path, target)
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    save_file({f"{n}.{p}": getattr(b, p).contiguous() for n, b in blocks.items() for p in parts}, str(tmp))
+    tmp.replace(file)
+    return blocks
 
 
 def gguf_blocks(path: Path, target) -> dict:

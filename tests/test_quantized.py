@@ -156,6 +156,16 @@ def test_gguf_draft_weights_equal_the_targets_bit_for_bit(smollm2):
     params = dict(target.named_parameters())
     for name, b in blocks.items():
         assert torch.equal(b.dequantize(), params[name].detach().float()), name
+    # kept beside the converted model after the first match; read back, the same blocks
+    from specdec_llm.pairs import cached_gguf_blocks
+
+    path = Path(local_ref(get_spec("smollm2-135m").target))
+    for _ in range(2):  # (the first call may write the file, the second reads it)
+        cached = cached_gguf_blocks(path, target)
+        assert cached.keys() == blocks.keys()
+        assert all(
+            torch.equal(getattr(cached[n], f), getattr(b, f)) for n, b in blocks.items() for f in ("q", "scale", "low")
+        )
 
 
 def test_unknown_quantization_exits_2_naming_the_known_ones(tmp_path, monkeypatch, tiny_pair_dir):
