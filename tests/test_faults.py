@@ -397,9 +397,10 @@ def test_run_embedded_survives_its_worker_sigkilled(tmp_path, pairs_toml, monkey
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(running, 120)
-        [(row, owner)] = running()
+        killed = running()  # (the default worker batches: several rows may be running)
+        row, owner = killed[0]
         pid = int(owner.split("@")[0].rsplit("-", 1)[1])  # node specdec-tiny-<pid>@host
-        os.killpg(pid, signal.SIGKILL)  # the worker and its pool child, mid-row
+        os.killpg(pid, signal.SIGKILL)  # the worker (and a pool child, if any), mid-row
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -412,7 +413,8 @@ def test_run_embedded_survives_its_worker_sigkilled(tmp_path, pairs_toml, monkey
     reload_settings()
     try:
         assert_exactly_once(row.rsplit("-", 1)[0], ROWS)  # request ids are <job>-<n>
-        assert store_get(row)["requeues"] == 1  # the killed row came back once, by its lease
+        requeues = [store_get(r)["requeues"] for r, _ in killed]
+        assert max(requeues) == 1  # the killed rows came back once, by their lease (one may have just finished)
     finally:
         monkeypatch.undo()
         reload_settings()
