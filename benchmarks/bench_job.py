@@ -8,7 +8,9 @@ command, worker start included; and the job's tokens per second over its decodin
 ``status`` reports it. (b) plain transformers: the target as a fresh ``from_pretrained`` of
 the same weights, ``generate`` one row at a time, greedy, the same rows and token budget.
 Prints both, their ratio, and the CPU model and flags first. A file with fewer rows than
-``--rows`` is repeated with a row number added to each prompt (no two rows are the same text).
+``--rows`` is repeated with a row number added to each prompt (no two rows are the same text);
+without ``--rows`` the file runs as it is (``make demo``: ``bench_job.py examples/demo_prompts.jsonl
+--max-new-tokens 48``).
 """
 
 from __future__ import annotations
@@ -25,20 +27,34 @@ from pathlib import Path
 import torch
 from bench_forward import cpu_info
 
-from specdec_llm.evaluate import read_prompts
 from specdec_llm.pairs import get_spec, quiet_loading, resolve
 
 
-def rows_of(path: Path, n: int) -> list[str]:
-    prompts = [r["prompt"] for r in read_prompts(path)]
-    out = [p if i < len(prompts) else f"{p} (#{i + 1})" for i, p in zip(range(n), prompts * (n // len(prompts) + 1))]
-    return out[:n]
+def rows_of(path: Path, n: int | None) -> list[dict]:
+    """The file's rows (``prompt`` or chat ``messages``) as they are, or ``n`` of them: the file
+    repeated, each repeat's text numbered."""
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    for r in rows:
+        if "prompt" not in r and "messages" not in r:
+            r["prompt"] = r["turns"][0]  # (Spec-Bench rows)
+    out = []
+    for i in range(n or len(rows)):
+        r = dict(rows[i % len(rows)], id=f"r{i}")
+        if i >= len(rows):  # no two rows the same text
+            if "prompt" in r:
+                r["prompt"] = f"{r['prompt']} (#{i + 1})"
+            else:
+                r["messages"] = r["messages"][:-1] + [
+                    dict(r["messages"][-1], content=f"{r['messages'][-1]['content']} (#{i + 1})")
+                ]
+        out.append({k: r[k] for k in ("id", "prompt", "messages") if k in r})
+    return out
 
 
-def run_job(prompts: list[str], tokens: int, pair: str | None) -> dict:
+def run_job(prompts: list[dict], tokens: int, pair: str | None) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "job.jsonl"
-        path.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+        path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
         env = dict(os.environ, SPECDEC_DATA_DIR=folder)
         cmd = [sys.executable, "-m", "specdec_llm", "run", str(path), "--chat", "--max-new-tokens", str(tokens)]
         cmd += ["--out", str(Path(folder) / "out.jsonl")] + (["--pair", pair] if pair else [])
@@ -53,7 +69,7 @@ def run_job(prompts: list[str], tokens: int, pair: str | None) -> dict:
     return {"wall_s": wall, "tokens": out_tokens, "summary": summary}
 
 
-def plain_generate(prompts: list[str], tokens: int, pair: str | None) -> dict:
+def plain_generate(prompts: list[dict], tokens: int, pair: str | None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdec_llm.settings import get_settings
@@ -64,7 +80,8 @@ def plain_generate(prompts: list[str], tokens: int, pair: str | None) -> dict:
     tok = AutoTokenizer.from_pretrained(ref)
     n, seconds = 0, 0.0
     for p in prompts:
-        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        messages = p.get("messages") or [{"role": "user", "content": p["prompt"]}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         x = tok(text, return_tensors="pt", add_special_tokens=False)
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -83,7 +100,7 @@ def plain_generate(prompts: list[str], tokens: int, pair: str | None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("prompts", type=Path)
-    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=None, help="default: the file's rows, as they are")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--pair", default=None, help="default: the default pair")
     args = ap.parse_args()
