@@ -226,6 +226,16 @@ def test_compiled_draft_step_equals_the_lean_step_and_keeps_greedy_output(target
         for req, res in zip(reqs, dec.generate_many(reqs, max_batch=max_batch)):
             assert res.token_ids == greedy_reference(target, req.prompt, req.max_new_tokens), (req, max_batch)
     assert step.calls > calls + 20 and not step.failed  # (no recompile: it would have failed over to lean)
+    # a cache whose buffers are exactly full (the new column is their last): no recompile either
+    cache = RaggedCache(draft, 1)
+    cache.forward([[5, 6, 7, 8]], 1)
+    for layer in hf.layers(cache.cache):
+        kbuf, vbuf = layer.bufs
+        layer.kbuf, layer.vbuf = kbuf[:, :, : layer.width + 1].clone(), vbuf[:, :, : layer.width + 1].clone()
+        layer.view(1, 4)
+    calls = step.calls
+    cache.forward([[9]], 1)
+    assert step.calls == calls + 1 and not step.failed
     calls = step.calls
     # a new lean forward (as after a cast): the step traced from the old one stands down
     del draft.__dict__["_specdec_lean"]

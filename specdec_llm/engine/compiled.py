@@ -91,8 +91,9 @@ class CompiledStep:
         if not width:  # an empty cache (a one-token prompt): nothing to attend to but itself
             return self.lean(ids, cache, 1, mask, positions)[0]
         self.calls += 1
-        for layer in layers:  # room for the new column (GrowingLayer.update's reserve)
-            layer.reserve(1, width + 1, layer.keys, layer.values)
+        for layer in layers:  # room for the new column and one spare (GrowingLayer.update's reserve): a
+            # buffer exactly full (width + 1 columns) failed the graph's guard and would have recompiled
+            layer.reserve(1, width + 2, layer.keys, layer.values)
         if positions is None:
             positions = torch.tensor([[width]])
         if mask is None:  # one graph for both: every cached column is valid
