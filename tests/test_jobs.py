@@ -28,7 +28,13 @@ def invoke(*args: str):
 @pytest.fixture
 def embedded(pairs_file, tmp_path, monkeypatch):
     """Settings for embedded mode in a fresh data dir: no broker URL, default SQLite store."""
-    for var in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND", "SPECDEC_DATABASE_URL", "SPECDEC_CELERY_CONFIG"):
+    for var in (
+        "SPECDEC_BROKER_URL",
+        "SPECDEC_RESULT_BACKEND",
+        "SPECDEC_DATABASE_URL",
+        "SPECDEC_CELERY_CONFIG",
+        "SPECDEC_PRICE_PER_HOUR",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("SPECDEC_THREADS", "1")

@@ -161,16 +161,9 @@ class RowOptions:
     limit: int = 1 << 30  # the most tokens the row may draft (its room left)
 
 
-def plan(
-    cost: CostModel,
-    rows: list[RowOptions],
-    fixed_rows: int = 0,
-    fixed_width: int = 0,
-    fixed_steps: dict[str, int] | None = None,
-    probe_row: int | None = None,
-) -> list[tuple[str | None, int]]:
-    """Each auto row's (drafter, k): ``planned``'s choice."""
-    return planned(cost, rows, fixed_rows, fixed_width, fixed_steps, probe_row)[1]
+def plan(cost: CostModel, rows: list[RowOptions], *args: Any, **kwargs: Any) -> list[tuple[str | None, int]]:
+    """Each auto row's (drafter, k): ``planned``'s choice (the same arguments)."""
+    return planned(cost, rows, *args, **kwargs)[1]
 
 
 def planned(
