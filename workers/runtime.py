@@ -3,17 +3,18 @@
 Every task hands its request to the process's server (``rt.server.submit(...)``) and waits
 for its Future, whatever the pool:
 
-- prefork (``--max-batch 1``, the default): ``specdec-llm worker`` calls
+- prefork (``--max-batch 1``): ``specdec-llm worker`` calls
   ``configure(WorkerOptions(...))`` in the parent, which never loads a model (so CUDA is
   never initialised before the fork). Each pool child loads the pair in
   ``worker_process_init`` and keeps it for every task; its server never has more than one
-  row (a child runs one task at a time). Child 0 also runs a short calibration
-  (target-only and speculative tokens/s), logs it and stores the target-only figure as the
-  pair's baseline (reports read it only for rows recorded before 0005: a request's speedup
+  row (a child runs one task at a time). With ``--calibrate`` child 0 also runs a short
+  calibration (target-only and speculative tokens/s), logs it and stores the target-only
+  figure as the pair's baseline (reports read it only for rows recorded before 0005: a request's speedup
   is its own counterfactual, Stats.baseline_s). The decoder's cost model comes from the
   on-disk cache when this machine has measured it before (``engine/costcache.py``).
-- threads (``--max-batch B`` > 1): one process, no fork, B task threads. The pair is
-  loaded and calibrated once in ``celeryd_after_setup`` (logging is set up, the pool and
+- threads (``--max-batch B`` > 1, or ``auto``, the default: the server chooses B from the
+  measured costs, up to ``AUTO_CAP`` task threads): one process, no fork. The pair is
+  loaded (and its batch costs measured, or read from the cache) once in ``celeryd_after_setup`` (logging is set up, the pool and
   the consumer not started yet), so no message is taken before the pair is ready; the B
   task threads share the one server, which decodes their requests as one batch.
 
@@ -53,7 +54,7 @@ class WorkerOptions:
     device: str | None = None  # None: the pair's own device
     price_per_hour: float | None = None  # USD per device-hour, for each row's cost estimate
     threads: int | None = None  # torch threads on CPU (None: SPECDEC_THREADS or torch's default)
-    calibrate: bool = True
+    calibrate: bool = False  # the legacy start-up calibration run (--calibrate)
     calibration_tokens: int = 32
     # rows decoded together; > 1 or "auto" (chosen from measured costs): the threads pool, one process per device
     max_batch: int | str = 1

@@ -109,8 +109,6 @@ def register(app: typer.Typer) -> None:
 
         with user_errors():
             spec = get_spec(pair or get_settings().default_pair)  # reads the registry only: no model, no CUDA
-        if concurrency < 1:
-            fail("concurrency: use at least 1")
         max_wait_ms = get_settings().max_wait_ms if max_wait_ms is None else max_wait_ms
         max_batch = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
         if max_wait_ms < 0:

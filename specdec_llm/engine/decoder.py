@@ -539,13 +539,14 @@ class Batch:
             bucket = BatchCosts.bucket(len(rows))
             run = dec.drafting_runs[bucket] = dec.drafting_runs.get(bucket, 0) + 1 if drafted else 0
             every = PLAIN_EVERY if cost.seen.get("plain") else PLAIN_FIRST
-            if drafted and not n_fixed and probe is None and run > every:
-                dec.plain_left[bucket], dec.drafting_runs[bucket] = PLAIN_RUN, 0
-            if drafted and not n_fixed and probe is None and dec.plain_left.get(bucket, 0) > 0:
+            if drafted and not n_fixed and probe is None:
                 # plain iterations now and then measure the target-only step in this batch's
                 # real conditions: the counterfactual behind the reported speedup
-                chosen = [(None, 0)] * len(chosen)
-                dec.plain_left[bucket] -= 1
+                if run > every:
+                    dec.plain_left[bucket], dec.drafting_runs[bucket] = PLAIN_RUN, 0
+                if dec.plain_left.get(bucket, 0) > 0:
+                    chosen = [(None, 0)] * len(chosen)
+                    dec.plain_left[bucket] -= 1
             for b, pick in zip(auto, chosen):
                 picks[b] = pick
             self.probes.record(drafted=any(k for _, k in chosen), probed=probe is not None)
