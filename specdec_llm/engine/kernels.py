@@ -41,6 +41,7 @@ import torch
 log = logging.getLogger(__name__)
 
 POINTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64)
+GIVE_UP = 3.0  # a kernel this many times slower than another at a row count is not timed at larger counts
 TABLE = 1024  # row counts with a precomputed choice (larger counts use the last point's)
 
 
@@ -113,8 +114,12 @@ def measure(weights: list[torch.Tensor], kinds_: list[str]) -> dict[str, list[fl
         except RuntimeError as e:  # a kernel this build or dtype lacks
             log.info("kernel %s unavailable for %s: %s", kind, tuple(weights[0].shape), e)
             continue
-        times = []
-        for m in POINTS:
+        times: list[float] = []
+        for i, m in enumerate(POINTS):
+            rival = min((t[i - 1] for t in out.values()), default=float("inf")) if i else float("inf")
+            if times and times[-1] > GIVE_UP * rival:
+                times.append(float("inf"))  # far behind another kernel: not timed at larger counts
+                continue
             x = torch.randn(m, weights[0].shape[1], dtype=weights[0].dtype)
             _time(fn, copies[:2], x, 1)  # warm up
             times.append(_time(fn, copies, x))
