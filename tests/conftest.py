@@ -58,6 +58,18 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def exact_two_token_distribution(model, prompt, temperature, top_k, top_p):
+    """P(t1, t2) for the processed target distribution, computed exhaustively."""
+    from specdec_llm.engine import sampling
+
+    with torch.no_grad():
+        p1 = sampling.probs(model(torch.tensor([prompt])).logits[0, -1:], temperature, top_k, top_p)[0]
+        V = p1.shape[0]
+        batch = torch.tensor([prompt + [t] for t in range(V)])
+        p2 = sampling.probs(model(batch).logits[:, -1], temperature, top_k, top_p)
+    return p1[:, None] * p2  # [V, V]
+
+
 @torch.inference_mode()
 def prefill(model, token_ids: list[int], cache) -> None:
     """``token_ids`` (one sequence) into ``cache`` by transformers' own forward: a reference

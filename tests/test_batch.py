@@ -73,7 +73,7 @@ def test_rows_join_between_iterations(target):
 def test_sampled_rows_keep_the_target_distribution():
     """Seeded sampled rows decoded in batches (beside greedy rows): the first two tokens'
     empirical distribution matches the exact target one (same bound as test_engine)."""
-    from test_engine import exact_two_token_distribution
+    from conftest import exact_two_token_distribution
 
     V, N, prompt = 8, 20_000, [1, 2, 3]
     target = tiny_llama(11, vocab=V, hidden=32)

@@ -122,7 +122,7 @@ def test_sampling_with_a_deterministic_drafter_keeps_the_target_distribution():
     """Prompt lookup proposes the same tokens every time ([1, 1] after this prompt): the
     rejection rule with a one-hot draft must still give the target's exact distribution
     (same bound and N as test_engine's sampled tests)."""
-    from test_engine import exact_two_token_distribution
+    from conftest import exact_two_token_distribution
 
     V, N, prompt = 8, 20_000, [1, 1, 1]
     target = tiny_llama(11, vocab=V, hidden=32)

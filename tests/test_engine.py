@@ -6,11 +6,10 @@ import itertools
 
 import pytest
 import torch
-from conftest import check_caches, greedy_reference, perturbed, tiny_llama
+from conftest import check_caches, exact_two_token_distribution, greedy_reference, perturbed, tiny_llama
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder, expected_speedup
 from specdec_llm.engine import decoder as decoder_mod
-from specdec_llm.engine.sampling import probs
 
 PROMPTS = [[5, 6, 7], [17, 3, 99, 4, 8, 120, 33, 1, 2, 250, 7, 7], list(range(40, 71))]
 
@@ -53,16 +52,6 @@ def test_greedy_identical_on_real_smollm2(smollm2):
         res = dec.generate(GenerationRequest(prompt=text, chat=True, max_new_tokens=32, k=k))
         eos = ref.index(2) + 1 if 2 in ref else len(ref)
         assert res.token_ids == ref[:eos], text
-
-
-def exact_two_token_distribution(model, prompt, temperature, top_k, top_p):
-    """P(t1, t2) for the processed target distribution, computed exhaustively."""
-    with torch.no_grad():
-        p1 = probs(model(torch.tensor([prompt])).logits[0, -1:], temperature, top_k, top_p)[0]
-        V = p1.shape[0]
-        batch = torch.tensor([prompt + [t] for t in range(V)])
-        p2 = probs(model(batch).logits[:, -1], temperature, top_k, top_p)
-    return p1[:, None] * p2  # [V, V]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 6, 0.9)])

@@ -124,7 +124,7 @@ def test_quantized_rows_join_and_leave_caches_exact(target):
 def test_sampling_with_the_quantized_drafter_keeps_the_target_distribution():
     """As test_engine's sampled test (same bound and N), the draft being the target's int4 copy
     (its head stays the target's: 8 rows are too few for the int4 kernel)."""
-    from test_engine import exact_two_token_distribution
+    from conftest import exact_two_token_distribution
 
     V, N, prompt = 8, 20_000, [1, 2, 3]
     target = tiny_llama(11, vocab=V, hidden=32)

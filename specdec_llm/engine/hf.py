@@ -116,13 +116,42 @@ COMPILED_STEP = "_specdec_step"  # where compiled.attach keeps a model's compile
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
-    """A DynamicCache of ``GrowingLayer``s (models whose layers all use full attention)."""
+    """A DynamicCache of ``GrowingLayer``s, one per decoder layer. A sliding-window layer keeps
+    every column too: its window is a mask (``attention_masks``), so rollback and the ragged
+    batch's holes work alike for every layer."""
     cache = DynamicCache(config=model.config)
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            raise NotImplementedError(f"this engine needs full-attention cache layers, not {type(layer).__name__}")
     cache.layers = [GrowingLayer() for _ in cache.layers]  # type: ignore[no-untyped-call]  # transformers' __init__
     return cache
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """Each decoder layer's attention: ``"full_attention"`` or ``"sliding_attention"``
+    (``config.layer_types`` where the family declares it: Gemma 2/3, Qwen2, Cohere 2; else
+    every layer slides where ``config.sliding_window`` is set: Mistral, Mixtral, StarCoder2)."""
+    n = int(config.num_hidden_layers)
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return list(kinds)[:n]
+    window = getattr(config, "sliding_window", None)
+    return ["sliding_attention" if window else "full_attention"] * n
+
+
+def sliding_window(model: PreTrainedModel) -> int | None:
+    """The window (in tokens) of the model's sliding-window layers, None when it has none."""
+    kinds = layer_kinds(model.config)
+    return int(model.config.sliding_window) if "sliding_attention" in kinds else None
+
+
+def attention_masks(model: PreTrainedModel, full: torch.Tensor, sliding: torch.Tensor) -> Any:
+    """What the model's forward takes as ``attention_mask`` for the engine's own boolean masks:
+    one tensor when every layer is of one kind, else {layer kind: mask} (transformers'
+    hybrid families accept that mapping in place of the masks they would build)."""
+    kinds = set(layer_kinds(model.config))
+    if kinds == {"sliding_attention"}:
+        return sliding
+    if kinds == {"full_attention"}:
+        return full
+    return {"full_attention": full, "sliding_attention": sliding}
 
 
 # -- making a loaded model fast for this engine ----------------------------------------------
@@ -224,9 +253,7 @@ def forward_rows(
     kwargs: dict[str, Any] = {cache_kwarg(type(model)): cache}
     if mask is not None:
         if model.config._attn_implementation == "eager":  # eager adds a float mask; sdpa takes booleans
-            mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(model.dtype).min
-            )
+            mask = _additive(mask, model.dtype)
         kwargs.update(attention_mask=mask, position_ids=positions)
     if embeds is not None:
         kwargs["inputs_embeds"] = embeds.to(model.device, model.dtype)
@@ -236,6 +263,25 @@ def forward_rows(
         out = model(use_cache=True, logits_to_keep=keep, **kwargs)
     logits: torch.Tensor = out.logits
     return logits.float(), (torch.cat(outs, -1).float() if features else None)
+
+
+def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    """The decoder's layers, found through transformers' own accessor (``get_decoder()``:
+    ``model.layers`` in Llama-style families, ``transformer.h`` in GPT-2 and Falcon,
+    ``gpt_neox.layers``, ``model.decoder.layers`` in OPT): the ModuleList of
+    ``num_hidden_layers`` blocks inside it."""
+    n = int(model.config.num_hidden_layers)
+    found = [m for m in model.get_decoder().modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
+    if not found:
+        raise NotImplementedError(f"{type(model).__name__}: no list of {n} decoder layers under get_decoder()")
+    return found[0]
+
+
+def _additive(mask: Any, dtype: torch.dtype) -> Any:
+    """A boolean mask (or {kind: mask}) as the float one eager attention adds."""
+    if isinstance(mask, dict):
+        return {kind: _additive(m, dtype) for kind, m in mask.items()}
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 @contextmanager
@@ -251,7 +297,10 @@ def layer_outputs(model: PreTrainedModel, layers: tuple[int, ...]) -> Iterator[l
 
         return grab
 
-    blocks = model.model.layers
+    if not layers:
+        yield outs
+        return
+    blocks = decoder_layers(model)
     handles = [blocks[i].register_forward_hook(hook(i)) for i in dict.fromkeys(layers)]
     try:
         yield outs

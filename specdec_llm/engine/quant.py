@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
+from transformers.pytorch_utils import Conv1D
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -254,6 +255,15 @@ def _fuse(module: torch.nn.Module, names: tuple[str, ...]) -> None:
         start += part.out_features
 
 
+def _as_linear(conv: Conv1D) -> torch.nn.Linear:
+    """transformers' ``Conv1D`` (y = x @ W + b, W [in, out]) as the Linear it equals."""
+    n_in, n_out = conv.weight.shape
+    linear = torch.nn.Linear(n_in, n_out, device="meta")
+    linear.weight = torch.nn.Parameter(conv.weight.t(), requires_grad=False)
+    linear.bias = conv.bias
+    return linear
+
+
 def _quantized(linear: torch.nn.Linear, scheme: str, blocks: Blocks | None) -> torch.nn.Module:
     if scheme == "int8":
         return Int8Linear(linear.weight, linear.bias)
@@ -313,7 +323,11 @@ def quantized_copy(
         for name, module in list(draft.named_modules()):
             for child_name, child in list(module.named_children()):
                 full = f"{name}.{child_name}" if name else child_name
-                if isinstance(child, torch.nn.Linear) and child is not head_module:
+                if child is head_module:
+                    continue
+                if isinstance(child, Conv1D):  # GPT-2's projections: a Linear with its weight transposed
+                    child = _as_linear(child)
+                if isinstance(child, torch.nn.Linear):
                     setattr(module, child_name, _quantized(child, scheme, blocks.get(f"{full}.weight")))
         for module in draft.modules():
             for names in FUSED:

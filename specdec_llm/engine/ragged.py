@@ -20,6 +20,7 @@ With one row and no holes (single-request decoding) the forward is the plain cau
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -61,15 +62,25 @@ class RaggedCache:
                 if len(e):
                     padded[b, w - len(e) :] = e
         new = torch.tensor([[False] * (w - len(x)) + [True] * len(x) for x in inputs], dtype=torch.bool)
-        mask = positions = None
-        if not bool(new.all()) or not bool(self.valid.all()):
+        mask: Any = None
+        positions = None
+        window = hf.sliding_window(self.model)
+        if window or not bool(new.all()) or not bool(self.valid.all()):
             start = self.valid.sum(1, keepdim=True)
             positions = (start + new.long().cumsum(1) - 1).clamp_min(0)
             causal = torch.ones(w, w, dtype=torch.bool).tril()
             eye = torch.eye(w, dtype=torch.bool)
             chunk = (causal[None] & new[:, None, :]) | eye[None]  # [B, W(query), W(key)]
             past = self.valid[:, None, :].expand(-1, w, -1)
-            mask = torch.cat([past, chunk], -1)[:, None].to(self.model.device)
+            mask = torch.cat([past, chunk], -1)[:, None]
+            if window:  # a sliding layer's query sees the keys less than `window` positions back
+                keys = torch.cat([self.valid.long().cumsum(1) - 1, positions], 1)  # [B, L + W] (holes: masked)
+                near = (positions[:, :, None] - keys[:, None, :]) < window
+                mask = hf.attention_masks(
+                    self.model, mask.to(self.model.device), (mask & near[:, None]).to(self.model.device)
+                )
+            else:
+                mask = mask.to(self.model.device)
             positions = positions.to(self.model.device)
         logits, self.last_features = hf.forward_rows(
             self.model, ids, self.cache, keep, mask, positions, padded, self.features

@@ -1,0 +1,81 @@
+"""Any Hugging Face causal LM: tiny random models of many families (configs built here, nothing
+downloaded), each greedy-identical to transformers' ``generate`` with a draft model, its own
+int4 copy and lookup only, at a fixed k, k = auto and batched with rows joining and leaving."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import check_caches, exact_two_token_distribution, greedy_reference, perturbed
+from families import CONFIGS, WINDOW, tiny_family
+
+from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
+from specdec_llm.engine.decoder import Batch
+from specdec_llm.engine.quant import quantized_copy
+
+# longer than the window (8): the sliding layers' masks matter; a repeated span gives lookup work
+PROMPTS = [[5, 6, 7], list(range(40, 61)) + list(range(40, 50)), [17, 3, 99, 4, 8, 120, 33, 1, 2, 250, 7, 7]]
+N = 3 * WINDOW
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def family(request):
+    target = tiny_family(request.param)
+    return request.param, target, {r: greedy_reference(target, p, N) for r, p in enumerate(PROMPTS)}
+
+
+def drafts(target):
+    return {
+        "draft model": (perturbed(target, 0.1, seed=3), ["model"]),
+        "int4 self-draft": (quantized_copy(target, head="target"), ["lookup", "quantized"]),
+        "lookup only": (None, ["lookup"]),
+    }
+
+
+def test_greedy_identical_in_every_mode(family):
+    name, target, refs = family
+    for mode, (draft, names) in drafts(target).items():
+        dec = SpeculativeDecoder(target, draft, drafters=names)
+        for k in (4, "auto"):
+            for r, prompt in enumerate(PROMPTS):
+                res = dec.generate(GenerationRequest(prompt=prompt, max_new_tokens=N, k=k))
+                assert res.token_ids == refs[r], (name, mode, k, r)
+        # rows joining and leaving, caches checked after every iteration
+        batch = Batch(dec)
+        rows = [batch.add(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=N, k=3))]
+        for step in range(4 * N):
+            if step in (1, 4):
+                rows.append(batch.add(GenerationRequest(prompt=PROMPTS[step % 3], max_new_tokens=N - step, k="auto")))
+                rows.append(batch.add(GenerationRequest(prompt=PROMPTS[2], max_new_tokens=5, k=2)))
+            if not batch.rows:
+                break
+            batch.step()
+            check_caches(batch)
+        for row in rows:
+            ref = refs[PROMPTS.index(row.prompt)][: row.req.max_new_tokens]
+            assert row.result.token_ids == ref, (name, mode, "batched", row.prompt)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gpt-neox"])
+def test_sampling_keeps_the_target_distribution_beyond_llama(name):
+    """As test_engine's sampled test (same bound and N: 20,000 seeded samples of the first two
+    tokens against the exact target distribution), on two other families (Qwen3's q/k norms,
+    GPT-NeoX's layers under ``gpt_neox``)."""
+    V, N, prompt = 8, 20_000, [1, 2, 3]
+    target = tiny_family(name, seed=11, vocab=V)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(40)  # sharpen the random model
+    draft = perturbed(target, 0.5, seed=12)  # partly aligned: drafts are accepted and rejected
+    exact = exact_two_token_distribution(target, prompt, 1.0, 0, 1.0)
+    drafty = exact_two_token_distribution(draft, prompt, 1.0, 0, 1.0)
+    assert 0.5 * (exact - drafty).abs().sum() > 0.2, "draft too close to target for the test to have power"
+    dec = SpeculativeDecoder(target, draft)
+    reqs = [GenerationRequest(prompt=prompt, max_new_tokens=2, k=1 + i % 2, seed=i, temperature=1.0) for i in range(N)]
+    counts = torch.zeros(V, V)
+    accepted = 0
+    for res in dec.generate_many(reqs, max_batch=256):
+        counts[res.token_ids[0], res.token_ids[1]] += 1
+        accepted += res.stats.draft_tokens_accepted
+    tv = 0.5 * (counts / N - exact).abs().sum()
+    assert tv < 0.035, f"TV {tv:.4f}"
+    assert accepted > N * 0.1
