@@ -1,4 +1,4 @@
-"""The layers' arrows go one way (README "Layout"): engine <- pairs <- store <- client <-
+"""The layers' arrows go one way (docs/architecture.md "Layout"): engine <- pairs <- store <- client <-
 workers, and the LangChain adapters and the CLI on top. Read from the source (every
 ``import``, lazy ones inside functions included), so a new arrow the wrong way fails here,
 and from a fresh interpreter: LangChain's local mode never imports Celery."""

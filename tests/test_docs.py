@@ -1,0 +1,177 @@
+"""The docs hold together: README.md is a short front door (at most 300 lines) whose index links
+every page under docs/; every relative link in README.md and docs/*.md resolves (the file, and
+the #anchor to a heading of it); no page keeps lab-notebook narrative (history goes into
+CHANGELOG.md); and every ``specdec-llm ...`` command shown in a ```bash block names a real
+subcommand with real options, checked by its ``--help`` through click's CliRunner (typer's
+``typer.testing.CliRunner``: typer carries its own click) on the command typer builds from the
+app: no model loads, no worker, no store."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.glob("*.md"))
+REQUIRED = (
+    "architecture",
+    "speedup",
+    "benchmarks",
+    "pairs",
+    "distillation",
+    "jobs",
+    "operations",
+    "store-and-reports",
+    "langchain",
+)
+MAX_README_LINES = 300
+# what a page of current figures does not say (a change's story belongs in CHANGELOG.md)
+NARRATIVE = ("before this change", "previous round", "(next step)", "not yet explained", "before this round")
+
+FENCE = re.compile(r"^```.*?^```[ \t]*$", re.M | re.S)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)\)")
+BASH_BLOCK = re.compile(r"^```bash[ \t]*\n(.*?)^```", re.M | re.S)
+OPTION = re.compile(r"^\[?(--[a-z][a-z0-9-]*)")
+ENV_PREFIX = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
+
+
+def _prose(text: str) -> str:
+    """The text without code: fenced blocks and inline code spans."""
+    return INLINE_CODE.sub("", FENCE.sub("", text))
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: markup dropped, lower case, punctuation removed, spaces -> '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    for line in FENCE.sub("", path.read_text(encoding="utf-8")).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            slug, n = _slug(m.group(1)), 0
+            while (slug if n == 0 else f"{slug}-{n}") in found:
+                n += 1
+            found.add(slug if n == 0 else f"{slug}-{n}")
+    return found
+
+
+def _links(path: Path) -> list[str]:
+    return LINK.findall(_prose(path.read_text(encoding="utf-8")))
+
+
+def _relative(target: str) -> bool:
+    return not re.match(r"^[a-z][a-z0-9+.-]*:", target)  # http:, https:, mailto: ... are not checked here
+
+
+def test_readme_is_short():
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines; at most {MAX_README_LINES}"
+
+
+def test_required_pages_exist_and_readme_links_every_page():
+    linked = {
+        (README.parent / t.split("#", 1)[0]).resolve() for t in _links(README) if _relative(t) and not t.startswith("#")
+    }
+    for name in REQUIRED:
+        assert (DOCS / f"{name}.md").is_file(), f"docs/{name}.md is missing"
+    for page in PAGES:
+        assert page.resolve() in linked, f"README.md does not link {page.relative_to(ROOT)}"
+
+
+@pytest.mark.parametrize("path", [README, *PAGES], ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path):
+    broken = []
+    for target in _links(path):
+        if not _relative(target):
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert not broken, f"{path.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+@pytest.mark.parametrize("path", [README, *PAGES], ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_lab_notebook_narrative(path):
+    text = path.read_text(encoding="utf-8").lower()
+    found = [phrase for phrase in NARRATIVE if phrase in text]
+    assert not found, f"{path.relative_to(ROOT)} says {found}: keep the current figure, move the story to CHANGELOG.md"
+
+
+def _command_lines(path: Path) -> list[str]:
+    """The ``specdec-llm ...`` lines of a file's ```bash blocks (an ``ENV=value`` prefix allowed)."""
+    lines = []
+    for block in BASH_BLOCK.findall(path.read_text(encoding="utf-8")):
+        for line in block.splitlines():
+            words = line.split()
+            while words and ENV_PREFIX.match(words[0]):
+                words.pop(0)
+            if words and words[0] == "specdec-llm":
+                lines.append(" ".join(words))
+    return lines
+
+
+def _tokens(line: str) -> list[str]:
+    line = re.split(r"\s#", line, maxsplit=1)[0].rstrip(" \\&")
+    try:
+        return shlex.split(line)
+    except ValueError:
+        return line.split()
+
+
+README_COMMANDS = _command_lines(README)
+DOCS_COMMANDS = sorted({line for page in PAGES for line in _command_lines(page)} - set(README_COMMANDS))
+
+
+@pytest.fixture(scope="module")
+def cli() -> typer.Typer:
+    from specdec_llm.cli import app
+
+    return app
+
+
+def _check_command(app: typer.Typer, line: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the app's callback sets these with setdefault: keep this process's environment as it was
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    words = _tokens(line)[1:]
+    path, command = [], typer.main.get_command(app)
+    while words and words[0] in getattr(command, "commands", {}):  # a group: descend into its subcommand
+        path.append(words[0])
+        command = command.commands[words.pop(0)]
+    assert path, f"{line!r}: no such specdec-llm subcommand ({words[:1]})"
+    assert not hasattr(command, "commands"), f"{line!r}: `specdec-llm {' '.join(path)}` needs a subcommand"
+    known = {"--help"} | {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+    unknown = sorted({m.group(1) for w in words if (m := OPTION.match(w))} - known)
+    assert not unknown, f"{line!r}: `specdec-llm {' '.join(path)}` has no option {unknown}"
+    result = CliRunner().invoke(app, [*path, "--help"], prog_name="specdec-llm")
+    assert result.exit_code == 0, f"specdec-llm {' '.join(path)} --help: exit {result.exit_code}\n{result.output}"
+    assert "Usage" in result.output
+
+
+def test_readme_shows_commands():
+    assert len(README_COMMANDS) >= 5, README_COMMANDS
+
+
+@pytest.mark.parametrize("line", README_COMMANDS)
+def test_readme_command_parses(cli, line, monkeypatch):
+    _check_command(cli, line, monkeypatch)
+
+
+@pytest.mark.parametrize("line", DOCS_COMMANDS)
+def test_docs_command_parses(cli, line, monkeypatch):
+    _check_command(cli, line, monkeypatch)
