@@ -3,10 +3,15 @@ q-1 drafted tokens, relative to a one-token decoding step (the verify ratio).
 
     .venv/bin/python benchmarks/bench_forward.py                 # table: fp32 and bf16, batch 1 and 4
     .venv/bin/python benchmarks/bench_forward.py --json          # one JSON object (engine path, pair dtype, batch 1)
+    .venv/bin/python benchmarks/bench_forward.py --families      # k = 0 step per family: lean vs transformers
 
 Paths: the engine's (``RaggedCache.forward``: one row per sequence, no holes; for a Llama
 model on the CPU that is engine/lean.py, with q/k/v and gate/up fused) and plain transformers
 (``DynamicCache``, the model's own forward), on a ``--context``-token cache, median of ``--repeats``.
+``--families``: random models of SmolLM2-135M's shape (576 hidden, 30 layers, 9 heads, 3 KV heads,
+a 49k vocabulary) in each family's own config class, fp32, tuned kernels: the one-token step
+(k = 0) through the engine with its lean forward, through the engine on transformers' forward
+(lean off), and plain transformers; "lean" says whether the family has the lean forward.
 Kernels: ``tuned`` (engine/kernels.py: the fastest measured per row count on this machine,
 what the engine uses), and each single kernel for every row count (``col``: what the engine
 used before; ``row``: transformers' default layout; ``onednn``). Prints the CPU model and flags.
@@ -81,6 +86,56 @@ def plain_path(model, rows: int, context: list[int], w: int, repeats: int) -> fl
     return median_ms(run, repeats) if cache.get_seq_length() == n else float("nan")
 
 
+FAMILIES = {  # family -> (config class, extra keywords): llama-like layouts at SmolLM2-135M's shape
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 4096}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 64}),
+    "phi3": ("Phi3Config", {}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 64, "sliding_window": 512}),
+    "gemma2": ("Gemma2Config", {"head_dim": 64, "sliding_window": 512}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {}),
+}
+
+
+def family_model(name: str):
+    import transformers
+
+    cls, extra = FAMILIES[name]
+    cfg = getattr(transformers, cls)(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        **extra,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def families(names: list[str], context: list[int], repeats: int) -> None:
+    print(f"{'family':10} {'lean':5} {'engine ms':>10} {'no lean ms':>11} {'plain ms':>9} {'vs plain':>9}")
+    for name in names:
+        model = family_model(name)
+        hf.prepare(model)
+        served = lean.runner(model) is not None
+        fast = engine_path(model, 1, context, 1, repeats)
+        lean.ENABLED = False
+        slow = engine_path(model, 1, context, 1, repeats)
+        lean.ENABLED = True
+        plain = plain_path(model, 1, context, 1, repeats)
+        print(
+            f"{name:10} {'yes' if served else 'no':5} {fast:10.1f} {slow:11.1f} {plain:9.1f} {plain / fast:8.2f}x",
+            flush=True,
+        )
+        del model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--pair", default="smollm2-135m")
@@ -90,15 +145,20 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--kernels", default="tuned,col,row,onednn", help="kernel choices to compare")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--families", nargs="?", const=",".join(FAMILIES), help="k = 0 step per family (default: all)")
     ap.add_argument(
         "--json", action="store_true", help="print one JSON object: engine path, pair dtype, batch 1, tuned"
     )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    pair = load_pair(args.pair)
     context = [t % 4000 + 10 for t in range(1, args.context + 1)]
     cpu = cpu_info()
+    if args.families:
+        print(f"CPU: {cpu}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.context}-token cache")
+        families(args.families.split(","), context, args.repeats)
+        return
+    pair = load_pair(args.pair)
     if args.json:
         model = pair.target
         hf.prepare(model)

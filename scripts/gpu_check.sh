@@ -25,7 +25,7 @@
 # returns at most 8 files) unless --keep-logs. Budgets (seconds) can be changed with
 # GPU_CHECK_BUDGETS="setup=90,fidelity=150,speed=150,quantized=100,worker=80" (the CUDA defaults).
 # Python: $PYTHON or python3.
-# Preparing the bundle and the device calls: scripts/gpu_prepare.sh and the README's "GPU check".
+# Preparing the bundle and the device calls: scripts/gpu_prepare.sh and the docs/operations.md "GPU check".
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 SELF="$REPO/scripts/gpu_check.sh"

@@ -79,3 +79,59 @@ def test_sampling_keeps_the_target_distribution_beyond_llama(name):
     tv = 0.5 * (counts / N - exact).abs().sum()
     assert tv < 0.035, f"TV {tv:.4f}"
     assert accepted > N * 0.1
+
+
+LEAN = ["llama", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3", "gemma3"]
+
+
+@pytest.mark.parametrize("name", LEAN + ["phi3-partial-rotary"])
+@pytest.mark.parametrize("tuned", [False, True])
+def test_lean_forward_equals_transformers_beyond_llama(name, tuned, monkeypatch):
+    """engine/lean.py serves these families with the same logits as transformers' forward (up
+    to the last bits a fused matmul's kernel moves, as for Llama in test_kernels) and the same
+    argmax: one row, a ragged batch with holes and padding, prefill and verification past the
+    sliding window, on plain and kernel-tuned weights, and on the int4 copy."""
+    from specdec_llm.engine import hf, lean
+    from specdec_llm.engine.ragged import RaggedCache
+
+    if name == "phi3-partial-rotary":  # (Phi-4-mini's layout: a rotary over part of each head)
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        cfg = CONFIGS["phi3"](512)
+        cfg.rope_parameters["partial_rotary_factor"] = 0.5
+        target = AutoModelForCausalLM.from_config(cfg).eval()
+    else:
+        target = tiny_family(name)
+    for model in (target, quantized_copy(target, head="target")):
+        hf.prepare(model, None) if tuned else model.set_attn_implementation(hf.ATTENTION)
+
+        def run(enabled: bool, model=model) -> list[torch.Tensor]:
+            monkeypatch.setattr(lean, "ENABLED", enabled)
+            out = []
+            one = RaggedCache(model, 1)
+            out.append(one.forward([list(range(3, 40))], 5))  # prefill past the window
+            out.append(one.forward([[7]], 1))
+            out.append(one.forward([[9, 10, 11, 12, 13]], 5))
+            batch = RaggedCache(model, 2)
+            out.append(batch.forward([list(range(1, 15)), [8, 9]], 1))  # padded rows: masked
+            batch.drop(0, [batch.width - 2])  # a hole
+            out.append(batch.forward([[20, 21, 22], [23]], 3))
+            out.append(batch.forward([[24], [25]], 1))
+            return out
+
+        ref, got = run(False), run(True)
+        assert lean.runner(model) is not None, name
+        for r, g in zip(ref, got):
+            assert torch.allclose(r, g, atol=1e-5, rtol=0), (name, (r - g).abs().max())
+            assert torch.equal(r.argmax(-1), g.argmax(-1)), name
+
+
+@pytest.mark.parametrize("name", ["gemma2", "olmo2", "cohere", "gpt2", "falcon"])
+def test_lean_forward_leaves_other_families_to_transformers(name):
+    """Layouts the lean forward does not repeat (Gemma 2's attention soft-capping, OLMo 2's
+    norms after the blocks only, Cohere's parallel block, other layer classes) decode through
+    transformers' own forward (the matrix above proves them identical)."""
+    from specdec_llm.engine import lean
+
+    assert lean.runner(tiny_family(name)) is None

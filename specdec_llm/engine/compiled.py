@@ -30,7 +30,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from . import hf, lean
 
@@ -49,7 +48,7 @@ class CompiledStep:
     """``__call__(ids, cache, mask, positions)`` as ``hf.forward_rows`` for one row and one
     token: float32 logits [1, 1, V]."""
 
-    def __init__(self, runner: lean.LeanLlama) -> None:
+    def __init__(self, runner: lean.LeanDecoder) -> None:
         self.lean = runner
         self.calls = 0  # (tests: it served)
         self.traced = False  # the one compile happens on the first call (attach's timing); never again
@@ -66,10 +65,10 @@ class CompiledStep:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        """lean.LeanLlama's layers for ids [1, 1], writing each layer's key and value into
+        """lean.LeanDecoder's layers for ids [1, 1], writing each layer's key and value into
         column ``width`` of its buffers; the final-normed hidden state [1, 1, H]."""
         m = self.lean
-        h = F.embedding(ids, m.embed.weight, m.embed.padding_idx)
+        h = m.embed_ids(ids)
         for i, entry in enumerate(m.layers):
 
             def kv(k: torch.Tensor, v: torch.Tensor, i: int = i) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +77,7 @@ class CompiledStep:
                 return kbufs[i][:, :, : width + 1], vbufs[i][:, :, : width + 1]
 
             h = lean.layer(entry, h, cos, sin, mask, m.head_dim, kv)
-        return lean._rms(h, m.norm.weight, m.norm.variance_epsilon)
+        return m.final_norm(h)
 
     def takes(self, ids: torch.Tensor, keep: int, embeds: torch.Tensor | None, features: tuple[int, ...]) -> bool:
         return ENABLED and not self.failed and ids.shape == (1, 1) and keep == 1 and embeds is None and not features
@@ -114,18 +113,17 @@ class CompiledStep:
         self.traced = True
         for layer in layers:
             layer.view(1, width + 1)
-        logits: torch.Tensor = self.lean.head(h)
-        return logits.float()
+        return self.lean.logits(h)
 
 
-def supported(runner: lean.LeanLlama | None) -> bool:
+def supported(runner: lean.LeanDecoder | None) -> bool:
     """Every layer's projections are the int4 self-draft's (fused q/k/v and gate/up) on the CPU."""
     from .quant import Int4Linear
 
-    if runner is None or not runner.layers:
+    if runner is None or not runner.layers or len(runner.kinds) > 1:  # (one rotary table and mask)
         return False
-    for _, attn, qkv, _, mlp, gate_up in runner.layers:
-        mats = (qkv, attn.o_proj, gate_up, mlp.down_proj)
+    for entry in runner.layers:
+        mats = (entry.qkv, entry.attn.o_proj, entry.gate_up, entry.mlp.down_proj)
         if not all(isinstance(p, Int4Linear) and p.packed.device.type == "cpu" for p in mats):
             return False
     return True

@@ -1,5 +1,5 @@
-"""A Llama forward without transformers' module machinery: the same operations in the same
-order as ``LlamaForCausalLM.forward``, called directly on the model's own tensors and
+"""A decoder forward without transformers' module machinery: the same operations in the same
+order as the family's own ``forward``, called directly on the model's own tensors, norms and
 (kernel-tuned, quantized) Linear forwards, with q/k/v and gate/up each as one matmul.
 
 Why: a 135M-parameter target's one-token step on 2 CPU cores is ~18 ms, of which ~3 ms is
@@ -7,14 +7,22 @@ Python in transformers (module calls, keyword plumbing, mask and cache dispatch)
 iteration of every drafter pays it, and so does each draft-model step; fusing the sibling
 projections saves ~90 kernel calls more. Measured on an AMD EPYC (avx512_bf16), fp32, a
 200-token cache, through RaggedCache: 19.6 -> 15.0 ms at 1 token, 24.0 -> 18.6 ms at 5
-(``benchmarks/bench_forward.py``: "engine" vs "plain"). transformers' forward stays the fallback:
-``runner(model)`` returns None for anything but a plain Llama-family decoder on the CPU
-(other architectures, rope types that change with length, eager attention, GPUs: the lean
-path is not yet measured there), and ``hf.forward_rows`` then calls the model itself.
+(``benchmarks/bench_forward.py``: "engine" vs "plain").
+
+The families (``FAMILIES``): Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norms), Phi-3
+(q/k/v and gate/up already fused, partial rotary), Gemma 2/3 (norms with +1 and around both
+blocks, a scaled embedding, final soft-capping, Gemma 3's q/k norms and its local rotary for
+sliding layers). Norms, activations and the embedding are the model's own modules' forwards
+(their math, bit for bit); what this module writes itself is the attention around sdpa and
+the rotary embedding (the families' own formula). transformers' forward stays the fallback:
+``runner(model)`` returns None for anything else (other layouts, attention soft-capping,
+rope types that change with length, eager attention, GPUs: the lean path is not measured
+there), and ``hf.forward_rows`` then calls the model itself.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -32,33 +40,69 @@ ENABLED = True  # tests and benchmarks compare both paths by flipping this
 # the attention implementations whose math this forward repeats: transformers' sdpa and the
 # engine's (hf.ATTENTION, the same kernel with grouped heads kept; named here, as hf imports this)
 ATTENTIONS = ("sdpa", "specdec_sdpa")
+# transformers' modeling module of each family served -> its layer layout: "pre" (a norm before
+# attention and before the MLP: Llama's) or "sandwich" (also a norm after each: Gemma's)
+FAMILIES = {
+    "llama": "pre",
+    "mistral": "pre",
+    "qwen2": "pre",
+    "qwen3": "pre",
+    "phi3": "pre",
+    "gemma2": "sandwich",
+    "gemma3": "sandwich",
+}
+ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq fixed at load (not "dynamic", "longrope")
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype  # LlamaRMSNorm: in float32, then back
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's parts. ``qkv`` / ``gate_up``: one matmul over the siblings (their
+    output ``sizes``), or None (the siblings are called apart); ``post_attn`` / ``post_mlp``: the
+    norms after each block (sandwich layouts), else None; ``kind``: its attention kind."""
+
+    norm_in: Any
+    attn: Any
+    qkv: Any
+    post_attn: Any
+    norm_mlp: Any
+    mlp: Any
+    gate_up: Any
+    post_mlp: Any
+    kind: str
 
 
-class LeanLlama:
+class LeanDecoder:
     """``__call__(ids, cache, keep, mask, positions, embeds, features)`` as ``hf.forward_rows``:
     ``ids`` [B, W] on top of ``cache`` (hf.GrowingLayer layers); float32 logits of the last
-    ``keep`` columns, and the asked layers' outputs."""
+    ``keep`` columns, and the asked layers' outputs. ``mask``: one boolean mask, or {layer
+    kind: mask} (``hf.Attention.masks``)."""
 
     def __init__(self, model: PreTrainedModel, kernel_cache: Path | None = None, force: str | None = None) -> None:
-        base, cfg = model.model, model.config
+        from .hf import layer_kinds
+
+        base, cfg = model.get_decoder(), model.config
         self.dtype = model.dtype  # the fused copies are of this dtype: a model cast later gets a new runner
-        self.embed = base.embed_tokens
-        self.norm, self.head, self.rotary = base.norm, model.lm_head, base.rotary_emb
+        self.embed = model.get_input_embeddings()
+        self.norm, self.head, self.rotary = base.norm, model.get_output_embeddings(), base.rotary_emb
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layers: list[tuple[Any, ...]] = []
+        sandwich = FAMILIES[family(model)] == "sandwich"
+        self.layers: list[Layer] = []
         fused = torch.nn.ModuleList()
-        for layer in base.layers:
+        for layer, kind in zip(base.layers, layer_kinds(cfg)):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, gate_up = _fuse([attn.q_proj, attn.k_proj, attn.v_proj]), _fuse([mlp.gate_proj, mlp.up_proj])
-            fused.extend(m for m in (qkv, gate_up) if isinstance(m, torch.nn.Linear))
-            self.layers.append((layer.input_layernorm, attn, qkv, layer.post_attention_layernorm, mlp, gate_up))
+            qkv = _native(attn, "qkv_proj") or _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up = _native(mlp, "gate_up_proj") or _fuse([mlp.gate_proj, mlp.up_proj])
+            fused.extend(m for m in (qkv, gate_up) if isinstance(m, torch.nn.Linear) and m not in layer.modules())
+            norms = (
+                (layer.post_attention_layernorm, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
+                if sandwich
+                else (None, layer.post_attention_layernorm, None)
+            )
+            self.layers.append(
+                Layer(layer.input_layernorm, attn, qkv, norms[0], norms[1], mlp, gate_up, norms[2], kind)
+            )
+        self.kinds = sorted({entry.kind for entry in self.layers})
         if len(fused):  # (supported: on the CPU)
             from .kernels import tune
 
@@ -70,14 +114,37 @@ class LeanLlama:
                     weight.data = weight.data.new_empty(0)
         self.fused = fused
 
-    def rotary_of(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos and sin at ``positions`` [B, W], [B, 1, W, head_dim] (LlamaRotaryEmbedding's math)."""
-        freqs = positions[..., None].float() * self.rotary.inv_freq.float()
+    def rotary_of(
+        self, positions: torch.Tensor, dtype: torch.dtype, kind: str = "full_attention"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin at ``positions`` [B, W] for layers of ``kind``, [B, 1, W, rotary dim]
+        (the families' rotary math; Gemma 3 keeps one table per layer kind)."""
+        inv_freq = getattr(self.rotary, f"{kind}_inv_freq", None)
+        if inv_freq is None:
+            inv_freq, scaling = self.rotary.inv_freq, self.rotary.attention_scaling
+        else:
+            scaling = getattr(self.rotary, f"{kind}_attention_scaling")
+        freqs = positions[..., None].float() * inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        scaling = self.rotary.attention_scaling
         cos: torch.Tensor = (emb.cos() * scaling).to(dtype).unsqueeze(1)
         sin: torch.Tensor = (emb.sin() * scaling).to(dtype).unsqueeze(1)
         return cos, sin
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (the model's own: Gemma's scales them)."""
+        out: torch.Tensor = self.embed.forward(ids)
+        return out
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.norm.forward(h)
+        return out
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed hidden states (Gemma's soft-capping included)."""
+        logits: torch.Tensor = self.head(h)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
 
     @torch.inference_mode()
     def __call__(
@@ -85,16 +152,13 @@ class LeanLlama:
         ids: torch.Tensor,
         cache: DynamicCache,
         keep: int,
-        mask: torch.Tensor | None = None,
+        mask: Any = None,
         positions: torch.Tensor | None = None,
         embeds: torch.Tensor | None = None,
         features: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         w = ids.shape[1]
-        if embeds is not None:
-            h = embeds.to(self.embed.weight.device, self.dtype)
-        else:
-            h = F.embedding(ids, self.embed.weight, self.embed.padding_idx)
+        h = embeds.to(self.embed.weight.device, self.dtype) if embeds is not None else self.embed_ids(ids)
         caught: dict[int, torch.Tensor] = {}
         layers = cast("list[GrowingLayer]", cache.layers)
         past = layers[0].width
@@ -102,19 +166,19 @@ class LeanLlama:
             positions = (torch.arange(w, device=h.device) + past).unsqueeze(0)
         if mask is None and w > 1:  # one row, no holes: causal over the past and the chunk
             mask = torch.ones(w, past + w, dtype=torch.bool, device=h.device).tril(past)[None, None]
-        cos, sin = self.rotary_of(positions, h.dtype)
+        masks = mask if isinstance(mask, dict) else dict.fromkeys(self.kinds, mask)
+        rotary = {kind: self.rotary_of(positions, h.dtype, kind) for kind in self.kinds}
         for i, entry in enumerate(self.layers):
-            h = layer(entry, h, cos, sin, mask, self.head_dim, layers[i].update)
+            cos, sin = rotary[entry.kind]
+            h = layer(entry, h, cos, sin, masks[entry.kind], self.head_dim, layers[i].update)
             if i in features:
                 caught[i] = h
         feats = torch.cat([caught[i] for i in features], -1).float() if features else None
-        h = _rms(h[:, -keep:], self.norm.weight, self.norm.variance_epsilon)
-        logits: torch.Tensor = self.head(h)
-        return logits.float(), feats
+        return self.logits(self.final_norm(h[:, -keep:])), feats
 
 
 def layer(
-    entry: tuple[Any, ...],
+    entry: Layer,
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -122,32 +186,57 @@ def layer(
     head_dim: int,
     kv: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:
-    """One decoder layer (an entry of ``LeanLlama.layers``) over ``h`` [B, W, H]: ``kv`` takes
-    the chunk's keys and values [B, heads, W, head_dim] into the cache and returns everything
-    the chunk attends to (``GrowingLayer.update``; compiled.py writes its buffers in place)."""
-    norm1, attn, qkv, norm2, mlp, gate_up = entry
+    """One decoder layer over ``h`` [B, W, H]: ``kv`` takes the chunk's keys and values
+    [B, heads, W, head_dim] into the cache and returns everything the chunk attends to
+    (``GrowingLayer.update``; compiled.py writes its buffers in place)."""
+    attn, mlp = entry.attn, entry.mlp
     rows, w = h.shape[:2]
-    shape, half = (rows, w, -1, head_dim), head_dim // 2
+    shape, rot = (rows, w, -1, head_dim), cos.shape[-1]
 
     def rope(x: torch.Tensor) -> torch.Tensor:
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+        r, half = x[..., :rot], rot // 2
+        out = r * cos + torch.cat((-r[..., half:], r[..., :half]), dim=-1) * sin
+        return out if rot == head_dim else torch.cat([out, x[..., rot:]], dim=-1)  # (partial rotary: Phi-3)
 
-    x = _rms(h, norm1.weight, norm1.variance_epsilon)
-    if qkv is not None:
-        q, k, v = qkv.forward(x).split(qkv.sizes, dim=-1)
+    x = entry.norm_in.forward(h)
+    if entry.qkv is not None:
+        q, k, v = entry.qkv.forward(x).split(entry.qkv.sizes, dim=-1)
     else:
         q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
-    q = rope(q.reshape(shape).transpose(1, 2))
-    k, v = kv(rope(k.reshape(shape).transpose(1, 2)), v.reshape(shape).transpose(1, 2))
-    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-    h = h + attn.o_proj.forward(a.transpose(1, 2).reshape(rows, w, -1))
-    x = _rms(h, norm2.weight, norm2.variance_epsilon)
-    if gate_up is not None:
-        g, u = gate_up.forward(x).split(gate_up.sizes, dim=-1)
+    q, k, v = q.reshape(shape).transpose(1, 2), k.reshape(shape).transpose(1, 2), v.reshape(shape).transpose(1, 2)
+    if getattr(attn, "q_norm", None) is not None:  # (Qwen3, Gemma 3: over each head)
+        q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
+    k, v = kv(rope(k), v)
+    a = F.scaled_dot_product_attention(rope(q), k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+    a = attn.o_proj.forward(a.transpose(1, 2).reshape(rows, w, -1))
+    h = h + (entry.post_attn.forward(a) if entry.post_attn is not None else a)
+    x = entry.norm_mlp.forward(h)
+    if entry.gate_up is not None:
+        g, u = entry.gate_up.forward(x).split(entry.gate_up.sizes, dim=-1)
     else:
         g, u = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
-    out: torch.Tensor = h + mlp.down_proj.forward(F.silu(g) * u)
+    m = mlp.down_proj.forward(_act(mlp)(g) * u)
+    out: torch.Tensor = h + (entry.post_mlp.forward(m) if entry.post_mlp is not None else m)
     return out
+
+
+def _act(mlp: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    act = getattr(mlp, "act_fn", None) or mlp.activation_fn  # (Phi-3 names it activation_fn)
+    return cast("Callable[[torch.Tensor], torch.Tensor]", act.forward)
+
+
+def _native(module: Any, name: str) -> Any:
+    """A projection the family already fuses (Phi-3's qkv_proj, gate_up_proj), with its ``sizes``."""
+    proj = getattr(module, name, None)
+    if proj is None:
+        return None
+    if name == "qkv_proj":
+        q = module.config.num_attention_heads * module.head_dim
+        kv = module.config.num_key_value_heads * module.head_dim
+        proj.sizes = [q, kv, kv]
+    else:
+        proj.sizes = [proj.out_features // 2] * 2
+    return proj
 
 
 def _fuse(linears: list[Any]) -> torch.nn.Module | None:
@@ -182,35 +271,51 @@ def _fuse(linears: list[Any]) -> torch.nn.Module | None:
     return fused
 
 
-def supported(model: PreTrainedModel) -> bool:
-    """A plain Llama-family decoder on the CPU with sdpa attention and a static rotary table."""
-    from transformers.models.llama import modeling_llama as ml
+def family(model: PreTrainedModel) -> str | None:
+    """The transformers modeling module the model's decoder layers come from (``FAMILIES``'
+    keys: "llama", "qwen3", ...), None when its layers are of several or none."""
+    try:
+        layers = model.get_decoder().layers
+    except AttributeError:
+        return None
+    mods = {type(layer).__module__.rsplit(".", 1)[-1] for layer in layers}
+    if len(mods) != 1:
+        return None
+    return mods.pop().removeprefix("modeling_")
 
+
+def supported(model: PreTrainedModel) -> bool:
+    """A decoder of a family in ``FAMILIES`` on the CPU with sdpa attention, a rotary table
+    fixed at load, no attention soft-capping, and the family's own activation."""
     cfg = model.config
-    base = getattr(model, "model", None)
-    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    name = family(model)
+    if name not in FAMILIES or model.device.type != "cpu":
+        return False
+    base = model.get_decoder()
+    params = getattr(cfg, "rope_parameters", None) or {}
+    per_kind = [v for v in params.values() if isinstance(v, dict)]  # (Gemma 3: one per layer kind)
+    ropes = [p.get("rope_type", "default") for p in per_kind or [params]]
     return (
-        model.device.type == "cpu"
-        and type(base) is ml.LlamaModel
-        and all(type(layer) is ml.LlamaDecoderLayer for layer in base.layers)
-        and type(base.rotary_emb) is ml.LlamaRotaryEmbedding
+        hasattr(base, "rotary_emb")
+        and hasattr(base, "norm")
         and cfg._attn_implementation in ATTENTIONS
-        and getattr(cfg, "hidden_act", "silu") == "silu"
+        and getattr(cfg, "attn_logit_softcapping", None) is None
         and getattr(cfg, "pretraining_tp", 1) == 1
-        and rope in ("default", "linear", "llama3")  # inv_freq fixed at load (not "dynamic")
+        and not getattr(cfg, "use_bidirectional_attention", False)
+        and all(r in ROPE_TYPES for r in ropes)
     )
 
 
-def build(model: PreTrainedModel, kernel_cache: Path | None = None, force: str | None = None) -> LeanLlama | None:
+def build(model: PreTrainedModel, kernel_cache: Path | None = None, force: str | None = None) -> LeanDecoder | None:
     """Build the model's lean forward now (``hf.prepare`` does, after tuning the kernels:
     the fused projections are tuned with the same timing cache, or ``force``d to one kernel
     as kernels.tune does); None if unsupported."""
-    lean = LeanLlama(model, kernel_cache, force) if supported(model) else None
+    lean = LeanDecoder(model, kernel_cache, force) if supported(model) else None
     model.__dict__["_specdec_lean"] = lean
     return lean
 
 
-def runner(model: PreTrainedModel, kernel_cache: Path | None = None) -> LeanLlama | None:
+def runner(model: PreTrainedModel, kernel_cache: Path | None = None) -> LeanDecoder | None:
     """The model's lean forward, or None: use transformers'. Built once per model dtype and
     kept on the model (``hf.prepare`` builds it first, with the kernel-timing cache)."""
     if not ENABLED:
@@ -218,4 +323,4 @@ def runner(model: PreTrainedModel, kernel_cache: Path | None = None) -> LeanLlam
     lean = model.__dict__.get("_specdec_lean", False)
     if lean is False or (lean is not None and lean.dtype != model.dtype):
         return build(model, kernel_cache)
-    return cast("LeanLlama | None", lean)
+    return cast("LeanDecoder | None", lean)

@@ -168,7 +168,7 @@ class CastHead(torch.nn.Module):
     """An LM head held in a smaller float dtype (bf16): the input is cast to it and the
     logits back. On a CPU with bf16 dot products the draft's head (a 49152x576 matrix on the
     demo pair, ~30% of an int4 draft step in fp32) streams half the bytes; the argmax moves
-    rarely (greedy agreement 0.988 -> 0.98 on the demo pair: README)."""
+    rarely (greedy agreement 0.988 -> 0.98 on the demo pair: docs/pairs.md)."""
 
     linear_method = "cast_logits"  # engine/kernels.py gives it the fastest matmul kernel, as for a Linear
 

@@ -35,6 +35,7 @@ class RaggedCache:
     def __init__(self, model: PreTrainedModel, rows: int = 0, features: tuple[int, ...] = ()) -> None:
         self.model = model
         self.cache = hf.new_cache(model)
+        self.attention = hf.Attention.of(model)
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
         self.features = features
         self.last_features: torch.Tensor | None = None
@@ -64,7 +65,7 @@ class RaggedCache:
         new = torch.tensor([[False] * (w - len(x)) + [True] * len(x) for x in inputs], dtype=torch.bool)
         mask: Any = None
         positions = None
-        window = hf.sliding_window(self.model)
+        window = self.attention.window
         if window or not bool(new.all()) or not bool(self.valid.all()):
             start = self.valid.sum(1, keepdim=True)
             positions = (start + new.long().cumsum(1) - 1).clamp_min(0)
@@ -76,9 +77,7 @@ class RaggedCache:
             if window:  # a sliding layer's query sees the keys less than `window` positions back
                 keys = torch.cat([self.valid.long().cumsum(1) - 1, positions], 1)  # [B, L + W] (holes: masked)
                 near = (positions[:, :, None] - keys[:, None, :]) < window
-                mask = hf.attention_masks(
-                    self.model, mask.to(self.model.device), (mask & near[:, None]).to(self.model.device)
-                )
+                mask = self.attention.masks(mask.to(self.model.device), (mask & near[:, None]).to(self.model.device))
             else:
                 mask = mask.to(self.model.device)
             positions = positions.to(self.model.device)

@@ -41,7 +41,7 @@ def build(names: list[str], draft_model: Any = None, vocab_size: int | None = No
                 raise ValueError(
                     f"drafter {name!r} needs a draft model: set the pair's draft, or drop {name!r} from drafters"
                 )
-            # the target's own weights in 4 bits agree with it on ~0.99 of greedy tokens (README):
+            # the target's own weights in 4 bits agree with it on ~0.99 of greedy tokens (docs/pairs.md):
             # start there, so the schedule tries it from the first row; rows then correct it
             # and shares the target's KV layout, so it catches up from the target's cache (SelfDrafter)
             own = bool(getattr(draft_model, "quantization", None))
