@@ -82,11 +82,11 @@ class LeanDecoder:
 
         base, cfg = model.get_decoder(), model.config
         self.dtype = model.dtype  # the fused copies are of this dtype: a model cast later gets a new runner
-        self.embed = model.get_input_embeddings()
+        self.embed: Any = model.get_input_embeddings()
         self.norm, self.head, self.rotary = base.norm, model.get_output_embeddings(), base.rotary_emb
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        sandwich = FAMILIES[family(model)] == "sandwich"
+        sandwich = FAMILIES.get(family(model) or "") == "sandwich"
         self.layers: list[Layer] = []
         fused = torch.nn.ModuleList()
         for layer, kind in zip(base.layers, layer_kinds(cfg)):
