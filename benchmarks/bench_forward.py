@@ -11,7 +11,8 @@ model on the CPU that is engine/lean.py, with q/k/v and gate/up fused) and plain
 ``--families``: random models of SmolLM2-135M's shape (576 hidden, 30 layers, 9 heads, 3 KV heads,
 a 49k vocabulary) in each family's own config class, fp32, tuned kernels: the one-token step
 (k = 0) through the engine with its lean forward, through the engine on transformers' forward
-(lean off), and plain transformers; "lean" says whether the family has the lean forward.
+(lean off), and plain transformers, in 5 interleaved rounds (medians); "lean": whether the family
+has the lean forward.
 Kernels: ``tuned`` (engine/kernels.py: the fastest measured per row count on this machine,
 what the engine uses), and each single kernel for every row count (``col``: what the engine
 used before; ``row``: transformers' default layout; ``onednn``). Prints the CPU model and flags.
@@ -124,11 +125,20 @@ def families(names: list[str], context: list[int], repeats: int) -> None:
         model = family_model(name)
         hf.prepare(model)
         served = lean.runner(model) is not None
-        fast = engine_path(model, 1, context, 1, repeats)
-        lean.ENABLED = False
-        slow = engine_path(model, 1, context, 1, repeats)
-        lean.ENABLED = True
-        plain = plain_path(model, 1, context, 1, repeats)
+
+        def no_lean(*args):
+            lean.ENABLED = False
+            try:
+                return engine_path(*args)
+            finally:
+                lean.ENABLED = True
+
+        paths = {"lean": engine_path, "no lean": no_lean, "plain": plain_path}
+        rounds: dict[str, list[float]] = {n: [] for n in paths}
+        for _ in range(5):  # interleaved rounds: a slow spell of the machine hits every path alike
+            for n, path in paths.items():
+                rounds[n].append(path(model, 1, context, 1, repeats))
+        fast, slow, plain = (statistics.median(rounds[n]) for n in paths)
         print(
             f"{name:10} {'yes' if served else 'no':5} {fast:10.1f} {slow:11.1f} {plain:9.1f} {plain / fast:8.2f}x",
             flush=True,
