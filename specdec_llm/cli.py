@@ -1,7 +1,8 @@
 """The ``specdec-llm`` command: ``generate``, ``pairs``, ``distill`` and ``eval-pair`` here;
 the store's commands (``db``, ``report``: ``store/cli.py``) and the job client's (``submit``,
-``status``, ``results``, ``retry``, ``cancel``, ``run``, ``worker``: ``client/cli.py``) are
-added by ``register(app)``. Shared option parsing and error lines: ``cli_common.py``."""
+``status``, ``results``, ``retry``, ``cancel``, ``run``, ``worker``: ``client/cli.py``; ``jobs``,
+``workers``, ``prune``: ``client/ops_cli.py``) are added by ``register(app)``. Shared option
+parsing and error lines: ``cli_common.py``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from .checks import check_seed
-from .cli_common import fail, parse_k, user_errors
+from .cli_common import DrafterOpt, fail, parse_k, user_errors
 from .engine import SPEEDUP_BASIS, GenerationRequest
 from .settings import get_settings
 
@@ -45,10 +46,7 @@ def generate(
     pair: Annotated[str | None, typer.Option(help="Pair name (default: SPECDEC_DEFAULT_PAIR)")] = None,
     mode: Annotated[str, typer.Option(help="speculative | baseline (target only)")] = "speculative",
     k: Annotated[str, typer.Option("--k", help="Draft length per iteration: an integer or 'auto'")] = "auto",
-    drafter: Annotated[
-        str,
-        typer.Option(help="auto (the pair's drafters, chosen per iteration), or one of them: lookup, suffix, model"),
-    ] = "auto",
+    drafter: DrafterOpt = "auto",
     max_new_tokens: int = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: float = 1.0,
@@ -72,13 +70,13 @@ def generate(
         stop=list(stop or []),
         chat=chat,
         mode=mode,
-        drafter=drafter,
+        drafter=drafter or "auto",
     )
     with user_errors():
         request.validate()  # fail fast, before loading models
         check_seed(seed)
         spec = get_spec(pair or get_settings().default_pair)
-        spec.check_drafter(drafter)
+        spec.check_drafter(request.drafter)
         use_threads()
         decoder = load_pair(spec).decoder()
         if as_json:
@@ -570,7 +568,8 @@ def corpus_widen(
 
 
 def _register_subcommands() -> None:
-    """The store's (db, report) and the job client's (submit, status, results, retry, cancel, run, worker)."""
+    """The store's (db, report) and the job client's (submit, status, results, retry, cancel, run, worker,
+    jobs, workers, prune)."""
     from .client.cli import register as register_client
     from .store.cli import register as register_store
 

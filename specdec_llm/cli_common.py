@@ -12,10 +12,22 @@ from __future__ import annotations
 import re
 import sys
 from contextlib import contextmanager
+from typing import Annotated
 
 import typer
 
 from .errors import SpecDecError
+
+# --drafter, as `generate`, `submit` and `run` take it (checked against the pair's drafters by
+# PairSpec.check_drafter: `generate` before loading, `submit`/`run` before a row is written)
+DrafterOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--drafter",
+        help="auto (the pair's drafters, chosen per iteration), or one of them: lookup, suffix, model "
+        "(`specdec-llm pairs show PAIR` lists a pair's)",
+    ),
+]
 
 
 def fail(message) -> None:

@@ -349,6 +349,10 @@ def test_pairs_list_never_cuts_a_name_at_80_columns(embedded):  # noqa: F811
         (["--mode", "fast"], "mode: unknown mode 'fast'"),
         (["--device", "tpu"], "device: 'tpu' unknown"),
         (["--pair", "nope"], "unknown pair 'nope'"),
+        (
+            ["--drafter", "eagle"],
+            "drafter: unknown drafter 'eagle' for pair tiny; use one of: auto, lookup, suffix, model",
+        ),
     ],
 )
 def test_run_and_submit_check_every_option_before_a_row_is_written(embedded, tmp_path, args, fragment):  # noqa: F811

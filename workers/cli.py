@@ -28,11 +28,14 @@ def start_worker(
     max_wait_ms: float,
     metrics_port: int | None,
     loglevel: str,
+    events: bool = False,
 ) -> int:
     """Run a Celery worker for ``pair`` on ``device`` until it stops; its exit status.
 
     --max-batch B > 1 decodes up to B requests as one batch: one process (Celery's threads
-    pool, B task threads, at most B messages reserved) holding the pair once."""
+    pool, B task threads, at most B messages reserved) holding the pair once. ``events``:
+    the worker sends Celery's task events (``-E``: task-received, -started, -succeeded...),
+    for Flower, ``celery events`` or an ``app.events.Receiver``."""
     threads = None
     if device == "cpu" and concurrency > 1 and not get_settings().threads:
         threads = max(1, (os.cpu_count() or 1) // concurrency)  # share the cores, don't oversubscribe
@@ -71,7 +74,8 @@ def start_worker(
     else:
         shape, pool_size = f"concurrency {concurrency}", concurrency
     print(
-        f"specdec worker: pair {pair} on {device}, queues {queue_list}, {shape}, broker {broker_display()}",
+        f"specdec worker: pair {pair} on {device}, queues {queue_list}, {shape}, broker {broker_display()}"
+        + (", sending task events" if events else ""),
         file=sys.stderr,
     )
     argv = [
@@ -84,6 +88,8 @@ def start_worker(
         "--without-mingle",
         "--without-gossip",
     ]
+    if events:
+        argv.append("--task-events")  # = worker_send_task_events
     if is_embedded():
         argv.append("--without-heartbeat")
     code = get_app().start(argv)  # (worker_main drops the exit status)

@@ -19,7 +19,9 @@ for its Future, whatever the pool:
   task threads share the one server, which decodes their requests as one batch.
 
 A process started another way (``celery -A workers.app worker``) loads the pair of its
-first task instead (under a lock: task threads wait for the one load).
+first task instead (under a lock: task threads wait for the one load), and writes no
+heartbeat. A configured worker's process writes one (``heartbeat``: ``specdec-llm workers``)
+from the moment its pair is loaded.
 
 The pair, its decoder and its server come from the project's one cache of loaded pairs
 (``specdec_llm.loaded``), as in LangChain's local mode.
@@ -41,7 +43,7 @@ from specdec_llm import store
 from specdec_llm.engine import GenerationRequest
 from specdec_llm.settings import get_settings
 
-from . import metrics
+from . import heartbeat, metrics
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +254,7 @@ def _load_after_fork(**_) -> None:
     except Exception as e:  # noqa: BLE001 - whatever it is, this worker cannot serve
         stop_worker(load_error_text(_options.pair, e))
         return
+    heartbeat.start(rt)  # `specdec-llm workers` lists this process from now on
     if _options.calibrate and _process_index() == 0:
         calibrate(rt, _options.calibration_tokens)
 
@@ -279,6 +282,7 @@ def _load_before_threads(**_) -> None:
             LOAD_FAILED_EXIT
         ) from None  # not an Exception: Celery's signal dispatch lets it through to the worker
     rt.server.ready.wait()
+    heartbeat.start(rt)  # `specdec-llm workers` lists this process from now on (its batch size chosen)
     if _options.max_batch == "auto":
         log.info(
             "batches of up to %d rows: the most tokens/s on this machine by its measured costs", rt.server.max_batch

@@ -21,6 +21,8 @@ messages, parameters) is read from the store, so a message is a few ids, not dat
   row running under another worker's live lease is left alone.
 - A row whose deliveries keep dying mid-generation (OOM-killed worker) fails after
   ``MAX_ATTEMPTS`` instead of killing workers forever.
+- ``cancel JOB --now``: the row's stop check (``cancels``) ends it at its next iteration as
+  cancelled, its partial text kept (``store.jobs.end_cancelled``); the batch's other rows go on.
 - A row whose params hold ``"_stream": true`` (LangChain ``.stream``) publishes its text
   delta by delta while it is generated (``specdec_llm.client.streams``: ``StreamWriter``
   here, ``follow_stream`` in the caller).
@@ -50,7 +52,7 @@ from specdec_llm.engine import RequestError
 from specdec_llm.settings import get_settings
 from specdec_llm.store import jobs
 
-from . import metrics, runtime
+from . import cancels, heartbeat, metrics, runtime
 
 log = logging.getLogger(__name__)
 
@@ -127,32 +129,15 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
             if row["status"] == "running":
                 return {"request_id": request_id, "status": "running elsewhere", "duplicate": True}
             return _finished(row)
-        stream = StreamWriter(request_id) if (row.get("params") or {}).get("_stream") else None
-        limit = soft_time_limit(self)
-        try:
-            req = build_request(row, rt.loaded.tokenizer)
-            # on_text (the stream) is called from the server's thread
-            with metrics.running(pair):
-                future = rt.server.submit(req, on_text=stream, deadline=clock + limit if limit else None)
-                result = future.result().to_dict()
-        except RequestError as e:
-            metrics.failed(pair, "bad_input")
-            store.mark_request(request_id, "failed", error=str(e))
-            return {"request_id": request_id, "status": "failed", "error": str(e)}
-        except (SoftTimeLimitExceeded, TimeoutError):  # prefork's signal, or the server's deadline
-            metrics.failed(pair, "timeout")
-            error = f"timed out: generation took longer than the {limit} s limit"
-            store.mark_request(request_id, "failed", error=error)
-            return {"request_id": request_id, "status": "failed", "error": error}
-        finally:
-            if stream:
-                stream.close()
+        result, ended = _generate_row(self, row, rt, pair, clock)
+        if ended is not None:
+            return ended
         result["job_id"] = row["job_id"]
         result["queue_wait_s"] = started - enqueued_at if enqueued_at else None
         metrics.record(pair, result["stats"], result["queue_wait_s"])
     rt = runtime.get(pair)
     try:
-        store.record_result(
+        wrote = store.record_result(
             request_id,
             result,
             worker=rt.worker,
@@ -167,11 +152,53 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
         countdown = get_exponential_backoff_interval(1, self.request.retries, BACKOFF_MAX, full_jitter=True)
         log.warning("request %s: cannot write its result yet (%s); retrying in %s s", request_id, e, countdown)
         raise self.retry(exc=e, countdown=countdown, kwargs={"enqueued_at": enqueued_at, "result": result}) from e
+    if wrote:
+        heartbeat.meter.add(int(result["stats"].get("output_tokens") or 0))
     return {
         "request_id": request_id,
         "status": "ok",
         **{k: result[k] for k in ("text", "token_ids", "finish_reason", "stats")},
     }
+
+
+def _generate_row(task: Task, row: dict, rt: runtime.Runtime, pair: str, clock: float) -> tuple[dict, dict | None]:
+    """Generate a taken row through the process's BatchServer: ``(result, None)``, or
+    ``({}, what the task returns)`` when the row ended otherwise: failed (bad input, time-out)
+    or cancelled mid-way (``cancel --now``: the server asks ``cancels.flags`` before each
+    step; the row's partial text is kept)."""
+    request_id, job_id = row["id"], row.get("job_id")
+    stream = StreamWriter(request_id) if (row.get("params") or {}).get("_stream") else None
+    stop = cancels.flags.watch(job_id) if job_id else None
+    limit = soft_time_limit(task)
+    try:
+        req = build_request(row, rt.loaded.tokenizer)
+        # on_text (the stream) and stop are called from the server's thread
+        with metrics.running(pair):
+            future = rt.server.submit(req, on_text=stream, deadline=clock + limit if limit else None, stop=stop)
+            result = future.result().to_dict()
+    except RequestError as e:
+        metrics.failed(pair, "bad_input")
+        store.mark_request(request_id, "failed", error=str(e))
+        return {}, {"request_id": request_id, "status": "failed", "error": str(e)}
+    except (SoftTimeLimitExceeded, TimeoutError):  # prefork's signal, or the server's deadline
+        metrics.failed(pair, "timeout")
+        error = f"timed out: generation took longer than the {limit} s limit"
+        store.mark_request(request_id, "failed", error=error)
+        return {}, {"request_id": request_id, "status": "failed", "error": error}
+    finally:
+        if stream:
+            stream.close()
+        if job_id:
+            cancels.flags.release(job_id)
+    if result["finish_reason"] == "cancelled":
+        jobs.end_cancelled(request_id, result)
+        return {}, {
+            "request_id": request_id,
+            "status": "cancelled",
+            "text": result["text"],
+            "finish_reason": "cancelled",
+        }
+    return result, None
 
 
 def soft_time_limit(task: Task) -> float | None:

@@ -9,7 +9,8 @@ task code (``workers/``), and Celery only when it sends. Plain dicts in and out.
 - ``streams.py``: text from the worker to the caller while it generates (both ends use it);
 - ``local.py``: local worker processes (``specdec-llm worker`` as a child process);
 - ``broker.py`` / ``embedded.py``: the Celery configuration both ends share, the embedded broker;
-- ``cli.py``: ``specdec-llm submit | status | results | retry | cancel | run | worker``.
+- ``cli.py``: ``specdec-llm submit | status | results | retry | cancel | run | worker``;
+  ``ops_cli.py``: ``specdec-llm jobs | workers | prune`` and ``status --watch``.
 
     from specdec_llm import client
     job = client.submit("prompts.jsonl", "smollm2-135m", {"max_new_tokens": 64})

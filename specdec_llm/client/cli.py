@@ -1,9 +1,10 @@
-"""``specdec-llm submit | status | results | retry | cancel | run | worker``.
+"""``specdec-llm submit | status | results | retry | cancel | run | worker`` (and, from
+``ops_cli``, ``jobs | workers | prune``).
 
-``register(app)`` adds them to a Typer app. Thin: parsing and printing here, the work in
-``specdec_llm.client`` (jobs). ``worker`` checks its options here, then starts the worker
-with ``workers.cli.start_worker``: the one place ``specdec_llm`` imports ``workers`` (in
-that command, when it runs). Every failure a person can fix prints one line
+``register(app)`` adds them to a Typer app: each command is a function of its own here.
+Thin: parsing and printing here, the work in ``specdec_llm.client`` (jobs). ``worker``
+checks its options here, then starts the worker with ``workers.cli.start_worker``: the one
+place ``specdec_llm`` imports ``workers`` (in that command, when it runs). Every failure a person can fix prints one line
 (``error: ...``) on stderr and exits 2 (``specdec_llm.cli_common``).
 """
 
@@ -18,7 +19,7 @@ from typing import Annotated
 
 import typer
 
-from specdec_llm.cli_common import check_batching, check_device, fail, parse_k, user_errors
+from specdec_llm.cli_common import DrafterOpt, check_batching, check_device, fail, parse_k, user_errors
 
 PairOpt = Annotated[str | None, typer.Option("--pair", help="Pair name (default: SPECDEC_DEFAULT_PAIR)")]
 NameOpt = Annotated[str | None, typer.Option(help="A label for the job (default: the file name)")]
@@ -45,7 +46,7 @@ MaxBatchOpt = Annotated[
 ]
 
 
-def _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode) -> dict:
+def _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode, drafter=None) -> dict:
     params = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -56,6 +57,7 @@ def _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode
         stop=list(stop) if stop else None,
         chat=chat or None,
         mode=mode,
+        drafter=None if drafter == "auto" else drafter,  # auto is the default: the same job as without
     )
     return {key: v for key, v in params.items() if v is not None}
 
@@ -64,304 +66,360 @@ def _fmt(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
+ConcurrencyOpt = Annotated[int, typer.Option(help="Pool processes, each holding the pair (1 per GPU)")]
+QueuesOpt = Annotated[str | None, typer.Option(help="Comma-separated queues (default: specdec.<pair>)")]
+CalibrateOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Also measure target-only and speculative tok/s on a short prompt at start (the pair's "
+        "baseline for rows recorded before each request measured its own)"
+    ),
+]
+MaxWaitOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--max-wait-ms",
+        help="An idle worker waits this long for more requests to start a batch with "
+        "(default: SPECDEC_MAX_WAIT_MS or 20)",
+    ),
+]
+MetricsPortOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--metrics-port",
+        help="Serve Prometheus metrics of every pool process on http://0.0.0.0:PORT/metrics "
+        "(prometheus_client multiprocess mode; folder: PROMETHEUS_MULTIPROC_DIR or a "
+        "temporary one)",
+    ),
+]
+EventsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--events",
+        "-E",
+        help="Send Celery task events (task-received, task-started, task-succeeded...) for monitors "
+        "such as Flower or `celery events` (Celery's -E, worker_send_task_events)",
+    ),
+]
+InputArg = Annotated[
+    Path,
+    typer.Argument(help="JSONL (our rows or OpenAI Batch lines), CSV (a prompt column) or text (one prompt per line)"),
+]
+
+
+def worker(
+    pair: PairOpt = None,
+    device: DeviceOpt = None,
+    concurrency: ConcurrencyOpt = 1,
+    queues: QueuesOpt = None,
+    price_per_hour: PriceOpt = [],  # noqa: B006
+    calibrate: CalibrateOpt = False,
+    max_batch: MaxBatchOpt = None,
+    max_wait_ms: MaxWaitOpt = None,
+    metrics_port: MetricsPortOpt = None,
+    events: EventsOpt = False,
+    loglevel: str = "INFO",
+) -> None:
+    """Start a worker: one pair on one device, consuming the pair's queue.
+
+    --max-batch B > 1 decodes up to B requests as one batch: one process (Celery's threads
+    pool, B task threads, at most B messages reserved) holding the pair once."""
+    from specdec_llm import client, store
+    from specdec_llm.pairs import get_spec
+    from specdec_llm.settings import get_settings
+
+    with user_errors():
+        spec = get_spec(pair or get_settings().default_pair)  # reads the registry only: no model, no CUDA
+    max_wait_ms = get_settings().max_wait_ms if max_wait_ms is None else max_wait_ms
+    max_batch = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
+    if max_wait_ms < 0:
+        fail("max-wait-ms: use 0 or more")
+    if metrics_port is not None and not 0 < metrics_port < 65536:
+        fail(f"metrics-port: {metrics_port} is not a TCP port; use 1-65535")
+    device = check_device(device) or spec.device
+    with user_errors():  # before Celery starts or the pair loads
+        client.check_broker_url()
+        price = store.price_for(price_per_hour or None, device)  # the flag, else SPECDEC_PRICE_PER_HOUR
+    from workers.cli import start_worker  # the worker side: Celery, the task, the runtime
+
+    raise typer.Exit(
+        start_worker(
+            spec.name,
+            device=device,
+            concurrency=concurrency,
+            queues=queues,
+            price_per_hour=price,
+            calibrate=calibrate,
+            max_batch=max_batch,
+            max_wait_ms=max_wait_ms,
+            metrics_port=metrics_port,
+            events=events,
+            loglevel=loglevel,
+        )
+    )
+
+
+def submit(
+    file: InputArg,
+    pair: PairOpt = None,
+    name: NameOpt = None,
+    chat: ChatOpt = False,
+    max_new_tokens: MaxNewOpt = None,
+    temperature: TempOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    seed: SeedOpt = None,
+    k: KOpt = None,
+    stop: StopOpt = None,
+    mode: ModeOpt = None,
+    drafter: DrafterOpt = None,
+) -> None:
+    """Persist every row as a job, enqueue them, print the job id."""
+    from specdec_llm import client
+    from specdec_llm.settings import get_settings
+
+    params = _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode, drafter)
+    pair = pair or get_settings().default_pair
+    with user_errors():
+        sub = client.submit(file, pair, params, name=name)
+    print(
+        f"job {sub['job_id']}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} enqueued for "
+        f"pair {pair} via {client.broker_display()}{_cancelled_note(sub['job_id'], sub['cancelled'])}",
+        file=sys.stderr,
+    )
+    print(sub["job_id"])
+
+
+def status(
+    job: str,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (--watch: one per look)")] = False,
+    price_per_hour: PriceOpt = [],  # noqa: B006 - typer needs a literal
+    watch: Annotated[
+        bool,
+        typer.Option("--watch", "-w", help="A live view until the job ends (Ctrl-C stops watching; the job goes on)"),
+    ] = False,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between looks with --watch")] = 2.0,
+) -> None:
+    """Counts by state, progress, tokens/s, acceptance so far, ETA."""
+    from specdec_llm import client
+
+    if watch:
+        from .ops_cli import watch_status
+
+        watch_status(job, interval=interval, as_json=as_json, price_per_hour=price_per_hour or None)
+        return
+    with user_errors():
+        st = client.status(job, price_per_hour=price_per_hour or None)
+    if as_json:
+        print(json.dumps(st, default=str))
+        return
+    c = st["counts"]
+    cost = "-" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
+    print(f"job {st['job_id']} ({st['name']}): {st['status']}, {st['progress']:.0%} of {st['total']} rows")
+    print("  " + ", ".join(f"{k} {v}" for k, v in c.items()))
+    if st["lost"] or st["requeued"]:  # rows whose worker is gone: back on the queue by themselves
+        parts = [f"{st['lost']} lost, being requeued"] if st["lost"] else []
+        parts += [f"{st['requeued']} lost, requeued"] if st["requeued"] else []
+        print("  " + "; ".join(parts) + " (their worker stopped; they run again on their own)")
+    print(
+        f"  {st['output_tokens']} tokens, {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s overall, "
+        f"{_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request; acceptance "
+        f"{_fmt(st['acceptance_rate'], '.1%')}, speedup {_fmt(st['speedup'], '.2f')}x "
+        f"(basis: {st['speedup_basis'] or '-'}), cost {cost}"
+    )
+    print(f"  elapsed {st['elapsed_s']:.0f} s, ETA {_fmt(st['eta_s'], '.0f')} s")
+
+
+def results(
+    job: str,
+    fmt: FormatOpt = "jsonl",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write here instead of stdout")] = None,
+    failed_only: Annotated[
+        bool, typer.Option("--failed-only", help="Only the failed rows (their error says why), in input order")
+    ] = False,
+) -> None:
+    """Export a job's rows in input order: id, text, finish reason, error, key stats
+    (--format openai: OpenAI Batch output lines, telemetry under response.body.specdec)."""
+    from specdec_llm import client
+
+    with user_errors():
+        items = client.results(job, failed_only=failed_only)
+    _export(items, fmt, out)
+
+
+def retry(
+    job: str,
+    cancelled: Annotated[bool, typer.Option("--cancelled", help="Run the cancelled rows again too")] = False,
+) -> None:
+    """Re-enqueue a job's failed rows and lost ones (queued or running with no worker);
+    --cancelled: its cancelled rows too (else they stay cancelled)."""
+    from specdec_llm import client
+
+    with user_errors():
+        r = client.retry(job, cancelled=cancelled)
+    print(
+        f"job {job}: {r['enqueued']} rows enqueued again"
+        + (f"; {r['bad_input']} refused at submit (fix the input and submit it again)" if r["bad_input"] else "")
+        + _cancelled_note(job, r["cancelled"])
+    )
+
+
+def cancel(
+    job: str,
+    now: Annotated[
+        bool,
+        typer.Option(
+            "--now", help="Also stop the rows being generated, at their next iteration (their partial text is kept)"
+        ),
+    ] = False,
+) -> None:
+    """Cancel a job's rows not started yet (rows being generated finish, unless --now)."""
+    from specdec_llm import client
+
+    with user_errors():
+        r = client.cancel(job, now=now)
+    line = f"job {job}: {r['cancelled']} rows cancelled"
+    if now:
+        line += f"; {r['stopping']} running rows stop at their next iteration (partial text kept)"
+    print(line + f"; `specdec-llm retry {job} --cancelled` runs them again")
+
+
+def run(
+    file: InputArg,
+    pair: PairOpt = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Results file (default: FILE's stem + .results.jsonl)")
+    ] = None,
+    fmt: FormatOpt = "jsonl",
+    name: NameOpt = None,
+    chat: ChatOpt = False,
+    max_new_tokens: MaxNewOpt = None,
+    temperature: TempOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    seed: SeedOpt = None,
+    k: KOpt = None,
+    stop: StopOpt = None,
+    mode: ModeOpt = None,
+    drafter: DrafterOpt = None,
+    device: DeviceOpt = None,
+    concurrency: Annotated[int, typer.Option(help="Processes of a local worker, if one is started")] = 1,
+    max_batch: MaxBatchOpt = None,
+    price_per_hour: PriceOpt = [],  # noqa: B006
+) -> None:
+    """Submit FILE, run it to the end, export the results and print a summary.
+
+    Starts a local worker when none is reachable (always with the embedded broker) and
+    stops it at the end. Run the same command again after an interruption: it resumes."""
+    from specdec_llm import client, store
+    from specdec_llm.settings import get_settings
+
+    params = _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode, drafter)
+    pair = pair or get_settings().default_pair
+    device = check_device(device)
+    max_batch = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
+    out = out or Path(f"{file.stem}.results.{'csv' if fmt == 'csv' else 'jsonl'}")
+    _check_output(fmt, out)  # before generating anything, not after
+    with user_errors():  # the price (the flag, else SPECDEC_PRICE_PER_HOUR): now, not after the job
+        store.price_for(price_per_hour or None, device or "cpu")
+    t0 = time.time()
+    with user_errors():
+        sub = client.submit(file, pair, params, name=name)
+        job = sub["job_id"]
+        _run_to_the_end(sub, pair, device=device, concurrency=concurrency, max_batch=max_batch)
+        _export(client.results(job), fmt, out, job=job)
+        st = client.status(job, price_per_hour=price_per_hour or None)
+    _print_run_summary(st, out, wall=time.time() - t0)
+
+
+def _run_to_the_end(sub: dict, pair: str, *, device: str | None, concurrency: int, max_batch) -> None:
+    """`run`'s middle: a worker (a reachable one, or a local one started and stopped here)
+    takes the submitted job's rows; a progress bar on stderr until none is pending."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specdec_llm import client
+
+    err, job, procs = Console(stderr=True), sub["job_id"], []
+    err.print(
+        f"job {job}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} to generate "
+        f"({sub['done']} done before); broker {client.broker_display()}{_cancelled_note(job, sub['cancelled'])}"
+    )
+
+    def start():  # also for a local worker killed (SIGKILL, OOM killer): its rows come back by lease
+        return client.start_local_worker(pair, device=device, concurrency=concurrency, max_batch=max_batch)
+
+    try:
+        if sub["enqueued"]:
+            client.check_broker()
+            found = client.live_workers(pair)
+            if found:
+                err.print(f"workers for {pair}: {', '.join(found)}")
+            else:
+                procs.append(start())
+                err.print(f"started a local worker for {pair} (log: {procs[0].log_path})")
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[detail]}"),
+        )
+        with Progress(*columns, console=err) as progress:
+            bar = progress.add_task(f"{pair}", total=sub["rows"], detail="")
+
+            def show(c):
+                done = c["ok"] + c["failed"] + c["cancelled"]
+                progress.update(bar, completed=done, detail=f"ok {c['ok']} failed {c['failed']}")
+
+            client.wait(job, workers=procs, on_progress=show, requeue_lost_after_s=60, restart=lambda dead: start())
+        if procs:  # a resumed job's rows were enqueued twice: let our worker take the no-ops too
+            client.wait_for_empty_queue(pair, timeout_s=15)
+    except RuntimeError as e:  # the local worker stopped
+        fail(e)
+    except KeyboardInterrupt:
+        err.print(f"interrupted; run the same command again to resume job {job}")
+        raise typer.Exit(130) from None
+    finally:
+        for p in procs:
+            client.stop_local_worker(p)
+
+
+def _print_run_summary(st: dict, out: Path, *, wall: float) -> None:
+    job, c = st["job_id"], st["counts"]
+    print(
+        f"job {job}: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled; results in {out}"
+        + _cancelled_note(job, c["cancelled"])
+    )
+    print(
+        f"  {st['output_tokens']} output tokens; {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s over the "
+        f"job ({wall:.1f} s this run), {_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request"
+    )
+    speedup = "unknown (no counterfactual recorded)" if st["speedup"] is None else f"{st['speedup']:.2f}x"
+    cost = "unknown (give --price-per-hour)" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
+    print(
+        f"  acceptance {_fmt(st['acceptance_rate'], '.1%')}, {_fmt(st['mean_accepted_length'], '.2f')} tokens "
+        f"per target forward; speedup vs target-only {speedup}; cost {cost}"
+    )
+    if st["speedup"] is not None:
+        print(
+            f"  (speedup basis: {st['speedup_basis']}: each request's output tokens at the target-only step "
+            "time its worker measured at the same batch size, over the time it took)"
+        )
+    if c["failed"]:
+        print(f"  {c['failed']} rows failed: see their 'error' in {out}; `specdec-llm retry {job}` runs them again")
+
+
+COMMANDS = (worker, submit, status, results, retry, cancel, run)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command()
-    def worker(
-        pair: PairOpt = None,
-        device: DeviceOpt = None,
-        concurrency: Annotated[int, typer.Option(help="Pool processes, each holding the pair (1 per GPU)")] = 1,
-        queues: Annotated[str | None, typer.Option(help="Comma-separated queues (default: specdec.<pair>)")] = None,
-        price_per_hour: PriceOpt = [],  # noqa: B006
-        calibrate: Annotated[
-            bool,
-            typer.Option(
-                help="Also measure target-only and speculative tok/s on a short prompt at start (the pair's "
-                "baseline for rows recorded before each request measured its own)"
-            ),
-        ] = False,
-        max_batch: MaxBatchOpt = None,
-        max_wait_ms: Annotated[
-            float | None,
-            typer.Option(
-                "--max-wait-ms",
-                help="An idle worker waits this long for more requests to start a batch with "
-                "(default: SPECDEC_MAX_WAIT_MS or 20)",
-            ),
-        ] = None,
-        metrics_port: Annotated[
-            int | None,
-            typer.Option(
-                "--metrics-port",
-                help="Serve Prometheus metrics of every pool process on http://0.0.0.0:PORT/metrics "
-                "(prometheus_client multiprocess mode; folder: PROMETHEUS_MULTIPROC_DIR or a "
-                "temporary one)",
-            ),
-        ] = None,
-        loglevel: str = "INFO",
-    ) -> None:
-        """Start a worker: one pair on one device, consuming the pair's queue.
+    """Add the job commands (``COMMANDS``, then ``jobs``, ``workers``, ``prune``: ``ops_cli``) to ``app``."""
+    from . import ops_cli
 
-        --max-batch B > 1 decodes up to B requests as one batch: one process (Celery's threads
-        pool, B task threads, at most B messages reserved) holding the pair once."""
-        from specdec_llm import client, store
-        from specdec_llm.pairs import get_spec
-        from specdec_llm.settings import get_settings
-
-        with user_errors():
-            spec = get_spec(pair or get_settings().default_pair)  # reads the registry only: no model, no CUDA
-        max_wait_ms = get_settings().max_wait_ms if max_wait_ms is None else max_wait_ms
-        max_batch = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
-        if max_wait_ms < 0:
-            fail("max-wait-ms: use 0 or more")
-        if metrics_port is not None and not 0 < metrics_port < 65536:
-            fail(f"metrics-port: {metrics_port} is not a TCP port; use 1-65535")
-        device = check_device(device) or spec.device
-        with user_errors():  # before Celery starts or the pair loads
-            client.check_broker_url()
-            price = store.price_for(price_per_hour or None, device)  # the flag, else SPECDEC_PRICE_PER_HOUR
-        from workers.cli import start_worker  # the worker side: Celery, the task, the runtime
-
-        raise typer.Exit(
-            start_worker(
-                spec.name,
-                device=device,
-                concurrency=concurrency,
-                queues=queues,
-                price_per_hour=price,
-                calibrate=calibrate,
-                max_batch=max_batch,
-                max_wait_ms=max_wait_ms,
-                metrics_port=metrics_port,
-                loglevel=loglevel,
-            )
-        )
-
-    @app.command()
-    def submit(
-        file: Annotated[
-            Path,
-            typer.Argument(
-                help="JSONL (our rows or OpenAI Batch lines), CSV (a prompt column) or text (one prompt per line)"
-            ),
-        ],
-        pair: PairOpt = None,
-        name: NameOpt = None,
-        chat: ChatOpt = False,
-        max_new_tokens: MaxNewOpt = None,
-        temperature: TempOpt = None,
-        top_p: TopPOpt = None,
-        top_k: TopKOpt = None,
-        seed: SeedOpt = None,
-        k: KOpt = None,
-        stop: StopOpt = None,
-        mode: ModeOpt = None,
-    ) -> None:
-        """Persist every row as a job, enqueue them, print the job id."""
-        from specdec_llm import client
-        from specdec_llm.settings import get_settings
-
-        params = _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode)
-        pair = pair or get_settings().default_pair
-        with user_errors():
-            sub = client.submit(file, pair, params, name=name)
-        print(
-            f"job {sub['job_id']}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} enqueued for "
-            f"pair {pair} via {client.broker_display()}{_cancelled_note(sub['job_id'], sub['cancelled'])}",
-            file=sys.stderr,
-        )
-        print(sub["job_id"])
-
-    @app.command()
-    def status(
-        job: str,
-        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
-        price_per_hour: PriceOpt = [],  # noqa: B006 - typer needs a literal
-    ) -> None:
-        """Counts by state, progress, tokens/s, acceptance so far, ETA."""
-        from specdec_llm import client
-
-        with user_errors():
-            st = client.status(job, price_per_hour=price_per_hour or None)
-        if as_json:
-            print(json.dumps(st, default=str))
-            return
-        c = st["counts"]
-        cost = "-" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
-        print(f"job {st['job_id']} ({st['name']}): {st['status']}, {st['progress']:.0%} of {st['total']} rows")
-        print("  " + ", ".join(f"{k} {v}" for k, v in c.items()))
-        if st["lost"] or st["requeued"]:  # rows whose worker is gone: back on the queue by themselves
-            parts = [f"{st['lost']} lost, being requeued"] if st["lost"] else []
-            parts += [f"{st['requeued']} lost, requeued"] if st["requeued"] else []
-            print("  " + "; ".join(parts) + " (their worker stopped; they run again on their own)")
-        print(
-            f"  {st['output_tokens']} tokens, {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s overall, "
-            f"{_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request; acceptance "
-            f"{_fmt(st['acceptance_rate'], '.1%')}, speedup {_fmt(st['speedup'], '.2f')}x "
-            f"(basis: {st['speedup_basis'] or '-'}), cost {cost}"
-        )
-        print(f"  elapsed {st['elapsed_s']:.0f} s, ETA {_fmt(st['eta_s'], '.0f')} s")
-
-    @app.command()
-    def results(
-        job: str,
-        fmt: FormatOpt = "jsonl",
-        out: Annotated[Path | None, typer.Option("--out", "-o", help="Write here instead of stdout")] = None,
-    ) -> None:
-        """Export a job's rows in input order: id, text, finish reason, error, key stats
-        (--format openai: OpenAI Batch output lines, telemetry under response.body.specdec)."""
-        from specdec_llm import client
-
-        with user_errors():
-            items = client.results(job)
-        _export(items, fmt, out)
-
-    @app.command()
-    def retry(
-        job: str,
-        cancelled: Annotated[bool, typer.Option("--cancelled", help="Run the cancelled rows again too")] = False,
-    ) -> None:
-        """Re-enqueue a job's failed rows and lost ones (queued or running with no worker);
-        --cancelled: its cancelled rows too (else they stay cancelled)."""
-        from specdec_llm import client
-
-        with user_errors():
-            r = client.retry(job, cancelled=cancelled)
-        print(
-            f"job {job}: {r['enqueued']} rows enqueued again"
-            + (f"; {r['bad_input']} refused at submit (fix the input and submit it again)" if r["bad_input"] else "")
-            + _cancelled_note(job, r["cancelled"])
-        )
-
-    @app.command()
-    def cancel(job: str) -> None:
-        """Cancel a job's rows not started yet (rows being generated finish)."""
-        from specdec_llm import client
-
-        with user_errors():
-            r = client.cancel(job)
-        print(f"job {job}: {r['cancelled']} rows cancelled")
-
-    @app.command()
-    def run(
-        file: Annotated[
-            Path,
-            typer.Argument(
-                help="JSONL (our rows or OpenAI Batch lines), CSV (a prompt column) or text (one prompt per line)"
-            ),
-        ],
-        pair: PairOpt = None,
-        out: Annotated[
-            Path | None, typer.Option("--out", "-o", help="Results file (default: FILE's stem + .results.jsonl)")
-        ] = None,
-        fmt: FormatOpt = "jsonl",
-        name: NameOpt = None,
-        chat: ChatOpt = False,
-        max_new_tokens: MaxNewOpt = None,
-        temperature: TempOpt = None,
-        top_p: TopPOpt = None,
-        top_k: TopKOpt = None,
-        seed: SeedOpt = None,
-        k: KOpt = None,
-        stop: StopOpt = None,
-        mode: ModeOpt = None,
-        device: DeviceOpt = None,
-        concurrency: Annotated[int, typer.Option(help="Processes of a local worker, if one is started")] = 1,
-        max_batch: MaxBatchOpt = None,
-        price_per_hour: PriceOpt = [],  # noqa: B006
-    ) -> None:
-        """Submit FILE, run it to the end, export the results and print a summary.
-
-        Starts a local worker when none is reachable (always with the embedded broker) and
-        stops it at the end. Run the same command again after an interruption: it resumes."""
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        from specdec_llm import client, store
-        from specdec_llm.settings import get_settings
-
-        err = Console(stderr=True)
-        params = _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode)
-        pair = pair or get_settings().default_pair
-        device = check_device(device)
-        max_batch = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
-        out = out or Path(f"{file.stem}.results.{'csv' if fmt == 'csv' else 'jsonl'}")
-        _check_output(fmt, out)  # before generating anything, not after
-        with user_errors():  # the price (the flag, else SPECDEC_PRICE_PER_HOUR): now, not after the job
-            store.price_for(price_per_hour or None, device or "cpu")
-        t0 = time.time()
-        procs = []
-        with user_errors():
-            sub = client.submit(file, pair, params, name=name)
-            job = sub["job_id"]
-            err.print(
-                f"job {job}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} to generate "
-                f"({sub['done']} done before); broker {client.broker_display()}{_cancelled_note(job, sub['cancelled'])}"
-            )
-            try:
-                if sub["enqueued"]:
-                    client.check_broker()
-                    found = client.live_workers(pair)
-                    if found:
-                        err.print(f"workers for {pair}: {', '.join(found)}")
-                    else:
-                        procs.append(
-                            client.start_local_worker(pair, device=device, concurrency=concurrency, max_batch=max_batch)
-                        )
-                        err.print(f"started a local worker for {pair} (log: {procs[0].log_path})")
-                columns = (
-                    TextColumn("{task.description}"),
-                    BarColumn(),
-                    MofNCompleteColumn(),
-                    TimeElapsedColumn(),
-                    TextColumn("{task.fields[detail]}"),
-                )
-                with Progress(*columns, console=err) as progress:
-                    bar = progress.add_task(f"{pair}", total=sub["rows"], detail="")
-
-                    def show(c):
-                        done = c["ok"] + c["failed"] + c["cancelled"]
-                        progress.update(bar, completed=done, detail=f"ok {c['ok']} failed {c['failed']}")
-
-                    def restart(dead):  # a local worker killed (SIGKILL, OOM killer): its rows come back by lease
-                        return client.start_local_worker(
-                            pair, device=device, concurrency=concurrency, max_batch=max_batch
-                        )
-
-                    client.wait(job, workers=procs, on_progress=show, requeue_lost_after_s=60, restart=restart)
-                if procs:  # a resumed job's rows were enqueued twice: let our worker take the no-ops too
-                    client.wait_for_empty_queue(pair, timeout_s=15)
-            except RuntimeError as e:  # the local worker stopped
-                fail(e)
-            except KeyboardInterrupt:
-                err.print(f"interrupted; run the same command again to resume job {job}")
-                raise typer.Exit(130) from None
-            finally:
-                for p in procs:
-                    client.stop_local_worker(p)
-            _export(client.results(job), fmt, out, job=job)
-            st = client.status(job, price_per_hour=price_per_hour or None)
-        c, wall = st["counts"], time.time() - t0
-        print(
-            f"job {job}: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled; results in {out}"
-            + _cancelled_note(job, c["cancelled"])
-        )
-        print(
-            f"  {st['output_tokens']} output tokens; {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s over the "
-            f"job ({wall:.1f} s this run), {_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request"
-        )
-        speedup = "unknown (no counterfactual recorded)" if st["speedup"] is None else f"{st['speedup']:.2f}x"
-        cost = "unknown (give --price-per-hour)" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
-        print(
-            f"  acceptance {_fmt(st['acceptance_rate'], '.1%')}, {_fmt(st['mean_accepted_length'], '.2f')} tokens "
-            f"per target forward; speedup vs target-only {speedup}; cost {cost}"
-        )
-        if st["speedup"] is not None:
-            print(
-                f"  (speedup basis: {st['speedup_basis']}: each request's output tokens at the target-only step "
-                "time its worker measured at the same batch size, over the time it took)"
-            )
-        if c["failed"]:
-            print(f"  {c['failed']} rows failed: see their 'error' in {out}; `specdec-llm retry {job}` runs them again")
+    for command in COMMANDS:
+        app.command()(command)
+    ops_cli.register(app)
 
 
 def _cancelled_note(job: str, cancelled: int) -> str:

@@ -60,7 +60,9 @@ def submit(path: Path, pair: str, params: dict | None = None, *, name: str | Non
     from specdec_llm.pairs import get_spec  # (torch: not for commands that only read)
 
     params = {k: v for k, v in (params or {}).items() if v is not None}
-    get_spec(pair)  # unknown pair: fail now, not in a worker
+    spec = get_spec(pair)  # unknown pair: fail now, not in a worker
+    if params.get("drafter") is not None:
+        spec.check_drafter(params["drafter"])  # one the pair has (as `generate` checks it)
     check_broker_url()  # a URL kombu cannot read: fail now, not with the rows saved
     R.check_params(params)
     rows = R.read_rows(Path(path))
@@ -181,8 +183,9 @@ def status(job_id: str, price_per_hour=None) -> dict:
     }
 
 
-def results(job_id: str) -> list[dict]:
-    """One dict per row, in input order: the row's id, outcome and key stats (``RESULT_FIELDS``,
+def results(job_id: str, *, failed_only: bool = False) -> list[dict]:
+    """One dict per row, in input order (``failed_only``: the failed rows only): the row's
+    id, outcome and key stats (``RESULT_FIELDS``,
     what the jsonl and csv formats write), and what the openai format adds: ``request_id``,
     ``pair``, ``endpoint`` (an OpenAI Batch line's url), ``chat``, ``refused`` (bad input,
     failed at submit), ``finished_at``, more telemetry (``openai_batch.TELEMETRY``) and
@@ -192,6 +195,8 @@ def results(job_id: str) -> list[dict]:
     get_job(job_id)
     out = []
     for r in job_requests(job_id):
+        if failed_only and r["status"] != "failed":
+            continue
         params = r["params"] or {}
         item = {k: r.get(k) for k in (*RESULT_FIELDS, *TELEMETRY)}
         item["id"] = params.get("_id", r["id"])
@@ -256,10 +261,14 @@ def retry(job_id: str, *, cancelled: bool = False) -> dict:
     }
 
 
-def cancel(job_id: str) -> dict:
-    """Rows not started are cancelled, in one UPDATE (workers skip them); a row being generated finishes."""
+def cancel(job_id: str, *, now: bool = False) -> dict:
+    """Rows not started are cancelled, in one UPDATE (workers skip them); a row being
+    generated finishes, unless ``now``: then its worker ends it at its next iteration as
+    cancelled, keeping its partial text. Returns ``{"job_id", "cancelled", "stopping"}``
+    (``stopping``: running rows told to stop)."""
     get_job(job_id)
-    return {"job_id": job_id, "cancelled": jobs.cancel(job_id)}
+    cancelled = jobs.cancel(job_id, now=now)
+    return {"job_id": job_id, "cancelled": cancelled, "stopping": jobs.counts(job_id)["running"] if now else 0}
 
 
 def reclaim_and_enqueue(max_attempts: int = MAX_ATTEMPTS) -> list[dict]:

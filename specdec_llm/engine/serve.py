@@ -15,6 +15,10 @@ tokens per second on this machine, from its measured costs (``SpeculativeDecoder
 cached on disk), before serving; ``ready`` is set once it is chosen.
 ``cancel(future)`` withdraws a request: not started yet, it never joins; in the batch, it
 leaves before the next step (its Future raises CancelledError); the other rows go on.
+``submit(..., stop=callable)``: asked before each step; once it returns True the row ends
+there with what it has (finish reason "cancelled", its partial text and stats as a normal
+result); the other rows go on. It runs on the server's thread before every step: make it
+cheap (a flag another thread sets; a bulk job's worker polls its store for it).
 The decoder's measured costs are written to its on-disk cache (costcache.py) when the
 server goes idle (at most every ``SAVE_EVERY_S``) and when it closes.
 """
@@ -25,13 +29,15 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
-from .decoder import Batch, SpeculativeDecoder, TextCallback
+from .decoder import Batch, Row, SpeculativeDecoder, TextCallback
 from .types import GenerationRequest, GenerationResult, RequestError
 
-# a submitted request: (request, on_text, deadline, its future)
-_Item = tuple[GenerationRequest, TextCallback | None, float | None, "Future[GenerationResult]"]
+StopCheck = Callable[[], bool]  # "should this row stop now?" (asked before each step)
+# a submitted request: (request, on_text, deadline, stop, its future)
+_Item = tuple[GenerationRequest, TextCallback | None, float | None, StopCheck | None, "Future[GenerationResult]"]
 
 log = logging.getLogger(__name__)
 AUTO = "auto"  # max_batch: the batch size with the most tokens/s on this machine, up to AUTO_CAP
@@ -59,12 +65,19 @@ class BatchServer:
         self.thread.start()
 
     def submit(
-        self, request: GenerationRequest, on_text: TextCallback | None = None, deadline: float | None = None
+        self,
+        request: GenerationRequest,
+        on_text: TextCallback | None = None,
+        deadline: float | None = None,
+        stop: StopCheck | None = None,
     ) -> Future[GenerationResult]:
+        """Queue ``request``; its Future gets its result. ``deadline`` (time.monotonic()):
+        past it the row leaves with TimeoutError. ``stop()`` True: the row ends before the
+        next step with its partial result (finish reason "cancelled")."""
         if self.closed.is_set():
             raise RuntimeError("this BatchServer is closed")
         fut: Future[GenerationResult] = Future()
-        self.inbox.put((request, on_text, deadline, fut))
+        self.inbox.put((request, on_text, deadline, stop, fut))
         return fut
 
     @property
@@ -154,11 +167,11 @@ class BatchServer:
             log.exception("could not save the decoding costs")
 
     def _join(self, batch: Batch, item: _Item) -> None:
-        request, on_text, deadline, fut = item
+        request, on_text, deadline, stop, fut = item
         if not fut.set_running_or_notify_cancel():
             return
         try:
-            batch.add(request, on_text, tag=(fut, deadline))
+            batch.add(request, on_text, tag=(fut, deadline, stop))
         except RequestError as e:
             fut.set_exception(e)
         except Exception as e:  # a failed prefill fails this request only
@@ -166,7 +179,8 @@ class BatchServer:
             fut.set_exception(e)
 
     def _expire(self, batch: Batch) -> None:
-        """Rows past their deadline (TimeoutError) or cancelled (CancelledError) leave the batch."""
+        """Rows past their deadline (TimeoutError), cancelled (CancelledError) or told to
+        stop (their partial result, finish reason "cancelled") leave the batch."""
         from concurrent.futures import CancelledError
 
         now = time.monotonic()
@@ -174,12 +188,32 @@ class BatchServer:
             cancelled, self.cancelled = self.cancelled, set()
         gone = []
         for b, row in enumerate(batch.rows):
-            fut, deadline = row.tag
+            fut, deadline, stop = row.tag
             if fut in cancelled:
                 fut.set_exception(CancelledError("cancelled"))
                 gone.append(b)
             elif deadline is not None and now > deadline:
                 fut.set_exception(TimeoutError("generation passed its deadline"))
                 gone.append(b)
+            elif stop is not None and _asks_to_stop(stop):
+                fut.set_result(_stopped(row))
+                gone.append(b)
         if gone:
             batch.keep([b for b in range(len(batch.rows)) if b not in gone])
+
+
+def _asks_to_stop(stop: StopCheck) -> bool:
+    try:
+        return bool(stop())
+    except Exception:  # a broken check never stops a row (nor the batch)
+        log.exception("a row's stop check failed; the row goes on")
+        return False
+
+
+def _stopped(row: Row) -> GenerationResult:
+    """The row's result as it stands: what it emitted so far, finish reason "cancelled"."""
+    row.finish_reason = "cancelled"
+    row.stream(final=True)
+    row.finish()
+    assert row.result is not None
+    return row.result

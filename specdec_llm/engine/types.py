@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from ..errors import SpecDecError
 
-FinishReason = Literal["eos", "stop", "length", "context"]
+# "cancelled": the caller stopped the row mid-way (BatchServer.submit's stop); its text is partial
+FinishReason = Literal["eos", "stop", "length", "context", "cancelled"]
 
 
 class RequestError(SpecDecError, ValueError):

@@ -33,8 +33,16 @@ function takes ``url=`` to use another database. Times are naive UTC (``utcnow()
     renew(request_ids, owner) -> int;  reclaim(lease_timeout_s, *, max_attempts=None) -> [{"id", "pair"}]
     counts(job_id, *, lease_timeout_s=None) -> {status: n, "lost", "requeued"}
     requeue(job_id, *, lease_timeout_s, cancelled=False) -> [{"id", "pair"}]
-    cancel(job_id) -> int;  refused_count(job_id)
+    cancel(job_id, *, now=False) -> int;  refused_count(job_id)
+    cancels_requested(job_ids) -> set;  end_cancelled(request_id, result) -> bool   # cancel --now
     job_requests(job_id, *, outputs=True) -> [dict]   # every row, its output and key telemetry, input order
+
+``admin`` (operating: ``specdec-llm jobs | workers | prune``)
+    list_jobs(*, state, name, since, limit=20) -> [dict]   # newest first, rows by state, tokens/s
+    heartbeat_worker(worker, *, pair, dtype, max_batch, rows_done, output_tokens, tokens_per_s)
+    list_workers(*, stale_after_s, since=None) -> [dict]   # by heartbeat; stale ones marked
+    prune_plan(cutoff, *, job_id=None) -> {"jobs", "rows", "unfinished"}
+    prune(cutoff, *, job_id=None, batch_rows=5000) -> {"jobs", "rows", "outputs", "telemetry"}
 
 ``reports`` (reads only)
     summary(since=None, until=None, group_by=("pair",), pair=None, job=None,

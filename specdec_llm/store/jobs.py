@@ -12,6 +12,12 @@ returned rows. A row that lost ``max_attempts`` workers fails instead.
 Job-wide: ``counts`` (by state, plus lost and requeued rows), ``requeue`` (retry) and
 ``cancel``, each one UPDATE over the job's rows; ``job_requests``, every row of a job
 (with its output and key telemetry) as plain dicts, in input order.
+
+``cancel(job, now=True)`` also sets the job's cancel flag (``jobs.cancel_requested_at``):
+workers poll it (``cancels_requested``, one query for every job they are running) and end
+each running row at its next iteration as cancelled, its partial text kept
+(``end_cancelled``: an output, no telemetry, so reports count finished rows only). A retry
+clears the flag; ``retry --cancelled`` drops those partial outputs before the rows run again.
 """
 
 from __future__ import annotations
@@ -20,12 +26,12 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from .db import check_schema, session_scope
-from .models import Output, Pair, Request, Telemetry, utcnow
-from .record import _refresh_job, _row_changed, _worker_id, _writing
+from .models import Job, Output, Pair, Request, Telemetry, utcnow
+from .record import _chunks, _insert, _refresh_job, _row_changed, _text, _worker_id, _writing
 
 PENDING = ("queued", "running")
 FINISHED = ("ok", "failed", "cancelled")
@@ -118,6 +124,15 @@ def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str
                 .returning(Request.job_id)
             ).all()
             jobs.update(r.job_id for r in failed if r.job_id)
+        stopping = Request.job_id.in_(select(Job.id).where(Job.cancel_requested_at.is_not(None)))
+        cancelled = s.execute(  # lost rows of a job cancelled --now: not run again
+            update(Request)
+            .where(_lost(cutoff), stopping)
+            .values(status="cancelled", error="cancelled", finished_at=now, lease_owner=None, heartbeat_at=None)
+            .returning(Request.job_id)
+            .execution_options(synchronize_session=False)
+        ).all()
+        jobs.update(r.job_id for r in cancelled if r.job_id)
         requeued = s.execute(
             update(Request)
             .where(_lost(cutoff))
@@ -200,9 +215,18 @@ def requeue(
     """``retry``: failed rows (not those refused at submit: they would fail again), queued
     rows, running rows whose lease expired and, with ``cancelled``, cancelled rows go back
     to "queued", in one UPDATE; rows running under a live lease are left to their worker.
-    Returns them as ``[{"id", "pair"}]`` (the caller enqueues them)."""
+    The job's cancel flag (``cancel --now``) is cleared, and the partial outputs of cancelled
+    rows run again are dropped (their new result is recorded in their place). Returns them
+    as ``[{"id", "pair"}]`` (the caller enqueues them)."""
     with _writing(url) as s:
         cutoff = utcnow() - timedelta(seconds=lease_timeout_s)
+        s.execute(update(Job).where(Job.id == job_id).values(cancel_requested_at=None))
+        if cancelled:
+            mine = select(Request.id).where(Request.job_id == job_id, Request.status == "cancelled")
+            s.execute(
+                delete(Telemetry).where(Telemetry.request_id.in_(mine)).execution_options(synchronize_session=False)
+            )
+            s.execute(delete(Output).where(Output.request_id.in_(mine)).execution_options(synchronize_session=False))
         refused = Request.params["_input_error"].as_string().is_not(None)
         again = [
             Request.status == "queued",
@@ -231,8 +255,10 @@ def refused_count(job_id: str, *, url: str | None = None) -> int:
         return s.scalar(select(func.count()).where(Request.job_id == job_id, Request.status == "failed", refused)) or 0
 
 
-def cancel(job_id: str, *, url: str | None = None) -> int:
-    """Cancel every queued row of a job in one UPDATE (running rows finish); how many."""
+def cancel(job_id: str, *, now: bool = False, url: str | None = None) -> int:
+    """Cancel every queued row of a job in one UPDATE (running rows finish); how many.
+    ``now``: also set the job's cancel flag, in the same transaction, so workers end its
+    running rows at their next iteration (their partial text kept: ``end_cancelled``)."""
     with _writing(url) as s:
         rows = s.execute(
             update(Request)
@@ -241,5 +267,61 @@ def cancel(job_id: str, *, url: str | None = None) -> int:
             .returning(Request.id)
             .execution_options(synchronize_session=False)
         ).all()
+        if now:
+            s.execute(update(Job).where(Job.id == job_id).values(cancel_requested_at=utcnow()))
         _refresh_job(s, job_id)
         return len(rows)
+
+
+def cancels_requested(job_ids: Iterable[str], *, url: str | None = None) -> set[str]:
+    """Which of ``job_ids`` have their cancel flag set (``cancel --now``): one primary-key
+    lookup per id, what a worker polls for the jobs it is running. Reads only."""
+    ids = list(job_ids)
+    if not ids:
+        return set()
+    check_schema(url)
+    found: set[str] = set()
+    with session_scope(url) as s:
+        for chunk in _chunks(ids):
+            found.update(s.scalars(select(Job.id).where(Job.id.in_(chunk), Job.cancel_requested_at.is_not(None))))
+    return found
+
+
+def end_cancelled(request_id: str, result: dict[str, Any], *, url: str | None = None) -> bool:
+    """A running row stopped by ``cancel --now``: status "cancelled", its partial text and
+    tokens kept as its output (finish reason "cancelled"), no telemetry (reports count
+    finished rows). False when the row was not running (finished or requeued meanwhile)."""
+    stats = result.get("stats") or {}
+    tokens = int(stats.get("output_tokens") or len(result.get("token_ids") or []))
+    with _writing(url) as s:
+        now = utcnow()
+        changed = s.execute(
+            update(Request)
+            .where(Request.id == request_id, Request.status == "running")
+            .values(
+                status="cancelled",
+                error=f"cancelled while running (cancel --now), after {tokens} tokens; its partial text is kept",
+                finished_at=now,
+                lease_owner=None,
+                heartbeat_at=None,
+            )
+            .returning(Request.job_id)
+        ).first()
+        if changed is None:
+            return False
+        s.execute(
+            _insert(s, Output)
+            .values(
+                request_id=request_id,
+                text=_text(result.get("text")) or "",
+                token_ids=list(result.get("token_ids") or []),
+                prompt_tokens=int(stats.get("prompt_tokens") or 0),
+                output_tokens=tokens,
+                finish_reason="cancelled",
+                created_at=now,
+            )
+            .on_conflict_do_nothing(index_elements=["request_id"])
+        )
+        if changed.job_id:
+            _row_changed(s, changed.job_id)
+        return True

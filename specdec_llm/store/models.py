@@ -117,10 +117,14 @@ class Pair(Base):
 
 
 class Worker(Base):
-    """One worker process: where it ran and with which library versions."""
+    """One worker process: where it ran and with which library versions; since 0006 also what
+    its heartbeat says (the pair it serves, its batch size, rows done, recent tokens/s)."""
 
     __tablename__ = "workers"
-    __table_args__ = (UniqueConstraint("host", "pid", "device_name"),)
+    __table_args__ = (
+        UniqueConstraint("host", "pid", "device_name"),
+        Index("ix_workers_heartbeat_at", "heartbeat_at"),  # `specdec-llm workers` (0006)
+    )
     id: Mapped[int] = mapped_column(primary_key=True)
     host: Mapped[str] = mapped_column(String(255))
     pid: Mapped[int]
@@ -129,13 +133,25 @@ class Worker(Base):
     transformers_version: Mapped[str | None] = mapped_column(String(64))
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # the heartbeat (0006), written every SPECDEC_LEASE_HEARTBEAT_S by the process holding the pair
+    pair: Mapped[str | None] = mapped_column(String(200))
+    dtype: Mapped[str | None] = mapped_column(String(32))
+    max_batch: Mapped[int | None]
+    rows_done: Mapped[int] = mapped_column(default=0)
+    output_tokens: Mapped[int] = mapped_column(default=0)
+    tokens_per_s: Mapped[float | None]  # over the last minute
+    heartbeat_at: Mapped[datetime | None]
 
 
 class Job(Base):
     """A batch of requests (one submitted file, one LangChain .batch call...)."""
 
     __tablename__ = "jobs"
-    __table_args__ = (CheckConstraint(_in("status", JOB_STATUSES), name="status"),)
+    __table_args__ = (
+        CheckConstraint(_in("status", JOB_STATUSES), name="status"),
+        Index("ix_jobs_created", "created_at", "id"),  # `specdec-llm jobs`: newest first (0006)
+        Index("ix_jobs_status_created", "status", "created_at", "id"),  # ... of one state; prune
+    )
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str | None] = mapped_column(String(200))
     pair_id: Mapped[int | None] = mapped_column(ForeignKey("pairs.id"))
@@ -147,6 +163,8 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    # `cancel --now` (0006): workers end the job's running rows at their next iteration
+    cancel_requested_at: Mapped[datetime | None]
 
 
 class Request(Base):

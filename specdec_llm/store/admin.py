@@ -1,0 +1,244 @@
+"""Operating the store: list jobs and workers, record worker heartbeats, prune old jobs.
+
+Plain dicts out, naive UTC times, as everywhere in the store.
+
+- ``list_jobs``: newest first (index ``ix_jobs_created`` / ``ix_jobs_status_created``), each
+  job with its rows by state and its tokens/s so far, counted from the listed jobs' rows
+  only (never a scan of every job's rows).
+- ``heartbeat_worker`` / ``list_workers``: a worker process writes what it serves and how it
+  is doing every ``SPECDEC_LEASE_HEARTBEAT_S``; a worker whose heartbeat is older than
+  ``stale_after_s`` (the lease timeout) is marked stale: it stopped, or cannot reach the store.
+- ``prune_plan`` / ``prune``: finished jobs created before a cutoff, deleted with their rows,
+  outputs and telemetry in transactions of at most ``PRUNE_BATCH`` rows each, so workers and
+  readers keep using the store (SQLite has one writer at a time) while it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import ColumnElement, delete, func, inspect, select
+from sqlalchemy.orm import Session
+
+from .db import StoreError, check_schema, session_scope
+from .models import JOB_STATUSES, Base, Job, Output, Pair, Request, Telemetry, Worker, utcnow
+from .record import _chunks, _insert, _writing
+
+PENDING = ("queued", "running")
+PRUNE_BATCH = 5000  # request rows deleted per transaction
+_JOBS_PER_LOOK = 500  # prunable jobs looked at per transaction
+
+
+class AdminInputError(StoreError, ValueError):
+    """Bad input to a listing (a state no job has); the message names the option and the fix."""
+
+
+# -- jobs ------------------------------------------------------------------------------------
+def list_jobs(
+    *,
+    state: str | None = None,
+    name: str | None = None,
+    since: datetime | None = None,
+    limit: int = 20,
+    url: str | None = None,
+) -> list[dict[str, Any]]:
+    """Jobs newest first: ``state`` (queued, running, done), ``name`` (jobs whose name
+    contains it, in any case), ``since`` (created at or after), at most ``limit``. Each: id, name, pair,
+    state, created/started/finished times, ``cancel_requested`` (``cancel --now``), rows by
+    state (``rows``, ``ok``, ``failed``, ``cancelled``, ``pending``), ``output_tokens`` of
+    its ok rows and ``tokens_per_s`` over the job's elapsed time (as ``status`` says)."""
+    if state is not None and state not in JOB_STATUSES:
+        raise AdminInputError(f"state: {state!r} unknown; use --state {', --state '.join(JOB_STATUSES)}")
+    check_schema(url)
+    q = select(
+        Job.id,
+        Job.name,
+        Pair.name.label("pair"),
+        Job.status.label("state"),
+        Job.created_at,
+        Job.started_at,
+        Job.finished_at,
+        Job.cancel_requested_at,
+    ).outerjoin(Pair, Pair.id == Job.pair_id)
+    if state is not None:
+        q = q.where(Job.status == state)
+    if name:
+        q = q.where(Job.name.icontains(name, autoescape=True))
+    if since is not None:
+        q = q.where(Job.created_at >= since)
+    q = q.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    with session_scope(url) as s:
+        jobs = [dict(r) for r in s.execute(q).mappings()]
+        counts = _row_counts(s, [j["id"] for j in jobs])
+    now = utcnow()
+    for j in jobs:
+        c = counts.get(j["id"], {})
+        by = {k: c.get(k, (0, 0))[0] for k in ("queued", "running", "ok", "failed", "cancelled")}
+        elapsed = ((j["finished_at"] or now) - j["started_at"]).total_seconds() if j["started_at"] else 0.0
+        tokens = c.get("ok", (0, 0))[1]
+        j.update(
+            cancel_requested=j.pop("cancel_requested_at") is not None,
+            rows=sum(by.values()),
+            ok=by["ok"],
+            failed=by["failed"],
+            cancelled=by["cancelled"],
+            pending=by["queued"] + by["running"],
+            output_tokens=tokens,
+            tokens_per_s=tokens / elapsed if elapsed > 0 and tokens else None,
+            age_s=(now - j["created_at"]).total_seconds(),
+        )
+    return jobs
+
+
+def _row_counts(session: Session, job_ids: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
+    """job id -> status -> (rows, output tokens): the listed jobs' rows only (by index)."""
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for chunk in _chunks(job_ids):
+        q = (
+            select(Request.job_id, Request.status, func.count(), func.sum(Output.output_tokens))
+            .outerjoin(Output, Output.request_id == Request.id)
+            .where(Request.job_id.in_(chunk))
+            .group_by(Request.job_id, Request.status)
+        )
+        for job_id, status, n, tokens in session.execute(q):
+            out.setdefault(str(job_id), {})[status] = (int(n), int(tokens or 0))
+    return out
+
+
+# -- workers ---------------------------------------------------------------------------------
+def heartbeat_worker(
+    worker: dict[str, Any],
+    *,
+    pair: str,
+    dtype: str | None,
+    max_batch: int | None,
+    rows_done: int,
+    output_tokens: int,
+    tokens_per_s: float | None,
+    url: str | None = None,
+) -> None:
+    """A worker process is alive now (``worker``: ``record.worker_info``'s dict), serving
+    ``pair`` in ``dtype`` with batches of up to ``max_batch``, with ``rows_done`` rows and
+    ``output_tokens`` tokens recorded since it started and ``tokens_per_s`` lately."""
+    key = {
+        "host": str(worker.get("host") or "unknown"),
+        "pid": int(worker.get("pid") or 0),
+        "device_name": str(worker.get("device_name") or "unknown"),
+    }
+    now = utcnow()
+    beat = dict(
+        pair=pair,
+        dtype=dtype,
+        max_batch=max_batch,
+        rows_done=rows_done,
+        output_tokens=output_tokens,
+        tokens_per_s=tokens_per_s,
+        heartbeat_at=now,
+        last_seen_at=now,
+        torch_version=worker.get("torch_version"),
+        transformers_version=worker.get("transformers_version"),
+    )
+    with _writing(url) as s:
+        stmt = _insert(s, Worker).values(**key, **beat, started_at=now)
+        s.execute(stmt.on_conflict_do_update(index_elements=list(key), set_=beat))
+
+
+def list_workers(
+    *, stale_after_s: float, since: datetime | None = None, url: str | None = None
+) -> list[dict[str, Any]]:
+    """Workers with a heartbeat (at or after ``since``), latest heartbeat first; ``stale``:
+    none for ``stale_after_s`` seconds. Each: host, pid, pair, device, dtype, max_batch,
+    rows_done, output_tokens, tokens_per_s, started_at, last_seen (its latest heartbeat),
+    last_seen_s (seconds ago), stale."""
+    check_schema(url)
+    W = Worker
+    q = select(
+        W.host,
+        W.pid,
+        W.pair,
+        W.device_name.label("device"),
+        W.dtype,
+        W.max_batch,
+        W.rows_done,
+        W.output_tokens,
+        W.tokens_per_s,
+        W.started_at,
+        W.heartbeat_at.label("last_seen"),
+    ).where(W.heartbeat_at.is_not(None))
+    if since is not None:
+        q = q.where(W.heartbeat_at >= since)
+    with session_scope(url) as s:
+        rows = [dict(r) for r in s.execute(q.order_by(W.heartbeat_at.desc(), W.id.desc())).mappings()]
+    now = utcnow()
+    for r in rows:
+        r["last_seen_s"] = max(0.0, (now - r["last_seen"]).total_seconds())
+        r["stale"] = r["last_seen_s"] > stale_after_s
+    return rows
+
+
+# -- prune -----------------------------------------------------------------------------------
+def _prunable(cutoff: datetime, job_id: str | None) -> list[Any]:
+    where = [Job.status == "done", Job.created_at < cutoff]
+    return [*where, Job.id == job_id] if job_id is not None else where
+
+
+def prune_plan(cutoff: datetime, *, job_id: str | None = None, url: str | None = None) -> dict[str, int]:
+    """What ``prune`` would delete: ``jobs`` (finished, created before ``cutoff``; only
+    ``job_id`` if given) and their ``rows``; ``unfinished``: older jobs kept because rows are
+    still queued or running. Reads only."""
+    check_schema(url)
+    with session_scope(url) as s:
+        ids = s.scalars(select(Job.id).where(*_prunable(cutoff, job_id))).all()
+        rows = 0
+        for chunk in _chunks(list(ids)):
+            rows += s.scalar(select(func.count()).where(Request.job_id.in_(chunk))) or 0
+        older = [Job.status != "done", Job.created_at < cutoff] + ([Job.id == job_id] if job_id else [])
+        unfinished = s.scalar(select(func.count()).select_from(Job).where(*older)) or 0
+    return {"jobs": len(ids), "rows": rows, "unfinished": unfinished}
+
+
+def prune(
+    cutoff: datetime,
+    *,
+    job_id: str | None = None,
+    batch_rows: int | None = None,
+    on_batch: Callable[[dict[str, int]], None] | None = None,
+    url: str | None = None,
+) -> dict[str, int]:
+    """Delete finished jobs created before ``cutoff`` (only ``job_id`` if given) with their
+    rows, outputs and telemetry: at most ``batch_rows`` rows per transaction (default
+    ``PRUNE_BATCH``), a job once its rows are gone. Returns what it freed: ``{"jobs", "rows", "outputs", "telemetry"}``
+    (``on_batch(freed so far)`` after each transaction). A job that gets new rows meanwhile
+    (submitted again) is no longer finished, and is left alone from then on."""
+    batch_rows = PRUNE_BATCH if batch_rows is None else batch_rows
+    if batch_rows < 1:
+        raise ValueError("batch_rows: use at least 1")
+    check_schema(url)
+    freed = {"jobs": 0, "rows": 0, "outputs": 0, "telemetry": 0}
+    where = _prunable(cutoff, job_id)
+    while True:
+        with session_scope(url) as s:
+            jobs = list(s.scalars(select(Job.id).where(*where).order_by(Job.created_at, Job.id).limit(_JOBS_PER_LOOK)))
+            if not jobs:
+                return freed
+            ids = list(s.scalars(select(Request.id).where(Request.job_id.in_(jobs)).limit(batch_rows)))
+            if ids:
+                for chunk in _chunks(ids):
+                    freed["telemetry"] += _deleted(s, Telemetry, Telemetry.request_id.in_(chunk))
+                    freed["outputs"] += _deleted(s, Output, Output.request_id.in_(chunk))
+                    freed["rows"] += _deleted(s, Request, Request.id.in_(chunk))
+            else:  # these jobs hold no rows any more
+                freed["telemetry"] += _deleted(s, Telemetry, Telemetry.job_id.in_(jobs))
+                freed["jobs"] += _deleted(s, Job, Job.id.in_(jobs), *where)
+        if on_batch is not None:
+            on_batch(dict(freed))
+
+
+def _deleted(session: Session, model: type[Base], *where: ColumnElement[bool]) -> int:
+    """DELETE FROM ``model``'s table WHERE ...; how many rows went (RETURNING its primary
+    key: one way on both databases)."""
+    key = list(inspect(model).primary_key)
+    stmt = delete(model).where(*where).returning(*key).execution_options(synchronize_session=False)
+    return len(session.execute(stmt).all())

@@ -1,0 +1,335 @@
+"""Operating bulk jobs (#34) without a worker: `jobs`, `workers`, `prune`, `results
+--failed-only`, `cancel --now` and `status --watch` against SQLite and PostgreSQL stores, bad
+input (one line, exit 2), and the engine's per-row stop hook. The same commands with real
+workers: tests/test_operating_workers.py."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from datetime import timedelta
+
+import pytest
+from conftest import greedy_reference, tiny_llama
+from sqlalchemy import func, select, text, update
+from typer.testing import CliRunner
+
+from specdec_llm import client, store
+from specdec_llm.settings import reload_settings
+from specdec_llm.store import admin, db, jobs
+from specdec_llm.store.models import Job, Output, Request, Telemetry, Worker, utcnow
+from specdec_llm.store.testing import require_postgres, sqlite_url, temporary_postgres
+
+TABLES = ("telemetry", "outputs", "requests", "jobs", "baselines", "workers", "pairs")
+
+
+@pytest.fixture(scope="module")
+def sqlite_template(tmp_path_factory):
+    url = sqlite_url(tmp_path_factory.mktemp("template"))
+    db.upgrade(url)
+    db.dispose_engine(url)
+    return db.sqlite_path(url)
+
+
+@pytest.fixture(scope="module")
+def postgres_db():
+    require_postgres()
+    with temporary_postgres() as url:
+        db.upgrade(url)
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path, sqlite_template, monkeypatch):
+    """An empty store at head (a fresh SQLite file, or the module's PostgreSQL database
+    emptied), made this process's SPECDEC_DATABASE_URL; an embedded broker in tmp_path."""
+    if request.param == "sqlite":
+        shutil.copy(sqlite_template, tmp_path / "store.db")
+        u = sqlite_url(tmp_path, "store.db")
+    else:
+        u = request.getfixturevalue("postgres_db")
+        with db.get_engine(u).begin() as conn:
+            conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
+    for var in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND", "SPECDEC_CELERY_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SPECDEC_DATABASE_URL", u)
+    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
+    reload_settings()
+    yield u
+    monkeypatch.undo()
+    reload_settings()
+    if request.param == "sqlite":
+        db.dispose_engine(u)
+
+
+def cli(*args, input: str | None = None):
+    from specdec_llm.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], input=input)
+
+
+def one_line_exit_2(result, fragment: str) -> None:
+    assert result.exit_code == 2, result.output
+    err = result.stderr.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and fragment in err, err
+
+
+def fits_80(output: str) -> None:
+    assert output.strip() and max(len(line) for line in output.splitlines()) <= 80, output
+
+
+RESULT = {"text": "hello", "token_ids": [1, 2, 3], "finish_reason": "length", "stats": {"output_tokens": 10}}
+
+
+def make_job(url, job_id, *, name="job", ok=0, failed=0, queued=0, age=timedelta(0)):
+    """A job of ``ok`` finished, ``failed`` and ``queued`` rows, created ``age`` ago."""
+    n = ok + failed + queued
+    rows = [{"id": f"{job_id}-{i}", "prompt": f"p{i}", "params": {"_row": i, "_id": str(i)}} for i in range(n)]
+    store.create_job(rows, name=name, pair="tiny", job_id=job_id, url=url)
+    for i in range(ok):
+        stats = {**RESULT["stats"], "wall_time_s": 0.5}
+        store.record_result(
+            f"{job_id}-{i}",
+            {**RESULT, "stats": stats},
+            worker=None,
+            device="cpu",
+            queue_wait_s=None,
+            pair="tiny",
+            job_id=job_id,
+            price_per_hour=None,
+            url=url,
+        )
+    for i in range(ok, ok + failed):
+        store.mark_request(f"{job_id}-{i}", "failed", error="boom", url=url)
+    with store.session_scope(url) as s:
+        then = utcnow() - age
+        s.execute(
+            update(Job).where(Job.id == job_id).values(created_at=then, started_at=then if ok or failed else None)
+        )
+    store.get_job(job_id, url=url)  # the counters recounted
+
+
+# -- jobs --------------------------------------------------------------------------------------
+def test_jobs_lists_newest_first_with_rows_by_state_and_filters(url):
+    make_job(url, "old", name="weekly", ok=2, failed=1, age=timedelta(days=3))
+    make_job(url, "mid", name="adhoc", ok=1, queued=2, age=timedelta(hours=1))
+    make_job(url, "new", name="nightly-2", queued=3)
+
+    def listed(*args):
+        r = cli("jobs", "--json", *args)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    rows = listed()
+    assert [j["id"] for j in rows] == ["new", "mid", "old"]
+    old = rows[2]
+    assert (old["state"], old["ok"], old["failed"], old["pending"], old["rows"], old["pair"]) == (
+        "done",
+        2,
+        1,
+        0,
+        3,
+        "tiny",
+    )
+    assert old["output_tokens"] == 20 and old["tokens_per_s"] > 0 and old["age_s"] > 3 * 86400 - 60
+    assert (rows[1]["state"], rows[1]["ok"], rows[1]["pending"]) == ("running", 1, 2)
+    assert (rows[0]["state"], rows[0]["pending"], rows[0]["tokens_per_s"]) == ("queued", 3, None)
+    assert [j["id"] for j in listed("--state", "done")] == ["old"]
+    assert [j["id"] for j in listed("--name", "night")] == ["new"]
+    assert [j["id"] for j in listed("--since", "2h")] == ["new", "mid"]
+    assert [j["id"] for j in listed("--since", (utcnow() - timedelta(days=4)).date().isoformat())] == [
+        "new",
+        "mid",
+        "old",
+    ]
+    assert [j["id"] for j in listed("--limit", "1")] == ["new"]
+    table = cli("jobs")
+    assert table.exit_code == 0, table.output
+    fits_80(table.stdout)
+    lines = table.stdout.splitlines()
+    assert [line.split()[0] for line in lines[2:]] == ["new", "mid", "old"]
+    assert "2/1/0" in lines[4] and "3d" in lines[4] and "done" in lines[4]
+    assert "no jobs match" in cli("jobs", "--state", "running", "--name", "zzz").stdout
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["jobs", "--state", "finished"], "state: 'finished' unknown; use --state queued"),
+        (["jobs", "--since", "yesterday"], "--since: cannot read 'yesterday'"),
+        (["jobs", "--limit", "0"], "limit: 0 shows nothing; use --limit 1 or more"),
+        (["workers", "--since", "soon"], "--since: cannot read 'soon'"),
+        (["prune"], "older-than: say how old"),
+        (["prune", "--older-than", "ages"], "--older-than: cannot read 'ages'"),
+        (["prune", "--older-than", "2999-01-01"], "older-than: '2999-01-01' is in the future"),
+        (["prune", "--older-than", "1d", "--job", "nosuchjob"], "no job 'nosuchjob'"),
+        (["status", "nosuchjob", "--watch"], "no job 'nosuchjob'"),
+        (["status", "{job}", "--watch", "--interval", "0"], "interval: 0 s; use a number of seconds above 0"),
+        (["results", "nosuchjob", "--failed-only"], "no job 'nosuchjob'"),
+        (["cancel", "nosuchjob", "--now"], "no job 'nosuchjob'"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_option_and_exit_2(url, args, fragment):
+    make_job(url, "j1", queued=1)
+    one_line_exit_2(cli(*[a.format(job="j1") for a in args]), fragment)
+
+
+# -- workers -----------------------------------------------------------------------------------
+def test_workers_lists_heartbeats_newest_first_and_marks_stale_ones(url):
+    beat = dict(pair="tiny", dtype="float32", rows_done=0, output_tokens=0, tokens_per_s=None, url=url)
+    admin.heartbeat_worker({"host": "gone-host", "pid": 11, "device_name": "cpu"}, max_batch=1, **beat)
+    admin.heartbeat_worker({"host": "gpu-host", "pid": 22, "device_name": "cuda:0"}, max_batch=8, **beat)
+    with store.session_scope(url) as s:  # the first one stopped beating ten minutes ago
+        s.execute(update(Worker).where(Worker.pid == 11).values(heartbeat_at=utcnow() - timedelta(minutes=10)))
+    store.upsert_worker({"host": "old-host", "pid": 33, "device_name": "cpu"}, url=url)  # no heartbeat: not listed
+    beat.update(rows_done=7, output_tokens=700, tokens_per_s=12.5)
+    admin.heartbeat_worker({"host": "gpu-host", "pid": 22, "device_name": "cuda:0"}, max_batch=8, **beat)
+    r = cli("workers", "--json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert [(w["host"], w["pid"], w["stale"]) for w in rows] == [("gpu-host", 22, False), ("gone-host", 11, True)]
+    gpu = rows[0]
+    assert (gpu["pair"], gpu["device"], gpu["dtype"], gpu["max_batch"]) == ("tiny", "cuda:0", "float32", 8)
+    assert (gpu["rows_done"], gpu["output_tokens"], gpu["tokens_per_s"]) == (7, 700, 12.5)
+    assert [w["pid"] for w in json.loads(cli("workers", "--json", "--since", "5m").stdout)] == [22]
+    table = cli("workers")
+    assert table.exit_code == 0, table.output
+    fits_80(table.stdout)
+    assert "stale" in table.stdout.splitlines()[3] and "live" in table.stdout.splitlines()[2]
+    assert "12.5" in table.stdout and "SPECDEC_LEASE_TIMEOUT_S" in table.stdout
+
+
+# -- prune -------------------------------------------------------------------------------------
+def _count(url, model, *where) -> int:
+    with store.session_scope(url) as s:
+        return s.scalar(select(func.count()).select_from(model).where(*where)) or 0
+
+
+def test_prune_deletes_old_finished_jobs_in_batches_and_keeps_the_rest(url, monkeypatch):
+    make_job(url, "old1", ok=3, age=timedelta(days=3))
+    make_job(url, "old2", ok=5, failed=2, age=timedelta(days=5))
+    make_job(url, "oldrun", ok=1, queued=2, age=timedelta(days=4))  # unfinished: kept
+    make_job(url, "recent", ok=2, age=timedelta(hours=1))
+    declined = cli("prune", "--older-than", "2d", input="n\n")
+    assert declined.exit_code == 1 and "nothing deleted" in declined.stdout
+    assert "delete 2 finished jobs created before" in declined.stdout and "their 10 rows" in declined.stdout
+    assert _count(url, Job) == 4 and _count(url, Request) == 15
+    monkeypatch.setattr(admin, "PRUNE_BATCH", 4)  # several transactions
+    r = cli("prune", "--older-than", "2d", "--yes")
+    assert r.exit_code == 0, r.output
+    assert "freed 2 jobs, 10 rows, 8 outputs and 8 telemetry rows (1 older jobs still have rows to run" in r.stdout
+    assert len(r.stderr.strip().splitlines()) >= 3  # a line per transaction
+    assert {j["id"] for j in admin.list_jobs(limit=10)} == {"oldrun", "recent"}
+    assert _count(url, Request) == 5 and _count(url, Output) == 3 and _count(url, Telemetry) == 3
+    assert "nothing to prune" in cli("prune", "--older-than", "2d", "--yes").stdout
+    r = cli("prune", "--older-than", "0m", "--job", "recent", input="y\n")
+    assert r.exit_code == 0 and "freed 1 jobs, 2 rows" in r.stdout, r.output
+    assert {j["id"] for j in admin.list_jobs(limit=10)} == {"oldrun"}
+
+
+# -- results --failed-only ------------------------------------------------------------------------
+def test_results_failed_only_exports_the_failed_rows_in_input_order(url):
+    make_job(url, "mixed", ok=2, failed=2)
+    r = cli("results", "mixed", "--failed-only")
+    assert r.exit_code == 0, r.output
+    items = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(i["id"], i["status"], i["error"]) for i in items] == [("2", "failed", "boom"), ("3", "failed", "boom")]
+    assert len(cli("results", "mixed").stdout.splitlines()) == 4
+
+
+# -- cancel --now, the store's side -------------------------------------------------------------
+def test_cancel_now_flags_the_job_keeps_partial_text_and_retry_runs_the_rows_again(url, pairs_file):
+    make_job(url, "cn", queued=3)
+    assert jobs.take("cn-0", "w1@h", lease_timeout_s=60, url=url)  # a worker is generating row 0
+    r = cli("cancel", "cn", "--now")
+    assert r.exit_code == 0, r.output
+    assert "2 rows cancelled; 1 running rows stop at their next iteration" in r.stdout
+    assert jobs.cancels_requested(["cn", "other"], url=url) == {"cn"}
+    partial = {"text": "half a sen", "token_ids": [5, 6], "finish_reason": "cancelled", "stats": {"output_tokens": 2}}
+    assert jobs.end_cancelled("cn-0", partial, url=url)
+    assert not jobs.end_cancelled("cn-0", partial, url=url)  # once
+    [row, *_] = client.results("cn")
+    assert (row["status"], row["text"], row["finish_reason"]) == ("cancelled", "half a sen", "cancelled")
+    assert "after 2 tokens" in row["error"] and _count(url, Telemetry) == 0  # reports count finished rows only
+    assert store.get_job("cn")["status"] == "done"
+    listed = admin.list_jobs()[0]
+    assert listed["cancel_requested"] and listed["cancelled"] == 3
+    again = client.retry("cn", cancelled=True)
+    assert again["enqueued"] == 3 and jobs.cancels_requested(["cn"], url=url) == set()
+    assert _count(url, Output) == 0  # the partial text goes: the new result takes its place
+
+
+def test_a_lost_row_of_a_job_cancelled_now_is_cancelled_not_requeued(url):
+    make_job(url, "lostcn", queued=2)
+    assert jobs.take("lostcn-0", "w1@h", lease_timeout_s=60, url=url)
+    jobs.cancel("lostcn", now=True, url=url)
+    with store.session_scope(url) as s:
+        s.execute(update(Request).where(Request.id == "lostcn-0").values(heartbeat_at=utcnow() - timedelta(hours=1)))
+    assert jobs.reclaim(60, url=url) == []
+    assert store.get_request("lostcn-0", url=url)["status"] == "cancelled"
+
+
+# -- status --watch ------------------------------------------------------------------------------
+def test_status_watch_ends_with_the_job_and_ctrl_c_leaves_it_running(url, monkeypatch):
+    from specdec_llm.client import ops_cli
+
+    make_job(url, "w", queued=2)
+    finished = []
+
+    def pause(seconds):  # the second look finds row 0 done, the third the job done
+        finished.append(seconds)
+        store.record_result(
+            f"w-{len(finished) - 1}",
+            RESULT,
+            worker=None,
+            device="cpu",
+            queue_wait_s=None,
+            pair="tiny",
+            job_id="w",
+            price_per_hour=None,
+        )
+
+    monkeypatch.setattr(ops_cli, "_pause", pause)
+    r = cli("status", "w", "--watch", "--interval", "0.5")
+    assert r.exit_code == 0, r.output
+    assert finished == [0.5, 0.5] and "job w: done: 2 ok, 0 failed, 0 cancelled" in r.stdout
+    assert "2/2 rows (100%)" in r.stdout and "tok/s" in r.stdout
+    looks = cli("status", "w", "--watch", "--json")
+    assert looks.exit_code == 0 and json.loads(looks.stdout.splitlines()[0])["status"] == "done"
+
+    make_job(url, "w2", queued=1)
+
+    def interrupt(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ops_cli, "_pause", interrupt)
+    r = cli("status", "w2", "--watch")
+    assert r.exit_code == 0, r.output
+    assert "stopped watching; job w2 keeps running" in r.stdout
+    assert client.job_counts("w2")["queued"] == 1
+
+
+# -- the engine: a row told to stop -------------------------------------------------------------
+def test_a_row_told_to_stop_ends_with_its_partial_result_and_the_batch_goes_on():
+    from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
+    from specdec_llm.engine.serve import BatchServer
+
+    target = tiny_llama(0)
+    server = BatchServer(SpeculativeDecoder(target), max_batch=4, max_wait_ms=200)
+    looks = itertools.count()
+
+    def broken():
+        raise RuntimeError("a check that fails")
+
+    try:
+        a = server.submit(GenerationRequest([5, 6, 7], max_new_tokens=60, k=0), stop=lambda: next(looks) >= 6)
+        b = server.submit(GenerationRequest([9, 8], max_new_tokens=60, k=0), stop=broken)
+        ra, rb = a.result(timeout=120), b.result(timeout=120)
+    finally:
+        server.close(timeout=10)
+    assert ra.finish_reason == "cancelled" and 0 < len(ra.token_ids) < 60
+    assert ra.token_ids == greedy_reference(target, [5, 6, 7], len(ra.token_ids))  # what it had, exactly
+    assert ra.stats.output_tokens == len(ra.token_ids) and ra.stats.finish_reason == "cancelled"
+    assert rb.finish_reason == "length" and rb.token_ids == greedy_reference(target, [9, 8], 60)
+    assert rb.stats.batch_rows < 2  # it went on alone after the other row stopped

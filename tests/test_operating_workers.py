@@ -1,0 +1,165 @@
+"""Operating bulk jobs (#34) with a real worker, on a SQLite and a PostgreSQL store: `status
+--watch` follows a job to its end, `workers` lists the worker from its heartbeats, `submit` and
+`run` take `--drafter`, `cancel --now` stops running rows at their next iteration (partial text
+kept) while the batch decodes its other rows, and a worker started with `--events` sends
+Celery task events (received here with Celery's own event receiver)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+
+import pytest
+from conftest import tiny_llama, tiny_tokenizer
+from test_workers import _unavailable, make_fleet, redis_url, use, wait_for  # noqa: F401 - fixtures reused
+from typer.testing import CliRunner
+
+from specdec_llm import client, store
+from specdec_llm.store import admin
+from specdec_llm.store.testing import postgres_available, sqlite_url, temporary_postgres
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def long_pairs(tmp_path_factory):
+    """Pair "tiny": a tiny target with an 8k context that never ends a row by itself (its
+    end-of-turn token's logit is held at 0, below the best of the others), so a row runs
+    until its length limit or a cancel."""
+    import torch
+
+    root = tmp_path_factory.mktemp("long_pair")
+    tok = tiny_tokenizer()
+    model = tiny_llama(0, vocab=len(tok), layers=2, eos=None, ctx=8192)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id].zero_()
+    model.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    path = root / "pairs.toml"
+    path.write_text(f'[pairs.tiny]\ntarget = "{root / "target"}"\n')
+    return path
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def fleet(request, tmp_path_factory, redis_url, long_pairs):  # noqa: F811
+    """One batching worker (2 rows per batch, task events on, a heartbeat a second)."""
+    folder = tmp_path_factory.mktemp(f"ops_{request.param}")
+    with contextlib.ExitStack() as stack:
+        if request.param == "postgresql":
+            why = postgres_available()
+            if why:
+                _unavailable(f"PostgreSQL test server unreachable: {why}")
+            url = stack.enter_context(temporary_postgres())
+        else:
+            url = sqlite_url(folder)
+        store.ensure_schema(url)
+        f = make_fleet(folder, redis_url, 6 if request.param == "sqlite" else 7, url, long_pairs)
+        f.env["SPECDEC_LEASE_HEARTBEAT_S"] = "1"
+        f.start_worker("ops", args=("--max-batch", "2", "--max-wait-ms", "100", "--events"))
+        stack.callback(f.stop)
+        yield f
+
+
+def cli(*args):
+    from specdec_llm.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def prompts(path, *texts: str):
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return path
+
+
+def test_status_watch_follows_a_job_to_its_end_and_workers_lists_the_worker(fleet, use, tmp_path):  # noqa: F811
+    use(fleet)
+    path = prompts(tmp_path / "w.jsonl", *(f"The quick brown fox {i}" for i in range(4)))
+    job = client.submit(path, "tiny", {"max_new_tokens": 16})["job_id"]
+    r = cli("status", job, "--watch", "--interval", "0.3")
+    assert r.exit_code == 0, r.output
+    assert f"job {job}: done: 4 ok, 0 failed, 0 cancelled" in r.stdout and "4/4 rows (100%)" in r.stdout
+    assert [i["status"] for i in client.results(job)] == ["ok"] * 4
+    wait_for(lambda: any(w["rows_done"] >= 4 for w in admin.list_workers(stale_after_s=60)), 20)
+    [w] = admin.list_workers(stale_after_s=60)
+    assert (w["pair"], w["device"], w["max_batch"], w["stale"]) == ("tiny", "cpu", 2, False)
+    assert w["output_tokens"] >= 64 and w["tokens_per_s"] > 0 and w["pid"] == fleet.procs[0].pid  # threads pool
+    table = cli("workers")
+    assert table.exit_code == 0 and "live" in table.stdout and "tiny" in table.stdout, table.output
+    listed = json.loads(cli("jobs", "--json").stdout)
+    assert listed[0]["id"] == job and (listed[0]["state"], listed[0]["ok"]) == ("done", 4)
+
+
+def test_submit_and_run_take_drafter(fleet, use, tmp_path):  # noqa: F811
+    use(fleet)
+    path = prompts(tmp_path / "d.jsonl", "drafts and verifies drafts and verifies", "over the lazy dog")
+    r = cli("submit", path, "--pair", "tiny", "--drafter", "lookup", "--k", "2", "--max-new-tokens", "24")
+    assert r.exit_code == 0, r.output
+    job = r.stdout.strip().splitlines()[-1]
+    client.wait(job, workers=fleet.procs, timeout_s=120)
+    items = client.results(job)
+    assert all(i["status"] == "ok" and i["drafter"] in ("lookup", "none") for i in items), items
+    assert any(i["drafter"] == "lookup" for i in items)  # a looping random model repeats itself
+    out = tmp_path / "out.jsonl"
+    r = cli("run", path, "--pair", "tiny", "--drafter", "suffix", "--max-new-tokens", "8", "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "2 ok, 0 failed" in r.stdout and "started a local worker" not in r.output
+    for bad in (
+        ["submit", path, "--pair", "tiny", "--drafter", "model"],
+        ["run", path, "--pair", "tiny", "--drafter", "x"],
+    ):
+        res = cli(*bad)
+        assert res.exit_code == 2 and res.stderr.startswith("error: drafter: unknown drafter"), res.output
+        assert "use one of: auto, lookup, suffix" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_cancel_now_stops_running_rows_and_the_batch_goes_on(fleet, use, tmp_path):  # noqa: F811
+    use(fleet)
+    long = {"max_new_tokens": 8000, "k": 0}  # minutes of decoding, unless cancelled
+    a = client.submit(prompts(tmp_path / "a.jsonl", "The quick brown fox"), "tiny", long)["job_id"]
+    b = client.submit(prompts(tmp_path / "b.jsonl", "over the lazy dog"), "tiny", long)["job_id"]
+    wait_for(lambda: client.job_counts(a)["running"] == 1 and client.job_counts(b)["running"] == 1, 120)
+    time.sleep(1.0)
+    r = cli("cancel", a, "--now")
+    assert r.exit_code == 0 and "0 rows cancelled; 1 running rows stop at their next iteration" in r.stdout, r.output
+    asked = time.monotonic()
+    wait_for(lambda: client.job_counts(a)["cancelled"] == 1, 30)
+    assert time.monotonic() - asked < 10  # the worker polls once a second
+    assert client.job_counts(b)["running"] == 1  # the other row of the batch is still decoding
+    time.sleep(1.0)
+    assert cli("cancel", b, "--now").exit_code == 0
+    wait_for(lambda: client.job_counts(b)["cancelled"] == 1, 30)
+    [ra], [rb] = client.results(a), client.results(b)
+    for row in (ra, rb):
+        assert (row["status"], row["finish_reason"]) == ("cancelled", "cancelled") and row["text"], row
+        assert 0 < row["output_tokens"] < 8000 and "partial text is kept" in row["error"]
+    assert rb["output_tokens"] > ra["output_tokens"]  # b kept decoding after a stopped
+    assert store.get_job(a)["status"] == "done"
+    assert json.loads(cli("jobs", "--json", "--limit", "2").stdout)[0]["cancelled"] == 1
+
+
+def test_a_worker_started_with_events_sends_task_events(fleet, use, tmp_path):  # noqa: F811
+    use(fleet)
+    from specdec_llm.client.broker import get_app
+
+    app = get_app()
+    seen: list[dict] = []
+    with app.connection_for_read() as conn:
+        recv = app.events.Receiver(conn, handlers={})
+
+        def on_event(event: dict) -> None:
+            seen.append(event)
+            if event.get("type") == "task-succeeded":
+                recv.should_stop = True
+
+        recv.handlers = {"*": on_event}
+        thread = threading.Thread(target=lambda: recv.capture(limit=None, timeout=90), daemon=True)
+        thread.start()
+        time.sleep(1.5)  # the receiver's queue is bound (events sent before are not kept)
+        job = client.submit(prompts(tmp_path / "e.jsonl", "Speculative decoding"), "tiny", {"max_new_tokens": 4})
+        thread.join(90)
+    types = {e["type"] for e in seen}
+    assert {"task-received", "task-started", "task-succeeded"} <= types, types
+    received = next(e for e in seen if e["type"] == "task-received")
+    assert received["name"] == "specdec.generate" and job["job_id"] in received["args"]

@@ -1,0 +1,80 @@
+"""A worker's heartbeat in the store (``workers`` table): what ``specdec-llm workers`` lists.
+
+The process that holds the pair (a prefork pool child, or the one threads-pool process)
+writes, every ``SPECDEC_LEASE_HEARTBEAT_S``: its host, pid, device, the pair and dtype it
+serves, its batch size, the rows it has recorded and their output tokens, and its tokens/s
+over the last minute (``meter``, fed by the task). A worker that stops writing is shown
+stale after the lease timeout. Started by ``runtime`` for a configured worker only
+(``specdec-llm worker``), from a daemon thread: a failed write is logged and tried again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from specdec_llm.settings import get_settings
+from specdec_llm.store import admin
+
+log = logging.getLogger(__name__)
+
+WINDOW_S = 60.0  # tokens/s is over this last stretch of time
+
+
+class Meter:
+    """Rows and output tokens this process recorded; its tokens/s over the last ``WINDOW_S``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rows = self.tokens = 0
+        self.recent: deque[tuple[float, int]] = deque()
+        self.since = time.monotonic()
+
+    def add(self, tokens: int) -> None:
+        with self.lock:
+            self.rows += 1
+            self.tokens += tokens
+            self.recent.append((time.monotonic(), tokens))
+
+    def rate(self) -> float | None:
+        now = time.monotonic()
+        with self.lock:
+            while self.recent and self.recent[0][0] < now - WINDOW_S:
+                self.recent.popleft()
+            span = min(WINDOW_S, now - self.since)
+            return sum(n for _, n in self.recent) / span if span > 0 else None
+
+
+meter = Meter()
+
+
+def beat(rt) -> None:
+    """One heartbeat of the runtime ``rt`` (``runtime.Runtime``)."""
+    admin.heartbeat_worker(
+        rt.worker,
+        pair=rt.pair,
+        dtype=rt.dtype,
+        max_batch=rt.server.max_batch,
+        rows_done=meter.rows,
+        output_tokens=meter.tokens,
+        tokens_per_s=meter.rate(),
+    )
+
+
+def start(rt) -> threading.Thread:
+    """Beat now, then every ``SPECDEC_LEASE_HEARTBEAT_S``, until the process ends."""
+
+    def loop() -> None:
+        interval = get_settings().lease_heartbeat_s
+        while True:
+            try:
+                beat(rt)
+            except Exception as e:  # noqa: BLE001 - the store is away: the next beat tries again
+                log.warning("worker heartbeat failed (%s: %s); the next one tries again", type(e).__name__, e)
+            time.sleep(interval)
+
+    thread = threading.Thread(target=loop, name="specdec-heartbeat", daemon=True)
+    thread.start()
+    return thread
