@@ -78,22 +78,28 @@ def start_worker(
         + (", sending task events" if events else ""),
         file=sys.stderr,
     )
-    argv = [
-        "worker",
-        f"--loglevel={loglevel}",
-        f"--concurrency={pool_size}",
-        f"--queues={queue_list}",
-        f"--hostname=specdec-{pair}-{os.getpid()}@%h",
-        f"--pool={options.pool}",
-        "--without-mingle",
-        "--without-gossip",
-    ]
-    if events:
-        argv.append("--task-events")  # = worker_send_task_events
-    if is_embedded():
-        argv.append("--without-heartbeat")
+    argv = _celery_argv(pair, options.pool, pool_size, queue_list, loglevel, events)
     code = get_app().start(argv)  # (worker_main drops the exit status)
     if runtime.load_failed():  # a pool child (or this process) could not load the pair: not a clean stop
         print(f"error: worker stopped: could not load pair {pair} (see the CRITICAL line above)", file=sys.stderr)
         return runtime.LOAD_FAILED_EXIT
     return code or 0
+
+
+def _celery_argv(pair: str, pool: str, pool_size: int, queues: str, loglevel: str, events: bool) -> list[str]:
+    """``celery worker``'s arguments; ``events``: task events on (``-E``, worker_send_task_events)."""
+    argv = [
+        "worker",
+        f"--loglevel={loglevel}",
+        f"--concurrency={pool_size}",
+        f"--queues={queues}",
+        f"--hostname=specdec-{pair}-{os.getpid()}@%h",
+        f"--pool={pool}",
+        "--without-mingle",
+        "--without-gossip",
+    ]
+    if events:
+        argv.append("--task-events")
+    if is_embedded():
+        argv.append("--without-heartbeat")
+    return argv
