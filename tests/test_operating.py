@@ -333,3 +333,23 @@ def test_a_row_told_to_stop_ends_with_its_partial_result_and_the_batch_goes_on()
     assert ra.stats.output_tokens == len(ra.token_ids) and ra.stats.finish_reason == "cancelled"
     assert rb.finish_reason == "length" and rb.token_ids == greedy_reference(target, [9, 8], 60)
     assert rb.stats.batch_rows < 2  # it went on alone after the other row stopped
+
+
+def test_a_worker_sees_a_cancel_flag_within_its_poll_and_forgets_it_after_a_retry(url):
+    import time
+
+    from workers.cancels import CancelFlags
+
+    make_job(url, "fl", queued=2)
+    flags = CancelFlags(poll_s=0.05)
+    check = flags.watch("fl")
+    assert not check()
+    jobs.cancel("fl", now=True, url=url)
+    deadline = time.monotonic() + 10
+    while not check() and time.monotonic() < deadline:  # the poller's next look (one query for all jobs)
+        time.sleep(0.02)
+    assert check()
+    flags.release("fl")
+    jobs.requeue("fl", lease_timeout_s=60, cancelled=True, url=url)  # `retry --cancelled` clears the flag
+    assert not flags.watch("fl")()  # a new row of the job: not stopped by what an earlier look said
+    flags.release("fl")  # (its poller idles: nothing watched)

@@ -32,6 +32,8 @@ class CancelFlags:
     def watch(self, job_id: str) -> Callable[[], bool]:
         """Start watching ``job_id`` for one row; the row's stop check (call ``release`` after)."""
         with self.lock:
+            if not self.watched[job_id]:  # what an earlier look said of this job is stale (a retry clears it)
+                self.flagged = self.flagged - {job_id}
             self.watched[job_id] += 1
             if self.thread is None or not self.thread.is_alive():  # (a forked child starts its own)
                 self.thread = threading.Thread(target=self._poll, name="specdec-cancels", daemon=True)

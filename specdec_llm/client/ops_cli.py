@@ -130,8 +130,10 @@ def workers_cmd(
     ] = "1d",
     as_json: JsonOpt = False,
 ) -> None:
-    """The workers from their heartbeats: host, pid, pair, device, dtype, max batch, rows done,
-    tokens/s (last minute), last seen; those silent for the lease timeout are marked stale."""
+    """The live workers from their heartbeats, stale ones marked.
+
+    Host, pid, pair, device, dtype, max batch, rows done, tokens/s (last minute), last seen; a
+    worker silent for the lease timeout (SPECDEC_LEASE_TIMEOUT_S) is stale."""
     from rich.text import Text
 
     from specdec_llm.settings import get_settings
@@ -189,8 +191,10 @@ def prune_cmd(
     job: Annotated[str | None, typer.Option("--job", help="Only this job (still: if finished and that old)")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
 ) -> None:
-    """Delete finished jobs older than --older-than with their rows, outputs and telemetry,
-    a few thousand rows per transaction (the store stays usable meanwhile); prints what it freed."""
+    """Delete finished jobs older than --older-than, with their rows, outputs and telemetry.
+
+    A few thousand rows per transaction (the store stays usable meanwhile); asks first unless
+    --yes; prints what it freed."""
     import click
 
     from specdec_llm import store
