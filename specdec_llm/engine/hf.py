@@ -15,7 +15,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -118,48 +117,11 @@ COMPILED_STEP = "_specdec_step"  # where compiled.attach keeps a model's compile
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
     """A DynamicCache of ``GrowingLayer``s, one per decoder layer. A sliding-window layer keeps
-    every column too: its window is a mask (``Attention.masks``), so rollback and the ragged
+    every column too: its window is a mask (``attention.Attention.masks``), so rollback and the ragged
     batch's holes work alike for every layer."""
     cache = DynamicCache(config=model.config)
     cache.layers = [GrowingLayer() for _ in cache.layers]  # type: ignore[no-untyped-call]  # transformers' __init__
     return cache
-
-
-def layer_kinds(config: Any) -> list[str]:
-    """Each decoder layer's attention: ``"full_attention"`` or ``"sliding_attention"``
-    (``config.layer_types`` where the family declares it: Gemma 2/3, Qwen2, Cohere 2; else
-    every layer slides where ``config.sliding_window`` is set: Mistral, Mixtral, StarCoder2)."""
-    n = int(config.num_hidden_layers)
-    kinds = getattr(config, "layer_types", None)
-    if kinds:
-        return list(kinds)[:n]
-    window = getattr(config, "sliding_window", None)
-    return ["sliding_attention" if window else "full_attention"] * n
-
-
-@dataclass(frozen=True)
-class Attention:
-    """How a model's layers attend, read once per cache: ``window`` (in tokens) of its
-    sliding-window layers (None when it has none) and the set of its layer kinds."""
-
-    window: int | None
-    kinds: frozenset[str]
-
-    @classmethod
-    def of(cls, model: PreTrainedModel) -> Attention:
-        kinds = frozenset(layer_kinds(model.config))
-        window = int(model.config.sliding_window) if "sliding_attention" in kinds else None
-        return cls(window, kinds)
-
-    def masks(self, full: torch.Tensor, sliding: torch.Tensor) -> Any:
-        """What the model's forward takes as ``attention_mask`` for the engine's own boolean
-        masks: one tensor when every layer is of one kind, else {layer kind: mask}
-        (transformers' hybrid families accept that mapping in place of the masks they build)."""
-        if self.kinds == {"sliding_attention"}:
-            return sliding
-        if self.kinds == {"full_attention"}:
-            return full
-        return {"full_attention": full, "sliding_attention": sliding}
 
 
 # -- making a loaded model fast for this engine ----------------------------------------------

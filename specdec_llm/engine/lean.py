@@ -75,10 +75,10 @@ class LeanDecoder:
     """``__call__(ids, cache, keep, mask, positions, embeds, features)`` as ``hf.forward_rows``:
     ``ids`` [B, W] on top of ``cache`` (hf.GrowingLayer layers); float32 logits of the last
     ``keep`` columns, and the asked layers' outputs. ``mask``: one boolean mask, or {layer
-    kind: mask} (``hf.Attention.masks``)."""
+    kind: mask} (``attention.Attention.masks``)."""
 
     def __init__(self, model: PreTrainedModel, kernel_cache: Path | None = None, force: str | None = None) -> None:
-        from .hf import layer_kinds
+        from .attention import layer_kinds
 
         base, cfg = model.get_decoder(), model.config
         self.dtype = model.dtype  # the fused copies are of this dtype: a model cast later gets a new runner

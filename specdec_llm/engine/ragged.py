@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import hf
+from .attention import Attention
 
 
 class RaggedCache:
@@ -35,7 +36,7 @@ class RaggedCache:
     def __init__(self, model: PreTrainedModel, rows: int = 0, features: tuple[int, ...] = ()) -> None:
         self.model = model
         self.cache = hf.new_cache(model)
-        self.attention = hf.Attention.of(model)
+        self.attention = Attention.of(model)
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
         self.features = features
         self.last_features: torch.Tensor | None = None
