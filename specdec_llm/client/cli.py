@@ -392,8 +392,9 @@ def _print_run_summary(st: dict, out: Path, *, wall: float) -> None:
         + _cancelled_note(job, c["cancelled"])
     )
     print(
-        f"  {st['output_tokens']} output tokens; {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s over the "
-        f"job ({wall:.1f} s this run), {_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request"
+        f"  {st['output_tokens']} output tokens; {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s over its "
+        f"decoding ({st['elapsed_s']:.1f} s, first row started to last finished); this command took "
+        f"{wall:.1f} s (worker start included); {_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request"
     )
     speedup = "unknown (no counterfactual recorded)" if st["speedup"] is None else f"{st['speedup']:.2f}x"
     cost = "unknown (give --price-per-hour)" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
