@@ -126,7 +126,7 @@ def plain_generate(prompts: list[dict], tokens: int, pair: str | None) -> dict:
     ref = resolve(spec.target)
     model = AutoModelForCausalLM.from_pretrained(ref, dtype=getattr(torch, spec.dtype)).eval()
     tok = AutoTokenizer.from_pretrained(ref)
-    n, seconds = 0, 0.0
+    n, seconds, texts = 0, 0.0, {}
     for p in prompts:
         messages = p.get("messages") or [{"role": "user", "content": p["prompt"]}]
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -141,8 +141,10 @@ def plain_generate(prompts: list[dict], tokens: int, pair: str | None) -> dict:
             if isinstance(model.generation_config.eos_token_id, list)
             else {model.generation_config.eos_token_id}
         )
-        n += next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-    return {"seconds": seconds, "tokens": n}
+        end = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+        n += end
+        texts[p["id"]] = tok.decode(new[:end], skip_special_tokens=True)
+    return {"seconds": seconds, "tokens": n, "texts": texts}
 
 
 def main() -> None:
@@ -172,6 +174,8 @@ def main() -> None:
         f"{plain['tokens']} tokens in {plain['seconds']:.1f} s = {plain_rate:.1f} tok/s; "
         f"ratio {job_rate / plain_rate:.2f}x"
     )
+    same = sum(r["text"].strip() == plain["texts"].get(r["id"], "").strip() for r in job["stats"])
+    print(f"greedy: {same} of {len(prompts)} rows' texts identical to plain transformers generate")
 
 
 if __name__ == "__main__":
