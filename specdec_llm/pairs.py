@@ -698,22 +698,25 @@ def quantized_draft(spec: PairSpec, target, tokenizer=None):
 def vocab_subset(tokenizer, n: int, vocab_size: int):
     """The ``n`` token ids most frequent in the bundled text sample (``drafts/vocab_sample.txt.gz``:
     self-instruct's seed prompts and SmolLM2-135M-Instruct's greedy answers to the distillation
-    prompts) under ``tokenizer``, plus every special token (so a draft can end a turn), sorted;
+    prompts) under ``tokenizer``, plus every special token (so a draft can end a turn), topped up
+    in the tokenizer's own order when the sample has fewer distinct tokens, sorted;
     cached per tokenizer in the cache folder (a tokenizer pass over 1 MB of text, once)."""
     import gzip
     from collections import Counter
 
     vocab = tokenizer.get_vocab()
     key = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:12]
-    cache = get_settings().cache_dir / "models" / f"vocab-subset-{key}-{n}.json"
+    cache = get_settings().cache_dir / "models" / f"vocab-subset-2-{key}-{n}.json"
     if cache.is_file():
         return torch.tensor(json.loads(cache.read_text()))
     sample = resources.files("specdec_llm").joinpath("drafts/vocab_sample.txt.gz").read_bytes()
     text = gzip.decompress(sample).decode("utf-8")
     counts = Counter(t for ids in tokenizer(text.split("\n\n"), add_special_tokens=False)["input_ids"] for t in ids)
     special = {int(t) for t in tokenizer.all_special_ids}
-    keep = special | {t for t, _ in counts.most_common(max(0, n - len(special)))}
-    ids = sorted(t for t in keep if 0 <= t < vocab_size)
+    keep = {t for t in special | {t for t, _ in counts.most_common(max(0, n - len(special)))} if 0 <= t < vocab_size}
+    # the sample holds fewer distinct tokens than a large vocabulary has (Gemma's 262k: ~11k):
+    # the rest in the tokenizer's own order (BPE merge order, a proxy for frequency)
+    ids = sorted(keep | set([t for t in range(vocab_size) if t not in keep][: max(0, n - len(keep))]))
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(ids))
