@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from .db import StoreError, check_schema, session_scope
 from .models import JOB_STATUSES, Base, Job, Output, Pair, Request, Telemetry, Worker, utcnow
-from .record import _chunks, _insert, _writing
+from .record import _chunks, _insert, _writing, worker_key
 
 PENDING = ("queued", "running")
 PRUNE_BATCH = 5000  # request rows deleted per transaction
@@ -122,11 +122,7 @@ def heartbeat_worker(
     """A worker process is alive now (``worker``: ``record.worker_info``'s dict), serving
     ``pair`` in ``dtype`` with batches of up to ``max_batch``, with ``rows_done`` rows and
     ``output_tokens`` tokens recorded since it started and ``tokens_per_s`` lately."""
-    key = {
-        "host": str(worker.get("host") or "unknown"),
-        "pid": int(worker.get("pid") or 0),
-        "device_name": str(worker.get("device_name") or "unknown"),
-    }
+    key = worker_key(worker)
     now = utcnow()
     beat = dict(
         pair=pair,

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 from .db import check_schema, session_scope
 from .models import Job, Output, Pair, Request, Telemetry, utcnow
-from .record import _chunks, _insert, _refresh_job, _row_changed, _text, _worker_id, _writing
+from .record import _chunks, _refresh_job, _row_changed, _worker_id, _writing, output_insert
 
 PENDING = ("queued", "running")
 FINISHED = ("ok", "failed", "cancelled")
@@ -309,19 +309,7 @@ def end_cancelled(request_id: str, result: dict[str, Any], *, url: str | None = 
         ).first()
         if changed is None:
             return False
-        s.execute(
-            _insert(s, Output)
-            .values(
-                request_id=request_id,
-                text=_text(result.get("text")) or "",
-                token_ids=list(result.get("token_ids") or []),
-                prompt_tokens=int(stats.get("prompt_tokens") or 0),
-                output_tokens=tokens,
-                finish_reason="cancelled",
-                created_at=now,
-            )
-            .on_conflict_do_nothing(index_elements=["request_id"])
-        )
+        s.execute(output_insert(s, request_id, result, "cancelled", tokens, now))
         if changed.job_id:
             _row_changed(s, changed.job_id)
         return True

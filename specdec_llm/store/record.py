@@ -123,12 +123,37 @@ def upsert_pair(
         return _pair_id(s, name, **{k: v for k, v in values.items() if v is not None})
 
 
-def _worker_id(session: Session, worker: dict[str, Any]) -> int:
-    key = {
+def worker_key(worker: dict[str, Any]) -> dict[str, Any]:
+    """The columns that identify a worker process's row (``worker_info``'s dict)."""
+    return {
         "host": str(worker.get("host") or "unknown"),
         "pid": int(worker.get("pid") or 0),
         "device_name": str(worker.get("device_name") or "unknown"),
     }
+
+
+def output_insert(
+    session: Session, request_id: str, result: dict[str, Any], finish_reason: str, output_tokens: int, now: datetime
+) -> PostgresInsert | SqliteInsert:
+    """The INSERT of a row's output (its text and token ids), a no-op where it has one."""
+    stats = result.get("stats") or {}
+    return (
+        _insert(session, Output)
+        .values(
+            request_id=request_id,
+            text=_text(result.get("text")) or "",
+            token_ids=list(result.get("token_ids") or []),
+            prompt_tokens=int(stats.get("prompt_tokens") or 0),
+            output_tokens=output_tokens,
+            finish_reason=finish_reason,
+            created_at=now,
+        )
+        .on_conflict_do_nothing(index_elements=["request_id"])
+    )
+
+
+def _worker_id(session: Session, worker: dict[str, Any]) -> int:
+    key = worker_key(worker)
     versions = {k: worker.get(k) for k in ("torch_version", "transformers_version")}
     now = utcnow()
     stmt = _insert(session, Worker).values(**key, **versions, started_at=now, last_seen_at=now)
@@ -423,18 +448,9 @@ def record_result(
         )
         req = s.execute(select(Request.job_id, Request.category).where(Request.id == request_id)).one()
         wrote = s.execute(
-            _insert(s, Output)
-            .values(
-                request_id=request_id,
-                text=_text(result.get("text")) or "",
-                token_ids=list(result.get("token_ids") or []),
-                prompt_tokens=int(stats.get("prompt_tokens") or 0),
-                output_tokens=int(stats.get("output_tokens") or 0),
-                finish_reason=finish_reason,
-                created_at=now,
+            output_insert(s, request_id, result, finish_reason, int(stats.get("output_tokens") or 0), now).returning(
+                Output.request_id
             )
-            .on_conflict_do_nothing(index_elements=["request_id"])
-            .returning(Output.request_id)
         ).first()
         if wrote is None:
             return False
