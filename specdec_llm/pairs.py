@@ -215,7 +215,10 @@ def _assembled(dist: importlib.metadata.Distribution, rel: str) -> Path | None:
     top = (dist.read_text("top_level.txt") or "").split()
     if len(top) != 1:
         return None
-    module = importlib.import_module(top[0])
+    try:
+        module = importlib.import_module(top[0])
+    except ImportError:  # not importable: no assembler to ask (the caller says the file is missing)
+        return None
     assemble = getattr(module, "assemble", None)
     if not callable(assemble) or getattr(module, "MODEL_NAME", None) != Path(rel).name:
         return None
