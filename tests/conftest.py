@@ -163,3 +163,49 @@ def smollm2():
     from specdec_llm.pairs import load_pair
 
     return load_pair("smollm2-135m")
+
+
+# -- stores for the store's own tests (SQLite and PostgreSQL) ---------------------------------
+STORE_TABLES = ("telemetry", "outputs", "requests", "jobs", "baselines", "workers", "pairs")
+
+
+@pytest.fixture(scope="module")
+def sqlite_template(tmp_path_factory):
+    """An upgraded SQLite file, copied for each test (upgrading each time is slower)."""
+    from specdec_llm.store import db
+    from specdec_llm.store.testing import sqlite_url
+
+    url = sqlite_url(tmp_path_factory.mktemp("template"))
+    db.upgrade(url)
+    db.dispose_engine(url)
+    return db.sqlite_path(url)
+
+
+@pytest.fixture(scope="module")
+def postgres_db():
+    from specdec_llm.store import db
+    from specdec_llm.store.testing import require_postgres, temporary_postgres
+
+    require_postgres()
+    with temporary_postgres() as url:
+        db.upgrade(url)
+        yield url
+
+
+def empty_store(request, tmp_path: Path, sqlite_template: Path) -> str:
+    """An empty store at head for ``request.param`` ("sqlite": a fresh copy of the template
+    in ``tmp_path``; "postgresql": the module's database, emptied); its URL."""
+    import shutil
+
+    from sqlalchemy import text
+
+    from specdec_llm.store import db
+    from specdec_llm.store.testing import sqlite_url
+
+    if request.param == "sqlite":
+        shutil.copy(sqlite_template, tmp_path / "store.db")
+        return sqlite_url(tmp_path, "store.db")
+    url = request.getfixturevalue("postgres_db")
+    with db.get_engine(url).begin() as conn:
+        conn.execute(text(f"TRUNCATE {', '.join(STORE_TABLES)} RESTART IDENTITY CASCADE"))
+    return url

@@ -7,50 +7,24 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 from datetime import timedelta
 
 import pytest
-from conftest import greedy_reference, tiny_llama
-from sqlalchemy import func, select, text, update
+from conftest import empty_store, greedy_reference, tiny_llama
+from sqlalchemy import func, select, update
 from typer.testing import CliRunner
 
 from specdec_llm import client, store
 from specdec_llm.settings import reload_settings
 from specdec_llm.store import admin, db, jobs
 from specdec_llm.store.models import Job, Output, Request, Telemetry, Worker, utcnow
-from specdec_llm.store.testing import require_postgres, sqlite_url, temporary_postgres
-
-TABLES = ("telemetry", "outputs", "requests", "jobs", "baselines", "workers", "pairs")
-
-
-@pytest.fixture(scope="module")
-def sqlite_template(tmp_path_factory):
-    url = sqlite_url(tmp_path_factory.mktemp("template"))
-    db.upgrade(url)
-    db.dispose_engine(url)
-    return db.sqlite_path(url)
-
-
-@pytest.fixture(scope="module")
-def postgres_db():
-    require_postgres()
-    with temporary_postgres() as url:
-        db.upgrade(url)
-        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def url(request, tmp_path, sqlite_template, monkeypatch):
     """An empty store at head (a fresh SQLite file, or the module's PostgreSQL database
     emptied), made this process's SPECDEC_DATABASE_URL; an embedded broker in tmp_path."""
-    if request.param == "sqlite":
-        shutil.copy(sqlite_template, tmp_path / "store.db")
-        u = sqlite_url(tmp_path, "store.db")
-    else:
-        u = request.getfixturevalue("postgres_db")
-        with db.get_engine(u).begin() as conn:
-            conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
+    u = empty_store(request, tmp_path, sqlite_template)
     for var in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND", "SPECDEC_CELERY_CONFIG"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SPECDEC_DATABASE_URL", u)

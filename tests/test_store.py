@@ -4,53 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import pytest
-from sqlalchemy import func, inspect, select, text
+from conftest import empty_store
+from sqlalchemy import func, inspect, select
 
 from specdec_llm.engine.types import GenerationResult, Stats
 from specdec_llm.settings import reload_settings
 from specdec_llm.store import db, record
 from specdec_llm.store.models import STATS_FIELDS, Baseline, Output, Request, Telemetry, Worker
-from specdec_llm.store.testing import require_postgres, sqlite_url, temporary_postgres
-
-TABLES = ("telemetry", "outputs", "requests", "jobs", "baselines", "workers", "pairs")
-
-
-@pytest.fixture(scope="module")
-def sqlite_template(tmp_path_factory):
-    """An upgraded SQLite file, copied for each test (upgrading each time is slower)."""
-    url = sqlite_url(tmp_path_factory.mktemp("template"))
-    db.upgrade(url)
-    db.dispose_engine(url)
-    return db.sqlite_path(url)
-
-
-@pytest.fixture(scope="module")
-def postgres_db():
-    require_postgres()
-    with temporary_postgres() as url:
-        db.upgrade(url)
-        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def url(request, tmp_path, sqlite_template):
     """An empty store at head: a fresh SQLite file, or the module's PostgreSQL database emptied."""
+    u = empty_store(request, tmp_path, sqlite_template)
+    yield u
     if request.param == "sqlite":
-        path = tmp_path / "store.db"
-        shutil.copy(sqlite_template, path)
-        u = sqlite_url(tmp_path, "store.db")
-        yield u
         db.dispose_engine(u)
-    else:
-        u = request.getfixturevalue("postgres_db")
-        with db.get_engine(u).begin() as conn:
-            conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
-        yield u
 
 
 def make_result(**stats) -> dict:
