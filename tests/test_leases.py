@@ -96,7 +96,7 @@ def test_the_job_row_is_not_recounted_per_finished_row(url, monkeypatch):
     from specdec_llm.store import record
 
     calls = []
-    monkeypatch.setattr(record, "_refresh_job", lambda s, job: calls.append(job))
+    monkeypatch.setattr(record, "refresh_job", lambda s, job: calls.append(job))
     for i in range(3):
         store.record_result(
             f"r{i}",

@@ -24,7 +24,8 @@ from sqlalchemy.orm import Session
 
 from .db import StoreError, check_schema, session_scope
 from .models import JOB_STATUSES, Base, Job, Output, Pair, Request, Telemetry, Worker, utcnow
-from .record import _chunks, _insert, _writing, worker_key
+from .record import worker_key
+from .sql import chunks, dialect_insert, writing
 
 PENDING = ("queued", "running")
 PRUNE_BATCH = 5000  # request rows deleted per transaction
@@ -95,7 +96,7 @@ def list_jobs(
 def _row_counts(session: Session, job_ids: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
     """job id -> status -> (rows, output tokens): the listed jobs' rows only (by index)."""
     out: dict[str, dict[str, tuple[int, int]]] = {}
-    for chunk in _chunks(job_ids):
+    for chunk in chunks(job_ids):
         q = (
             select(Request.job_id, Request.status, func.count(), func.sum(Output.output_tokens))
             .outerjoin(Output, Output.request_id == Request.id)
@@ -136,8 +137,8 @@ def heartbeat_worker(
         torch_version=worker.get("torch_version"),
         transformers_version=worker.get("transformers_version"),
     )
-    with _writing(url) as s:
-        stmt = _insert(s, Worker).values(**key, **beat, started_at=now)
+    with writing(url) as s:
+        stmt = dialect_insert(s, Worker).values(**key, **beat, started_at=now)
         s.execute(stmt.on_conflict_do_update(index_elements=list(key), set_=beat))
 
 
@@ -188,7 +189,7 @@ def prune_plan(cutoff: datetime, *, job_id: str | None = None, url: str | None =
     with session_scope(url) as s:
         ids = s.scalars(select(Job.id).where(*_prunable(cutoff, job_id))).all()
         rows = 0
-        for chunk in _chunks(list(ids)):
+        for chunk in chunks(list(ids)):
             rows += s.scalar(select(func.count()).where(Request.job_id.in_(chunk))) or 0
         older = [Job.status != "done", Job.created_at < cutoff] + ([Job.id == job_id] if job_id else [])
         unfinished = s.scalar(select(func.count()).select_from(Job).where(*older)) or 0
@@ -221,7 +222,7 @@ def prune(
                 return freed
             ids = list(s.scalars(select(Request.id).where(Request.job_id.in_(jobs)).limit(batch_rows)))
             if ids:
-                for chunk in _chunks(ids):
+                for chunk in chunks(ids):
                     freed["telemetry"] += _deleted(s, Telemetry, Telemetry.request_id.in_(chunk))
                     freed["outputs"] += _deleted(s, Output, Output.request_id.in_(chunk))
                     freed["rows"] += _deleted(s, Request, Request.id.in_(chunk))

@@ -31,7 +31,8 @@ from sqlalchemy.orm import Session
 
 from .db import check_schema, session_scope
 from .models import Job, Output, Pair, Request, Telemetry, utcnow
-from .record import _chunks, _refresh_job, _row_changed, _worker_id, _writing, output_insert
+from .record import output_insert, refresh_job, row_changed, worker_row_id
+from .sql import chunks, writing
 
 PENDING = ("queued", "running")
 FINISHED = ("ok", "failed", "cancelled")
@@ -53,7 +54,7 @@ def take(
     from "queued", or from "running" when the lease is ``owner``'s own or has expired
     (its worker is gone). Counts an attempt. False when the row is finished, cancelled, or
     running under another worker's live lease (a stale duplicate message: leave it)."""
-    with _writing(url) as s:
+    with writing(url) as s:
         now = utcnow()
         takeable = or_(
             Request.status == "queued",
@@ -75,12 +76,12 @@ def take(
             started_at=func.coalesce(Request.started_at, now),
         )
         if worker:
-            values["worker_id"] = _worker_id(s, worker)
+            values["worker_id"] = worker_row_id(s, worker)
         changed = s.execute(
             update(Request).where(Request.id == request_id, takeable).values(**values).returning(Request.job_id)
         ).first()
         if changed is not None and changed.job_id:
-            _row_changed(s, changed.job_id)
+            row_changed(s, changed.job_id)
         return changed is not None
 
 
@@ -89,7 +90,7 @@ def renew(request_ids: Iterable[str], owner: str, *, url: str | None = None) -> 
     request_ids = list(request_ids)
     if not request_ids:
         return 0
-    with _writing(url) as s:
+    with writing(url) as s:
         result = s.execute(
             update(Request)
             .where(Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == owner)
@@ -105,7 +106,7 @@ def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str
     caller gets it however many call at once. Rows that already had ``max_attempts``
     attempts fail instead (their worker keeps dying on them). Returns the requeued rows
     as ``[{"id", "pair"}]``: the caller enqueues them."""
-    with _writing(url) as s:
+    with writing(url) as s:
         now = utcnow()
         cutoff = now - timedelta(seconds=lease_timeout_s)
         jobs: set[str] = set()
@@ -142,7 +143,7 @@ def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str
         jobs.update(r.job_id for r in requeued if r.job_id)
         names = _pair_names(s, {r.pair_id for r in requeued})
         for job_id in jobs:
-            _refresh_job(s, job_id)
+            refresh_job(s, job_id)
         return [{"id": r.id, "pair": names.get(r.pair_id)} for r in requeued]
 
 
@@ -218,7 +219,7 @@ def requeue(
     The job's cancel flag (``cancel --now``) is cleared, and the partial outputs of cancelled
     rows run again are dropped (their new result is recorded in their place). Returns them
     as ``[{"id", "pair"}]`` (the caller enqueues them)."""
-    with _writing(url) as s:
+    with writing(url) as s:
         cutoff = utcnow() - timedelta(seconds=lease_timeout_s)
         s.execute(update(Job).where(Job.id == job_id).values(cancel_requested_at=None))
         if cancelled:
@@ -243,7 +244,7 @@ def requeue(
             .execution_options(synchronize_session=False)
         ).all()
         names = _pair_names(s, {r.pair_id for r in rows})
-        _refresh_job(s, job_id)
+        refresh_job(s, job_id)
         return [{"id": r.id, "pair": names.get(r.pair_id)} for r in rows]
 
 
@@ -259,7 +260,7 @@ def cancel(job_id: str, *, now: bool = False, url: str | None = None) -> int:
     """Cancel every queued row of a job in one UPDATE (running rows finish); how many.
     ``now``: also set the job's cancel flag, in the same transaction, so workers end its
     running rows at their next iteration (their partial text kept: ``end_cancelled``)."""
-    with _writing(url) as s:
+    with writing(url) as s:
         rows = s.execute(
             update(Request)
             .where(Request.job_id == job_id, Request.status == "queued")
@@ -269,7 +270,7 @@ def cancel(job_id: str, *, now: bool = False, url: str | None = None) -> int:
         ).all()
         if now:
             s.execute(update(Job).where(Job.id == job_id).values(cancel_requested_at=utcnow()))
-        _refresh_job(s, job_id)
+        refresh_job(s, job_id)
         return len(rows)
 
 
@@ -282,7 +283,7 @@ def cancels_requested(job_ids: Iterable[str], *, url: str | None = None) -> set[
     check_schema(url)
     found: set[str] = set()
     with session_scope(url) as s:
-        for chunk in _chunks(ids):
+        for chunk in chunks(ids):
             found.update(s.scalars(select(Job.id).where(Job.id.in_(chunk), Job.cancel_requested_at.is_not(None))))
     return found
 
@@ -293,7 +294,7 @@ def end_cancelled(request_id: str, result: dict[str, Any], *, url: str | None = 
     finished rows). False when the row was not running (finished or requeued meanwhile)."""
     stats = result.get("stats") or {}
     tokens = int(stats.get("output_tokens") or len(result.get("token_ids") or []))
-    with _writing(url) as s:
+    with writing(url) as s:
         now = utcnow()
         changed = s.execute(
             update(Request)
@@ -311,5 +312,5 @@ def end_cancelled(request_id: str, result: dict[str, Any], *, url: str | None = 
             return False
         s.execute(output_insert(s, request_id, result, "cancelled", tokens, now))
         if changed.job_id:
-            _row_changed(s, changed.job_id)
+            row_changed(s, changed.job_id)
         return True

@@ -3,7 +3,11 @@
 Every write is idempotent: pairs upsert on name, workers on (host, pid, device name),
 baselines on (pair, device kind, dtype), requests on their id or idempotency key, and
 a result on its request id (the first result recorded wins; later ones are ignored).
-Each call upgrades an empty or older database first (``db.ensure_schema``).
+Each call upgrades an empty or older database first (``sql.writing``).
+
+The other writers of the store (``jobs``, ``admin``) share the steps that take a session:
+``worker_row_id`` (a worker's row), ``worker_key``, ``output_insert`` (a row's output),
+``row_changed`` (after one row of a job changed) and ``refresh_job`` (recount a job).
 """
 
 from __future__ import annotations
@@ -11,20 +15,17 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from datetime import datetime
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, Table, case, func, select, update
+from sqlalchemy import ColumnElement, case, func, select, update
 from sqlalchemy.orm import Session
 
-from .db import ensure_schema, resolve_url, session_scope
 from .models import (
     BASELINE_SOURCES,
     STATS_FIELDS,
-    Base,
     Baseline,
     Job,
     Output,
@@ -34,33 +35,11 @@ from .models import (
     Worker,
     utcnow,
 )
+from .sql import chunks, dialect_insert, writing
 
 if TYPE_CHECKING:
     from sqlalchemy.dialects.postgresql import Insert as PostgresInsert
     from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
-
-_CHUNK = 500  # ids per IN (...) list
-
-
-@contextmanager
-def _writing(url: str | None) -> Iterator[Session]:
-    url = resolve_url(url)
-    ensure_schema(url)
-    with session_scope(url) as session:
-        yield session
-
-
-def _insert(session: Session, model: type[Base]) -> PostgresInsert | SqliteInsert:
-    """A Core INSERT for this dialect, with ``on_conflict_do_nothing/update``. (To learn
-    whether a row went in, use RETURNING: psycopg reports no rowcount for these.)"""
-    if session.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects import postgresql
-
-        return postgresql.insert(cast(Table, model.__table__))
-    from sqlalchemy.dialects import sqlite
-
-    return sqlite.insert(cast(Table, model.__table__))
-
 
 def device_kind(device: str) -> str:
     """ "cuda:1" -> "cuda". Prices and baselines are per device kind."""
@@ -90,7 +69,7 @@ def worker_info(device_name: str) -> dict[str, Any]:
 
 def _pair_id(session: Session, name: str, **values: Any) -> int:
     now = utcnow()
-    stmt = _insert(session, Pair).values(name=name, created_at=now, updated_at=now, **values)
+    stmt = dialect_insert(session, Pair).values(name=name, created_at=now, updated_at=now, **values)
     if values:
         stmt = stmt.on_conflict_do_update(index_elements=["name"], set_={**values, "updated_at": now})
     else:
@@ -119,7 +98,7 @@ def upsert_pair(
         dtype=dtype,
         device=device,
     )
-    with _writing(url) as s:
+    with writing(url) as s:
         return _pair_id(s, name, **{k: v for k, v in values.items() if v is not None})
 
 
@@ -138,7 +117,7 @@ def output_insert(
     """The INSERT of a row's output (its text and token ids), a no-op where it has one."""
     stats = result.get("stats") or {}
     return (
-        _insert(session, Output)
+        dialect_insert(session, Output)
         .values(
             request_id=request_id,
             text=_text(result.get("text")) or "",
@@ -152,11 +131,13 @@ def output_insert(
     )
 
 
-def _worker_id(session: Session, worker: dict[str, Any]) -> int:
+def worker_row_id(session: Session, worker: dict[str, Any]) -> int:
+    """The id of ``worker``'s row (``worker_info``'s dict), created or refreshed (its
+    versions, ``last_seen_at``) in ``session``'s transaction."""
     key = worker_key(worker)
     versions = {k: worker.get(k) for k in ("torch_version", "transformers_version")}
     now = utcnow()
-    stmt = _insert(session, Worker).values(**key, **versions, started_at=now, last_seen_at=now)
+    stmt = dialect_insert(session, Worker).values(**key, **versions, started_at=now, last_seen_at=now)
     stmt = stmt.on_conflict_do_update(index_elements=list(key), set_={**versions, "last_seen_at": now})
     session.execute(stmt)
     return session.execute(select(Worker.id).filter_by(**key)).scalar_one()
@@ -165,8 +146,8 @@ def _worker_id(session: Session, worker: dict[str, Any]) -> int:
 def upsert_worker(worker: dict[str, Any], *, url: str | None = None) -> int:
     """Create or refresh a worker (keys: host, pid, device_name, torch_version,
     transformers_version; see ``worker_info``); returns its id."""
-    with _writing(url) as s:
-        return _worker_id(s, worker)
+    with writing(url) as s:
+        return worker_row_id(s, worker)
 
 
 def record_baseline(
@@ -189,10 +170,10 @@ def record_baseline(
         raise ValueError(f"source must be one of {BASELINE_SOURCES}, not {source!r}")
     if not tokens_per_s > 0 or samples < 1:
         raise ValueError("tokens_per_s must be > 0 and samples >= 1")
-    with _writing(url) as s:
+    with writing(url) as s:
         pair_id = _pair_id(s, pair)
         values = dict(pair_id=pair_id, device_kind=device_kind(device), dtype=dtype)
-        stmt = _insert(s, Baseline).values(
+        stmt = dialect_insert(s, Baseline).values(
             **values, tokens_per_s=tokens_per_s, samples=samples, source=source, measured_at=utcnow()
         )
         ex = stmt.excluded
@@ -232,7 +213,10 @@ def record_baseline(
 # --- jobs and requests ----------------------------------------------------------------
 
 
-def _refresh_job(session: Session, job_id: str) -> None:
+def refresh_job(session: Session, job_id: str) -> None:
+    """Recount ``job_id``'s rows by state into its counters and status (queued, running,
+    done; started/finished times), in ``session``'s transaction: one count over the job's
+    rows, for job-wide changes (a row-by-row change calls ``row_changed``)."""
     counts = dict(
         session.execute(
             select(Request.status, func.count()).where(Request.job_id == job_id).group_by(Request.status)
@@ -257,7 +241,7 @@ def _refresh_job(session: Session, job_id: str) -> None:
     )
 
 
-def _row_changed(session: Session, job_id: str, *, started: bool = True) -> None:
+def row_changed(session: Session, job_id: str, *, started: bool = True) -> None:
     """After one row of a job changed: index lookups only, no count over the job's rows
     (one count per finished row made a 100k-row job quadratic). The job's counters are
     recounted when its last pending row finishes (and by ``get_job``); meanwhile it is
@@ -266,7 +250,7 @@ def _row_changed(session: Session, job_id: str, *, started: bool = True) -> None
         select(Request.id).where(Request.job_id == job_id, Request.status.in_(("queued", "running"))).limit(1)
     )
     if pending is None:
-        _refresh_job(session, job_id)
+        refresh_job(session, job_id)
     elif started:
         now = utcnow()
         session.execute(
@@ -277,13 +261,8 @@ def _row_changed(session: Session, job_id: str, *, started: bool = True) -> None
 
 
 def _ensure_job(session: Session, job_id: str, **values: Any) -> None:
-    stmt = _insert(session, Job).values(id=job_id, created_at=utcnow(), status="queued", **values)
+    stmt = dialect_insert(session, Job).values(id=job_id, created_at=utcnow(), status="queued", **values)
     session.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
-
-
-def _chunks(items: list[Any], n: int = _CHUNK) -> Iterable[list[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
 
 
 def create_job(
@@ -321,7 +300,7 @@ def create_job(
                 "params": item.get("params"),
             }
         )
-    with _writing(url) as s:
+    with writing(url) as s:
         pair_id = _pair_id(s, pair) if pair else None
         _ensure_job(s, job_id, name=name, pair_id=pair_id, params=params)
         now = utcnow()
@@ -331,22 +310,22 @@ def create_job(
         # row a concurrent caller slipped in meanwhile)
         keys = [r["idempotency_key"] for r in rows if r["idempotency_key"]]
         by_key: dict[str | None, str] = {}
-        for chunk in _chunks(keys):
+        for chunk in chunks(keys):
             by_key.update(
                 s.execute(select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))).all()
             )
         ids = [r["id"] for r in rows]
         known_ids: set[str] = set()
-        for chunk in _chunks(ids):
+        for chunk in chunks(ids):
             known_ids.update(s.scalars(select(Request.id).where(Request.id.in_(chunk))))
         new = [r for r in rows if r["idempotency_key"] not in by_key and r["id"] not in known_ids]
         if new:
-            s.execute(_insert(s, Request).on_conflict_do_nothing(), new)
-        for chunk in _chunks(keys):  # resolve again: a concurrent caller may have won a key
+            s.execute(dialect_insert(s, Request).on_conflict_do_nothing(), new)
+        for chunk in chunks(keys):  # resolve again: a concurrent caller may have won a key
             by_key.update(
                 s.execute(select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))).all()
             )
-        _refresh_job(s, job_id)
+        refresh_job(s, job_id)
     request_ids = [by_key.get(r["idempotency_key"], r["id"]) if r["idempotency_key"] else r["id"] for r in rows]
     return {"job_id": job_id, "request_ids": request_ids, "created": len(new)}
 
@@ -374,7 +353,7 @@ def mark_request(
     """
     if status not in ("queued", "running", "failed", "cancelled"):
         raise ValueError(f"status must be queued, running, failed or cancelled, not {status!r}")
-    with _writing(url) as s:
+    with writing(url) as s:
         now = utcnow()
         values: dict[str, Any] = {"status": status, "error": error}
         if status == "running":
@@ -384,14 +363,14 @@ def mark_request(
         if status != "running":
             values.update(lease_owner=None, heartbeat_at=None)
         if worker:
-            values["worker_id"] = _worker_id(s, worker)
+            values["worker_id"] = worker_row_id(s, worker)
         # "ok" is final; a row only starts running from queued/running (never over a cancel)
         allowed = Request.status.in_(("queued", "running")) if status == "running" else Request.status != "ok"
         changed = s.execute(
             update(Request).where(Request.id == request_id, allowed).values(**values).returning(Request.job_id)
         ).first()
         if changed is not None and changed.job_id:
-            _row_changed(s, changed.job_id, started=status != "queued")
+            row_changed(s, changed.job_id, started=status != "queued")
         return changed is not None
 
 
@@ -425,71 +404,99 @@ def record_result(
     stats = {k: v for k, v in (result.get("stats") or {}).items() if k in STATS_FIELDS}
     finish_reason = result.get("finish_reason") or stats.get("finish_reason") or "length"
     stats["finish_reason"] = finish_reason
-    wall = float(stats.get("wall_time_s") or 0.0)
-    with _writing(url) as s:
+    with writing(url) as s:
         now = finished_at or utcnow()
         pair_id = _pair_id(s, pair)
-        worker_id = _worker_id(s, worker) if worker else None
-        if job_id:
-            _ensure_job(s, job_id, pair_id=pair_id)
-        s.execute(
-            _insert(s, Request)
-            .values(
-                id=request_id,
-                job_id=job_id,
-                pair_id=pair_id,
-                category=category,
-                status="running",
-                attempts=1,
-                created_at=now,
-                started_at=now,
-            )
-            .on_conflict_do_nothing(index_elements=["id"])
+        worker_id = worker_row_id(s, worker) if worker else None
+        req = _request_row(s, request_id, job_id=job_id, pair_id=pair_id, category=category, now=now)
+        output = output_insert(s, request_id, result, finish_reason, int(stats.get("output_tokens") or 0), now)
+        if s.execute(output.returning(Output.request_id)).first() is None:
+            return False  # recorded already: the first result wins
+        telemetry = dict(
+            job_id=req.job_id,
+            worker_id=worker_id,
+            category=req.category or category,
+            device=device,
+            dtype=dtype or s.scalar(select(Pair.dtype).where(Pair.id == pair_id)),
+            finished_at=now,
+            queue_wait_s=queue_wait_s,
+            price_per_hour=price_per_hour,
         )
-        req = s.execute(select(Request.job_id, Request.category).where(Request.id == request_id)).one()
-        wrote = s.execute(
-            output_insert(s, request_id, result, finish_reason, int(stats.get("output_tokens") or 0), now).returning(
-                Output.request_id
-            )
-        ).first()
-        if wrote is None:
-            return False
-        pair_dtype = s.scalar(select(Pair.dtype).where(Pair.id == pair_id))
-        s.execute(
-            _insert(s, Telemetry)
-            .values(
-                request_id=request_id,
-                pair_id=pair_id,
-                job_id=req.job_id,
-                worker_id=worker_id,
-                category=req.category or category,
-                device=device,
-                device_kind=device_kind(device),
-                dtype=dtype or pair_dtype,
-                finished_at=now,
-                queue_wait_s=queue_wait_s,
-                price_per_hour=price_per_hour,
-                estimated_cost_usd=None if price_per_hour is None else wall / 3600.0 * price_per_hour,
-                **stats,
-            )
-            .on_conflict_do_nothing(index_elements=["request_id"])
-        )
-        s.execute(
-            update(Request)
-            .where(Request.id == request_id)
-            .values(
-                status="ok",
-                error=None,
-                finished_at=now,
-                lease_owner=None,
-                heartbeat_at=None,
-                worker_id=worker_id if worker_id is not None else Request.worker_id,
-                pair_id=func.coalesce(Request.pair_id, pair_id),
-            )
-        )
+        s.execute(_telemetry_insert(s, request_id, pair_id, stats, **telemetry))
+        _mark_ok(s, request_id, worker_id=worker_id, pair_id=pair_id, now=now)
         if req.job_id:
-            _row_changed(s, req.job_id)
+            row_changed(s, req.job_id)
         return True
+
+
+def _request_row(
+    session: Session, request_id: str, *, job_id: str | None, pair_id: int, category: str | None, now: datetime
+) -> Any:
+    """The request's ``(job_id, category)``; a row never created (direct engine use) is
+    created here, running, with its job."""
+    if job_id:
+        _ensure_job(session, job_id, pair_id=pair_id)
+    session.execute(
+        dialect_insert(session, Request)
+        .values(
+            id=request_id,
+            job_id=job_id,
+            pair_id=pair_id,
+            category=category,
+            status="running",
+            attempts=1,
+            created_at=now,
+            started_at=now,
+        )
+        .on_conflict_do_nothing(index_elements=["id"])
+    )
+    return session.execute(select(Request.job_id, Request.category).where(Request.id == request_id)).one()
+
+
+def _telemetry_insert(
+    session: Session,
+    request_id: str,
+    pair_id: int,
+    stats: dict[str, Any],
+    *,
+    device: str,
+    price_per_hour: float | None,
+    **values: Any,
+) -> PostgresInsert | SqliteInsert:
+    """The INSERT of a finished row's telemetry (its ``Stats`` fields, where and how it ran,
+    its estimated cost = wall time x ``price_per_hour``), a no-op where it has some."""
+    wall = float(stats.get("wall_time_s") or 0.0)
+    return (
+        dialect_insert(session, Telemetry)
+        .values(
+            request_id=request_id,
+            pair_id=pair_id,
+            device=device,
+            device_kind=device_kind(device),
+            price_per_hour=price_per_hour,
+            estimated_cost_usd=None if price_per_hour is None else wall / 3600.0 * price_per_hour,
+            **values,
+            **stats,
+        )
+        .on_conflict_do_nothing(index_elements=["request_id"])
+    )
+
+
+def _mark_ok(session: Session, request_id: str, *, worker_id: int | None, pair_id: int, now: datetime) -> None:
+    """The request is done: status ok, its lease released, its worker and pair set."""
+    session.execute(
+        update(Request)
+        .where(Request.id == request_id)
+        .values(
+            status="ok",
+            error=None,
+            finished_at=now,
+            lease_owner=None,
+            heartbeat_at=None,
+            worker_id=worker_id if worker_id is not None else Request.worker_id,
+            pair_id=func.coalesce(Request.pair_id, pair_id),
+        )
+    )
 
 
 # --- reading single rows -------------------------------------------------------------
@@ -497,7 +504,7 @@ def record_result(
 
 def get_request(request_id: str, *, url: str | None = None) -> dict[str, Any] | None:
     """A request's status, error, attempts and (when done) output, as a dict; None if unknown."""
-    with _writing(url) as s:
+    with writing(url) as s:
         row = s.execute(
             select(Request, Output).outerjoin(Output, Output.request_id == Request.id).where(Request.id == request_id)
         ).first()
@@ -535,17 +542,17 @@ def get_request(request_id: str, *, url: str | None = None) -> dict[str, Any] | 
 def get_stats(request_id: str, *, url: str | None = None) -> dict[str, Any]:
     """A finished request's telemetry as the engine's ``Stats`` fields (a dict; empty when
     it has none)."""
-    with _writing(url) as s:
+    with writing(url) as s:
         tel = s.get(Telemetry, request_id)
         return {} if tel is None else {f: getattr(tel, f) for f in STATS_FIELDS}
 
 
 def get_job(job_id: str, *, url: str | None = None) -> dict[str, Any] | None:
     """A job's status and counts (recomputed now), as a dict; None if unknown."""
-    with _writing(url) as s:
+    with writing(url) as s:
         if s.get(Job, job_id) is None:
             return None
-        _refresh_job(s, job_id)
+        refresh_job(s, job_id)
         s.flush()
         job = s.get(Job, job_id, populate_existing=True)
         assert job is not None  # it was there a moment ago, in this transaction

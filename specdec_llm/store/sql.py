@@ -1,0 +1,58 @@
+"""The statement helpers the store's writers share (``record``, ``jobs``, ``admin``).
+
+- ``writing(url)``: a session on a database upgraded first (``db.ensure_schema``), committed
+  on success; every write goes through one.
+- ``dialect_insert(session, model)``: the dialect's INSERT, with ``on_conflict_do_nothing``
+  and ``on_conflict_do_update`` (SQLite and PostgreSQL both), so duplicate writes race safely.
+- ``chunks(items)``: a long id list cut into IN (...) lists of at most ``CHUNK`` ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, TypeVar, cast
+
+from sqlalchemy import Table
+from sqlalchemy.orm import Session
+
+from .db import ensure_schema, resolve_url, session_scope
+from .models import Base
+
+if TYPE_CHECKING:
+    from sqlalchemy.dialects.postgresql import Insert as PostgresInsert
+    from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
+
+CHUNK = 500  # ids per IN (...) list
+
+T = TypeVar("T")
+
+
+@contextmanager
+def writing(url: str | None) -> Iterator[Session]:
+    """A session for writes on ``url`` (default: settings): an empty or older database is
+    upgraded first; commits on success, rolls back on error (``db.session_scope``)."""
+    url = resolve_url(url)
+    ensure_schema(url)
+    with session_scope(url) as session:
+        yield session
+
+
+def dialect_insert(session: Session, model: type[Base]) -> PostgresInsert | SqliteInsert:
+    """A Core INSERT into ``model``'s table for the session's dialect, with
+    ``on_conflict_do_nothing/update``. (To learn whether a row went in, use RETURNING:
+    psycopg reports no rowcount for these.)"""
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects import postgresql
+
+        return postgresql.insert(cast(Table, model.__table__))
+    from sqlalchemy.dialects import sqlite
+
+    return sqlite.insert(cast(Table, model.__table__))
+
+
+def chunks(items: list[T], n: int = CHUNK) -> Iterable[list[T]]:
+    """``items`` in consecutive lists of at most ``n`` (one IN (...) list each)."""
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
