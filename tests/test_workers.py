@@ -481,7 +481,7 @@ def test_a_failed_result_write_retries_the_write_not_the_generation(pairs_file, 
     generated, real_submit = [], server.submit
     monkeypatch.setattr(server, "submit", lambda req, **kw: generated.append(req) or real_submit(req, **kw))
     request.addfinalizer(server.close)  # its thread, once runtime._runtime is restored
-    outage, real_record = [store.StoreError("the database is down")], store.record_result
+    outage, real_record = [store.StoreUnavailable("the database is down")], store.record_result
 
     def flaky_record(*args, **kwargs):
         if outage:

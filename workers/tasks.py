@@ -38,7 +38,6 @@ import logging
 import time
 
 import kombu.exceptions
-import sqlalchemy.exc
 from celery import Task, shared_task
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 from celery.utils.time import get_exponential_backoff_interval
@@ -57,9 +56,7 @@ from . import cancels, heartbeat, metrics, runtime
 log = logging.getLogger(__name__)
 
 TRANSIENT: tuple[type[BaseException], ...] = (
-    store.StoreError,
-    sqlalchemy.exc.OperationalError,
-    sqlalchemy.exc.InterfaceError,
+    *store.TRANSIENT_ERRORS,  # the database away or locked for a moment (the store names them)
     kombu.exceptions.OperationalError,
     ConnectionError,
     TimeoutError,
@@ -92,7 +89,6 @@ class GenerateTask(Task):
     acks_late=True,
     reject_on_worker_lost=True,
     autoretry_for=TRANSIENT,
-    dont_autoretry_for=(store.SchemaError,),
     max_retries=MAX_RETRIES,
     retry_backoff=1,
     retry_backoff_max=BACKOFF_MAX,

@@ -349,8 +349,6 @@ def wait(
     list, updated in place). ``requeue_lost_after_s``: when no row has finished for that
     long, none is running and some are queued, ``requeue_lost`` (rows whose message is
     gone, e.g. with a broker that lost its data, are sent again)."""
-    from sqlalchemy.exc import DBAPIError
-
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last_read = progress_at = reclaimed_at = time.monotonic()
     last_done, restarts = -1, 0
@@ -358,8 +356,8 @@ def wait(
         try:
             counts = job_counts(job_id)
             last_read = time.monotonic()
-        except (store.StoreError, DBAPIError) as e:  # the database is away (or locked) for a moment: look again
-            if isinstance(e, store.SchemaError) or time.monotonic() - last_read > STORE_GRACE_S:
+        except store.TRANSIENT_ERRORS as e:  # the database is away (or locked) for a moment: look again
+            if time.monotonic() - last_read > STORE_GRACE_S:
                 raise
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} not finished after {timeout_s} s (the database: {e})") from e
@@ -379,28 +377,39 @@ def wait(
             and time.monotonic() - progress_at > requeue_lost_after_s
         ):
             progress_at = time.monotonic()
-            try:
-                n = requeue_lost(job_id)
-            except (store.StoreError, DBAPIError, QueueError):  # not now; look again later
-                n = 0
-            if n:
-                log.warning("job %s: %d queued rows had no message (lost with the broker); enqueued again", job_id, n)
+            _requeue_lost_quietly(job_id)
         if counts["running"] and time.monotonic() - reclaimed_at > get_settings().lease_heartbeat_s:
             reclaimed_at = time.monotonic()
             try:
                 reclaim_and_enqueue()
             except Exception as e:  # noqa: BLE001 - the database or broker is away: a worker or the next look does it
                 log.debug("requeueing lost rows: %s", e)
-        for i, p in enumerate(workers):
-            if p.poll() is not None and p.returncode < 0 and restart is not None and restarts < max_restarts:
-                restarts += 1
-                log.warning("the local worker was killed (signal %d); starting another", -p.returncode)
-                workers[i] = restart(p)
-        if workers and all(p.poll() is not None for p in workers):
-            p = workers[0]
-            raise RuntimeError(
-                f"the local worker stopped (exit code {p.returncode}); its log {p.log_path}:\n{log_tail(p)}"
-            )
+        restarts = _restart_killed(workers, restart, restarts, max_restarts)
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} not finished after {timeout_s} s: {counts}")
         time.sleep(poll_s)
+
+
+def _requeue_lost_quietly(job_id: str) -> None:
+    """``requeue_lost``, logged when it sent something; a store or broker away: not now."""
+    try:
+        n = requeue_lost(job_id)
+    except (*store.TRANSIENT_ERRORS, QueueError):  # not now; look again later
+        return
+    if n:
+        log.warning("job %s: %d queued rows had no message (lost with the broker); enqueued again", job_id, n)
+
+
+def _restart_killed(workers: list[subprocess.Popen], restart, restarts: int, max_restarts: int) -> int:
+    """A new local worker (``restart(proc)``) for each in ``workers`` killed by a signal, while
+    ``restarts`` < ``max_restarts``; raises RuntimeError when every one has stopped. Returns
+    the restarts so far."""
+    for i, p in enumerate(workers):
+        if p.poll() is not None and p.returncode < 0 and restart is not None and restarts < max_restarts:
+            restarts += 1
+            log.warning("the local worker was killed (signal %d); starting another", -p.returncode)
+            workers[i] = restart(p)
+    if workers and all(p.poll() is not None for p in workers):
+        p = workers[0]
+        raise RuntimeError(f"the local worker stopped (exit code {p.returncode}); its log {p.log_path}:\n{log_tail(p)}")
+    return restarts

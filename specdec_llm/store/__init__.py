@@ -15,6 +15,9 @@ function takes ``url=`` to use another database. Times are naive UTC (``utcnow()
     check_schema(url=None)    # readers: StoreError unless at head; writes nothing
     mask_url(url) -> str      # password hidden, for logs
     StoreError, SchemaError   # str(e) is one line saying what to do
+    StoreUnavailable          # a StoreError: the database cannot be used now (try again later)
+    TRANSIENT_ERRORS          # the tuple a caller retries on (StoreUnavailable and the driver's
+                              # connection errors): callers never import SQLAlchemy
 
 ``record`` (writes; all idempotent, all upgrade an empty/older database first)
     upsert_pair(name, *, target, draft, target_fingerprint, draft_fingerprint, dtype, device) -> int
@@ -55,6 +58,7 @@ function takes ``url=`` to use another database. Times are naive UTC (``utcnow()
     report(fmt, **summary filters) -> str   # query + render, "table"|"csv"|"json"|"html"
 
 ``cli.register(app)`` adds ``db upgrade|downgrade|current`` and ``report`` to a Typer app.
+``sql``: the writers' shared steps (``writing(url)`` session, ``dialect_insert``, ``chunks``).
 ``testing``: ``sqlite_url(dir)``, ``temporary_postgres()`` (a database created and dropped).
 
 Concurrency: writes use INSERT ... ON CONFLICT, so duplicate deliveries race safely; the
@@ -63,8 +67,10 @@ beside a SQLite file); a forked child (Celery prefork) gets fresh connections.
 """
 
 from .db import (
+    TRANSIENT_ERRORS,
     SchemaError,
     StoreError,
+    StoreUnavailable,
     check_schema,
     downgrade,
     ensure_schema,
@@ -89,9 +95,11 @@ from .record import (
 from .reports import ReportInputError, price_for, summary
 
 __all__ = [
+    "TRANSIENT_ERRORS",
     "ReportInputError",
     "SchemaError",
     "StoreError",
+    "StoreUnavailable",
     "check_schema",
     "create_job",
     "downgrade",

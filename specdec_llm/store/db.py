@@ -45,6 +45,17 @@ class SchemaError(StoreError):
     """The database's schema is not the one this code expects."""
 
 
+class StoreUnavailable(StoreError):
+    """The database cannot be used now (unreachable, a connection lost, locked): trying again
+    later may work. ``str(e)`` names the database (password masked) and the reason."""
+
+
+# What a caller may retry on (a worker's task, a client waiting on a job): the store's own
+# StoreUnavailable, and the driver's connection errors met outside a session. Callers catch
+# this tuple and never import SQLAlchemy.
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (StoreUnavailable, exc.OperationalError, exc.InterfaceError)
+
+
 # --- URLs ---------------------------------------------------------------------------
 
 
@@ -176,7 +187,7 @@ def get_sessionmaker(url: str | None = None) -> sessionmaker[Session]:
 def session_scope(url: str | None = None) -> Iterator[Session]:
     """A session that commits on success and rolls back on error.
 
-    Connection failures become a one-line ``StoreError``.
+    Connection failures become a one-line ``StoreUnavailable``.
     """
     url = resolve_url(url)
     session = get_sessionmaker(url)()
@@ -204,13 +215,13 @@ def dispose_engine(url: str | None = None) -> None:
             engine.dispose()
 
 
-def unreachable(url: str, error: Exception) -> StoreError:
+def unreachable(url: str, error: Exception) -> StoreUnavailable:
     reason = mask_query(str(getattr(error, "orig", None) or error).strip().splitlines()[0])
     u = make_url(url)
     for secret in (u.password, *(v for k, v in u.query.items() if _SECRET_QUERY.match(f"?{k}="))):
         if secret and isinstance(secret, str):
             reason = reason.replace(secret, "***")
-    return StoreError(
+    return StoreUnavailable(
         f"cannot use the database at {mask_url(url)} ({reason}); "
         "check SPECDEC_DATABASE_URL and that the server is running"
     )

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from sqlalchemy.dialects.postgresql import Insert as PostgresInsert
     from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
 
+
 def device_kind(device: str) -> str:
     """ "cuda:1" -> "cuda". Prices and baselines are per device kind."""
     return (device or "unknown").split(":", 1)[0].strip().lower() or "unknown"

@@ -55,4 +55,3 @@ def chunks(items: list[T], n: int = CHUNK) -> Iterable[list[T]]:
     """``items`` in consecutive lists of at most ``n`` (one IN (...) list each)."""
     for i in range(0, len(items), n):
         yield items[i : i + n]
-
