@@ -30,8 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec_llm.engine import GenerationRequest, SpeculativeDecoder, compiled
-from specdec_llm.evaluate import read_prompts
 from specdec_llm.pairs import load_pair, quiet_loading
+from specdec_llm.training.evaluate import read_prompts
 
 SPEC_BENCH = Path(__file__).resolve().parent.parent / "data" / "spec_bench_dev.jsonl"
 BASE = "hf generate"

@@ -25,9 +25,9 @@ from bench_forward import cpu_info
 from specdec_llm.engine import compiled, hf
 from specdec_llm.engine.quant import model_bytes, quantized_copy
 from specdec_llm.engine.ragged import RaggedCache
-from specdec_llm.evaluate import read_prompts
 from specdec_llm.pairs import get_spec, gguf_blocks, load_pair, local_ref, quiet_loading
 from specdec_llm.settings import get_settings
+from specdec_llm.training.evaluate import read_prompts
 
 SPEC_BENCH = Path(__file__).resolve().parent.parent / "data" / "spec_bench_dev.jsonl"
 

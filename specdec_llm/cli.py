@@ -1,14 +1,18 @@
 """The ``specdec-llm`` command: ``generate``, ``pairs``, ``distill`` and ``eval-pair`` here;
 the store's commands (``db``, ``report``: ``store/cli.py``) and the job client's (``submit``,
-``status``, ``results``, ``retry``, ``cancel``, ``run``, ``worker``: ``client/cli.py``; ``jobs``,
-``workers``, ``prune``: ``client/ops_cli.py``) are added by ``register(app)``. Shared option
-parsing and error lines: ``cli_common.py``."""
+``status``, ``results``, ``retry``, ``cancel``, ``run``: ``client/cli.py``; ``jobs``,
+``workers``, ``prune``: ``client/ops_cli.py``) are added by ``register(app)``, and those of the
+layers above (``worker``: ``workers/cli.py``) by the ``register(app)`` each names in the
+``specdec_llm.commands`` entry point group (``COMMANDS_GROUP``). Shared option parsing and
+error lines: ``cli_common.py``."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -156,20 +160,94 @@ def main() -> None:  # pragma: no cover
     app()
 
 
+# -- distill ---------------------------------------------------------------------------------
+PairOpt = Annotated[str | None, typer.Option(help="Take the target of this pair")]
+TargetOpt = Annotated[str | None, typer.Option(help="Or a target model reference (dir, hub id, .gguf, pkg:)")]
+SeedsOpt = Annotated[str, typer.Option(help="Seed prompts (JSONL with a 'prompt' field)")]
+PoolOpt = Annotated[str | None, typer.Option(help="A ready prompt pool (JSONL 'prompt'): skips the expansion")]
+SubsetOpt = Annotated[int, typer.Option(help="Draft head over this many most frequent tokens (0: full vocabulary)")]
+InitFromOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Warm start from a distilled draft (dir or pkg:...): its layers and vocabulary subset, not --layers"
+    ),
+]
+KindOpt = Annotated[str, typer.Option(help="model (a draft of target layers) | eagle (a feature-level EAGLE draft)")]
+CorpusOpt = Annotated[
+    str | None,
+    typer.Option(help="eagle: token corpus root (default data/corpus/<target fingerprint>), or a distill data dir"),
+]
+FeatureLayersOpt = Annotated[
+    str | None, typer.Option(help="eagle: target layers whose outputs are fused, e.g. 1,15,29 (default 1,N/2,N-1)")
+]
+
+
+def _target_ref(pair: str | None, target: str | None) -> str:
+    from .pairs import get_spec
+
+    if (pair is None) == (target is None):
+        fail("give exactly one of --pair NAME or --target REF")
+    return get_spec(pair).target if pair else target
+
+
+def _load_target(ref: str, device: str = "cpu"):
+    from .pairs import load_model, load_tokenizer, use_threads
+
+    use_threads()
+    return load_model(ref, "float32", device), load_tokenizer(ref)
+
+
+def _int_list(name: str, value: str, example: str) -> list[int]:
+    """A comma-separated list of integers, or the one-line error naming ``name``."""
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError:
+        fail(f"{name}: {value!r} is not a comma-separated list of integers, e.g. {example}")
+        raise  # unreachable: fail exits
+
+
+def _check_distill(phase: str, kind: str, pair: str | None, target: str | None, layers: str, features: str | None):
+    """The command line's checks, before any model loads: the layer lists it names."""
+    if phase not in ("data", "train", "all"):
+        fail(f"phase: {phase!r} unknown; use data, train or all")
+    if kind not in ("model", "eagle"):
+        fail(f"kind: {kind!r} unknown; use model or eagle")
+    if kind == "eagle" and phase == "data":
+        fail("kind eagle has no data phase: it trains on a token corpus (--corpus); use --phase train")
+    feature_list = _int_list("feature-layers", features, "1,15,29") if features else None
+    if (pair is None) == (target is None):
+        fail("give exactly one of --pair NAME or --target REF")
+    return feature_list, _int_list("layers", layers, "0,1")
+
+
+def _distill_data(model, tok, work, prompts, pool, cfg, progress, deadline) -> None:
+    """The data phase: the target's answers to the seed prompts (``prompts``) or a ready ``pool``."""
+    from .training.distill import build_data
+
+    seeds = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines() if line.strip()]
+    manifest = build_data(model, tok, seeds, work, cfg, progress, deadline, pool)
+    err.print(f"data: {manifest.get('tokens', 0):,} answer tokens in {manifest.get('shards', 0)} shards")
+
+
+def _distill_eagle(model, corpus, work, out, cfg, resume: bool, progress, deadline) -> None:
+    """An EAGLE draft trained on the token corpus at ``corpus`` (None: the target's default)."""
+    from .training.eagle import corpus_examples, train_eagle
+
+    examples = corpus_examples(model, corpus)
+    summary = train_eagle(model, examples, work, out, cfg, resume, progress, deadline)
+    err.print(f"train: {json.dumps(summary)}")
+
+
 @app.command()
 def distill(
     out: Annotated[str, typer.Option(help="Where to write the draft (a directory the pair registry loads)")],
-    pair: Annotated[str | None, typer.Option(help="Take the target of this pair")] = None,
-    target: Annotated[str | None, typer.Option(help="Or a target model reference (dir, hub id, .gguf, pkg:)")] = None,
+    pair: PairOpt = None,
+    target: TargetOpt = None,
     work: Annotated[str, typer.Option(help="Working directory for data shards and checkpoints")] = "runs/distill",
     phase: Annotated[str, typer.Option(help="data | train | all")] = "all",
     layers: Annotated[str, typer.Option(help="Target layers the draft starts from, e.g. 0,1")] = "0,1",
-    prompts: Annotated[
-        str, typer.Option(help="Seed prompts (JSONL with a 'prompt' field)")
-    ] = "data/distill_seed_prompts.jsonl",
-    prompt_pool: Annotated[
-        str | None, typer.Option(help="A ready prompt pool (JSONL 'prompt'): skips the expansion")
-    ] = None,
+    prompts: SeedsOpt = "data/distill_seed_prompts.jsonl",
+    prompt_pool: PoolOpt = None,
     expand_per_seed: int = 4,
     samples: Annotated[int, typer.Option(help="Sampled answers per prompt besides the greedy one")] = 1,
     max_new_tokens: int = 256,
@@ -179,86 +257,47 @@ def distill(
     steps: int = 2000,
     batch_size: int = 16,
     lr: float = 1e-3,
-    vocab_subset: Annotated[
-        int, typer.Option(help="Draft head over this many most frequent tokens (0: full vocabulary)")
-    ] = 16384,
+    vocab_subset: SubsetOpt = 16384,
     resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint in --work")] = False,
-    init_from: Annotated[
-        str | None,
-        typer.Option(
-            help="Warm start from a distilled draft (dir or pkg:...): its layers and vocabulary subset, not --layers"
-        ),
-    ] = None,
+    init_from: InitFromOpt = None,
     hours: Annotated[float | None, typer.Option(help="Stop each phase after this many hours (resumable)")] = None,
-    kind: Annotated[
-        str, typer.Option(help="model (a draft of target layers) | eagle (a feature-level EAGLE draft)")
-    ] = "model",
-    corpus: Annotated[
-        str | None,
-        typer.Option(help="eagle: token corpus root (default data/corpus/<target fingerprint>), or a distill data dir"),
-    ] = None,
-    feature_layers: Annotated[
-        str | None, typer.Option(help="eagle: target layers whose outputs are fused, e.g. 1,15,29 (default 1,N/2,N-1)")
-    ] = None,
+    kind: KindOpt = "model",
+    corpus: CorpusOpt = None,
+    feature_layers: FeatureLayersOpt = None,
     ttt_steps: Annotated[int, typer.Option(help="eagle: training-time-test steps (draft positions trained)")] = 3,
     max_len: Annotated[int, typer.Option(help="eagle: tokens per training sequence")] = 256,
 ) -> None:
     """Distil a draft from a target (resumable: data shards and checkpoints live in --work).
 
     ``--kind eagle`` trains an EAGLE draft on a token corpus (--corpus) instead: no data phase."""
-    import time as _time
-    from pathlib import Path
-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from . import distill as D
-    from .pairs import get_spec, load_model, load_tokenizer, use_threads
+    from .training.distill import DataConfig, TrainConfig, train
+    from .training.eagle import EagleConfig
 
-    if phase not in ("data", "train", "all"):
-        fail(f"phase: {phase!r} unknown; use data, train or all")
-    if kind not in ("model", "eagle"):
-        fail(f"kind: {kind!r} unknown; use model or eagle")
-    if kind == "eagle" and phase == "data":
-        fail("kind eagle has no data phase: it trains on a token corpus (--corpus); use --phase train")
-    try:
-        feature_list = [int(x) for x in feature_layers.split(",")] if feature_layers else None
-    except ValueError:
-        fail(f"feature-layers: {feature_layers!r} is not a comma-separated list of integers, e.g. 1,15,29")
-    if (pair is None) == (target is None):
-        fail("give exactly one of --pair NAME or --target REF")
-    try:
-        layer_list = [int(x) for x in layers.split(",")]
-    except ValueError:
-        fail(f"layers: {layers!r} is not a comma-separated list of integers, e.g. 0,1")
+    feature_list, layer_list = _check_distill(phase, kind, pair, target, layers, feature_layers)
     with user_errors():
-        use_threads()
-        ref = get_spec(pair).target if pair else target
-        model = load_model(ref, "float32", device)
-        tok = load_tokenizer(ref)
+        model, tok = _load_target(_target_ref(pair, target), device)
         work_dir = Path(work)
-        deadline = _time.time() + hours * 3600 if hours else None
+        deadline = time.time() + hours * 3600 if hours else None
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        if kind == "eagle":
-            from . import eagle as E
-
-            ecfg = E.EagleConfig(
-                feature_layers=feature_list,
-                ttt_steps=ttt_steps,
-                steps=steps,
-                batch_size=batch_size,
-                lr=lr,
-                max_len=max_len,
-                vocab_subset=vocab_subset,
-            )
-            with Progress(*columns, console=err) as progress:
-                examples = E.corpus_examples(model, Path(corpus) if corpus else None)
-                summary = E.train_eagle(model, examples, work_dir, Path(out), ecfg, resume, progress, deadline)
-            err.print(f"train: {json.dumps(summary)}")
-            return
         with Progress(*columns, console=err) as progress:
+            if kind == "eagle":
+                ecfg = EagleConfig(
+                    feature_layers=feature_list,
+                    ttt_steps=ttt_steps,
+                    steps=steps,
+                    batch_size=batch_size,
+                    lr=lr,
+                    max_len=max_len,
+                    vocab_subset=vocab_subset,
+                )
+                _distill_eagle(
+                    model, Path(corpus) if corpus else None, work_dir, Path(out), ecfg, resume, progress, deadline
+                )
+                return
             if phase in ("data", "all"):
-                seeds = [json.loads(line)["prompt"] for line in Path(prompts).read_text().splitlines() if line.strip()]
-                cfg = D.DataConfig(
+                dcfg = DataConfig(
                     max_new_tokens=max_new_tokens,
                     batch_size=gen_batch,
                     dtype=gen_dtype,
@@ -266,10 +305,9 @@ def distill(
                     samples=samples,
                 )
                 pool = Path(prompt_pool) if prompt_pool else None
-                manifest = D.build_data(model, tok, seeds, work_dir, cfg, progress, deadline, pool)
-                err.print(f"data: {manifest.get('tokens', 0):,} answer tokens in {manifest.get('shards', 0)} shards")
+                _distill_data(model, tok, work_dir, Path(prompts), pool, dcfg, progress, deadline)
             if phase in ("train", "all"):
-                cfg = D.TrainConfig(
+                tcfg = TrainConfig(
                     layers=layer_list,
                     steps=steps,
                     batch_size=batch_size,
@@ -277,7 +315,7 @@ def distill(
                     vocab_subset=vocab_subset,
                     init_from=init_from,
                 )
-                summary = D.train(model, work_dir, Path(out), cfg, resume, progress, deadline)
+                summary = train(model, work_dir, Path(out), tcfg, resume, progress, deadline)
                 err.print(f"train: {json.dumps(summary)}")
 
 
@@ -298,10 +336,8 @@ def eval_pair(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Greedy acceptance rate, mean accepted length and per-position acceptance of a pair's drafter."""
-    from pathlib import Path
-
-    from .evaluate import evaluate, read_prompts
     from .pairs import get_spec, load_pair, use_threads
+    from .training.evaluate import evaluate, read_prompts
 
     if k < 1:
         fail(f"k: {k} is below 1; eval-pair measures drafts, use k >= 1")
@@ -350,24 +386,7 @@ corpus_app = typer.Typer(
     help="The on-policy corpus (data/corpus): the target's own answers, only ever grown.", no_args_is_help=True
 )
 app.add_typer(corpus_app, name="corpus")
-PairOpt = Annotated[str | None, typer.Option(help="Take the target of this pair")]
-TargetOpt = Annotated[str | None, typer.Option(help="Or a target model reference (dir, hub id, .gguf, pkg:)")]
 RootOpt = Annotated[str, typer.Option(help="Corpus root; each target's shards are under ROOT/<fingerprint>")]
-
-
-def _target_ref(pair: str | None, target: str | None) -> str:
-    from .pairs import get_spec
-
-    if (pair is None) == (target is None):
-        fail("give exactly one of --pair NAME or --target REF")
-    return get_spec(pair).target if pair else target
-
-
-def _load_target(ref: str, device: str = "cpu"):
-    from .pairs import load_model, load_tokenizer, use_threads
-
-    use_threads()
-    return load_model(ref, "float32", device), load_tokenizer(ref)
 
 
 def _print_stats(title: str, stats: dict) -> None:
@@ -394,10 +413,8 @@ def corpus_grow(
     root: RootOpt = "data/corpus",
 ) -> None:
     """Generate the target's answers the corpus lacks (greedy, plus --samples sampled), a shard per batch."""
-    import time as _time
-
-    from . import corpus as C
     from .cli_common import check_device
+    from .training import corpus as C
 
     check_device(device)
     if samples < 0 or min(batch, max_new_tokens, max_prompt_tokens) < 1:
@@ -408,7 +425,7 @@ def corpus_grow(
         texts = C.read_prompts(prompts)  # checked before any model loads
         ref = _target_ref(pair, target)
         model, tok = _load_target(ref, device)
-        deadline = _time.time() + hours * 3600 if hours else None
+        deadline = time.time() + hours * 3600 if hours else None
 
         def show(s: dict) -> None:
             err.print(
@@ -437,9 +454,7 @@ def corpus_grow(
 @corpus_app.command("show")
 def corpus_show(root: RootOpt = "data/corpus") -> None:
     """One table per target: shards, records, tokens, greedy and sampled answers, size on disk."""
-    from pathlib import Path
-
-    from .corpus import Corpus
+    from .training.corpus import Corpus
 
     dirs = sorted(d for d in Path(root).glob("*") if d.is_dir() and Corpus(d).shards())
     if not dirs:
@@ -469,10 +484,8 @@ def corpus_import(
     root: RootOpt = "data/corpus",
 ) -> None:
     """Copy a distill data phase's answers into the corpus (only those it lacks)."""
-    from pathlib import Path
-
-    from . import corpus as C
     from .pairs import fingerprint
+    from .training import corpus as C
 
     data = Path(work) / "data"
     if not (data / "manifest.json").is_file():
@@ -502,11 +515,9 @@ def corpus_teacher(
     root: RootOpt = "data/corpus",
 ) -> None:
     """The target's top-k log-probs over the corpus (fp32 teacher-forced forwards), cached in WORK/data."""
-    from pathlib import Path
-
-    from . import corpus as C
     from .cli_common import check_device
     from .pairs import fingerprint
+    from .training import corpus as C
 
     check_device(device)
     if topk < 1 or batch < 1:
@@ -543,10 +554,8 @@ def corpus_widen(
     root: RootOpt = "data/corpus",
 ) -> None:
     """Translation, long-input summarization and RAG prompts, templated from the corpus's answers."""
-    from pathlib import Path
-
-    from . import corpus as C
     from .pairs import fingerprint
+    from .training import corpus as C
 
     files = list(prompts or ["data/distill_prompts_smollm2-135m.jsonl"])
     for f in [*files, seeds]:
@@ -567,14 +576,24 @@ def corpus_widen(
     err.print(f"widen: {len(rows)} prompts from {len(answers)} answers ({json.dumps(kinds)}) -> {out}")
 
 
+COMMANDS_GROUP = "specdec_llm.commands"  # entry points: register(app) of a layer above the CLI
+
+
 def _register_subcommands() -> None:
-    """The store's (db, report) and the job client's (submit, status, results, retry, cancel, run, worker,
-    jobs, workers, prune)."""
+    """The store's (db, report), the job client's (submit, status, results, retry, cancel, run,
+    jobs, workers, prune) and the commands of the layers above, found by their entry points
+    (``COMMANDS_GROUP``, declared in pyproject.toml: ``worker``), so that ``specdec_llm``
+    imports no code of theirs."""
+    from importlib.metadata import entry_points
+
     from .client.cli import register as register_client
     from .store.cli import register as register_store
 
     register_store(app)
     register_client(app)
+    found = {entry.name: entry for entry in entry_points(group=COMMANDS_GROUP)}  # one per name
+    for name in sorted(found):
+        found[name].load()(app)
 
 
 _register_subcommands()

@@ -16,9 +16,9 @@ import torch
 from conftest import greedy_reference, tiny_llama, tiny_tokenizer
 from typer.testing import CliRunner
 
-from specdec_llm import corpus as C
-from specdec_llm import distill as D
 from specdec_llm.pairs import fingerprint
+from specdec_llm.training import corpus as C
+from specdec_llm.training import distill as D
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 PROMPTS = [
@@ -163,7 +163,7 @@ def test_a_distill_data_phase_imports(tiny, tmp_path):
     assert {(r.prompt_key, r.variant) for r in records} == {(C.prompt_key(p), v) for p in PROMPTS for v in (0, 1)}
     greedy = {r.prompt_key: r.answer for r in records if r.variant == 0}
     for p in PROMPTS:  # the variants are right: greedy rows are the greedy answers
-        ids = D._chat(tok, p)
+        ids = D.chat_ids(tok, p)
         assert greedy[C.prompt_key(p)] == greedy_reference(target, ids, 8)[: len(greedy[C.prompt_key(p)])]
     names = [p.name for p in corpus.shards()]
     assert C.import_datastore(tmp_path / "w" / "data", tmp_path / "c", prov, tok)["written"] == 0

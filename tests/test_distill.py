@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import tiny_llama, tiny_tokenizer
 
-from specdec_llm import distill as D
 from specdec_llm.pairs import PairError, fingerprint, load_draft_dir, shared_draft
+from specdec_llm.training import distill as D
 
 SEEDS = ["Tell me about the quick brown fox.", "Why do dogs sleep?", "Explain decoding.", "Write a short poem."]
 

@@ -96,8 +96,8 @@ def recorder(dec: SpeculativeDecoder, batch: Batch, seen: list):
 
 
 def make_draft(target, kind: str):
-    if kind == "built":  # what specdec_llm/eagle.py builds and trains (a vocabulary-subset head)
-        from specdec_llm.eagle import build_eagle
+    if kind == "built":  # what specdec_llm/training/eagle.py trains (a vocabulary-subset head)
+        from specdec_llm.pairs import build_eagle
 
         torch.manual_seed(7)
         draft = build_eagle(target, [0, 2], torch.randperm(256)[:96].sort().values, init="random")

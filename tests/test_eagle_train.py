@@ -9,8 +9,16 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from specdec_llm import eagle as E
-from specdec_llm.pairs import DRAFT_META, PairError, SubsetHead, fingerprint
+from specdec_llm.pairs import (
+    DRAFT_META,
+    PairError,
+    SubsetHead,
+    build_eagle,
+    default_feature_layers,
+    fingerprint,
+    load_eagle_dir,
+)
+from specdec_llm.training import eagle as E
 
 
 def sampled_examples(target, n: int, prompt_len: int = 6, new: int = 40, seed: int = 0, sample: bool = True):
@@ -50,9 +58,9 @@ def target():
 
 
 def test_default_feature_layers():
-    assert E.default_feature_layers(30) == [1, 15, 29]
-    assert E.default_feature_layers(4) == [1, 2, 3]
-    assert E.default_feature_layers(2) == [1]
+    assert default_feature_layers(30) == [1, 15, 29]
+    assert default_feature_layers(4) == [1, 2, 3]
+    assert default_feature_layers(2) == [1]
 
 
 def test_ttt_mask_shape():
@@ -71,7 +79,7 @@ def test_ttt_matches_sequential_drafting_and_does_not_leak(target):
     from transformers import DynamicCache
 
     torch.manual_seed(0)
-    draft = scrambled(E.build_eagle(target, [1, 3]))
+    draft = scrambled(build_eagle(target, [1, 3]))
     ids = torch.randint(0, V, (2, 12))
     feats, _ = E.teacher_signals(target, ids, torch.ones_like(ids), draft.feature_layers)
     steps = 3
@@ -133,7 +141,7 @@ def test_training_raises_heldout_agreement(target, trained):
     assert [c["step"] for c in curve] == [150, 300]
     assert all(0 < c["tokens_seen"] for c in curve)
     # the untrained draft on the same held-out records
-    draft0 = E.build_eagle(target, [1, 2, 3], E.load_eagle_dir(out, target, fingerprint(target))[0].model.lm_head.ids)
+    draft0 = build_eagle(target, [1, 2, 3], load_eagle_dir(out, target, fingerprint(target))[0].model.lm_head.ids)
     cache, records, held, subset_pos = _heldout(target, work, trained[2], draft0)
     before = E.heldout_agreement(draft0, records, cache, held, 3, subset_pos)
     after = curve[-1]["heldout_agreement"]
@@ -156,7 +164,7 @@ def _heldout(target, work, examples, draft):
 
 def test_save_load_round_trip(target, trained, tmp_path):
     _, out, _, _ = trained
-    draft, meta = E.load_eagle_dir(out, target, fingerprint(target))
+    draft, meta = load_eagle_dir(out, target, fingerprint(target))
     assert meta["kind"] == "eagle" and meta["ttt_steps"] == 3
     assert isinstance(draft.model.lm_head, SubsetHead) and len(draft.model.lm_head.ids) == 48
     assert draft.model.model.embed_tokens is target.model.embed_tokens  # shared, not copied
@@ -167,7 +175,7 @@ def test_save_load_round_trip(target, trained, tmp_path):
     assert names - {"vocab_subset"} == set(draft.own_state())
     # save again (fp32) and reload: identical logits
     E.save_eagle(draft, tmp_path / "again", target, {"ttt_steps": 3}, dtype="float32")
-    again, _ = E.load_eagle_dir(tmp_path / "again", target, fingerprint(target))
+    again, _ = load_eagle_dir(tmp_path / "again", target, fingerprint(target))
     ids = torch.randint(0, V, (1, 10))
     feats, _ = E.teacher_signals(target, ids, torch.ones_like(ids), draft.feature_layers)
     with torch.no_grad():
@@ -181,7 +189,7 @@ def test_refused_against_another_target(trained):
     _, out, _, _ = trained
     other = tiny_llama(99, vocab=V, layers=4, hidden=64)
     with pytest.raises(PairError, match=r"trained for target .*; this target is .*distill --kind eagle"):
-        E.load_eagle_dir(out, other, fingerprint(other))
+        load_eagle_dir(out, other, fingerprint(other))
 
 
 def test_resume_continues_from_checkpoint(target, trained, tmp_path):
@@ -205,10 +213,9 @@ def test_cli_trains_an_eagle_draft_the_registry_loads(tiny_pair_dir, tmp_path, m
     from typer.testing import CliRunner
 
     from specdec_llm.cli import app
-    from specdec_llm.distill import DataStore
-    from specdec_llm.eagle import EagleDraft
-    from specdec_llm.pairs import load_model, load_pair, registry
+    from specdec_llm.pairs import EagleDraft, load_model, load_pair, registry
     from specdec_llm.settings import reload_settings
+    from specdec_llm.training.distill import DataStore
 
     target_dir = tiny_pair_dir / "target"
     target = load_model(str(target_dir), "float32", "cpu")

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import SpecDecError
+from ..errors import SpecDecError
 
 FORMAT = 1
 SEED_RULE = "per record: int(sha1(f'{seed}:{prompt_key}:{variant}')[:15], 16), one Gumbel stream per row"
@@ -200,10 +200,46 @@ class Corpus:
 
 
 # -- growing ------------------------------------------------------------------------------
-def _encode(tok, text: str) -> list[int]:
-    from .distill import _chat
+def _encoded_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int) -> tuple[dict[str, list[int]], int]:
+    """Each distinct non-blank prompt's chat-encoded ids, by prompt key, and how many prompts
+    were left out as longer than ``max_prompt_tokens``."""
+    from .distill import chat_ids
 
-    return _chat(tok, text)
+    texts: dict[str, str] = {}
+    for p in prompts:
+        if p.strip():
+            texts.setdefault(prompt_key(p), p)
+    encoded: dict[str, list[int]] = {}
+    skipped_long = 0
+    for k, p in texts.items():
+        ids = chat_ids(tokenizer, p)
+        if len(ids) > max_prompt_tokens:
+            skipped_long += 1
+        else:
+            encoded[k] = ids
+    return encoded, skipped_long
+
+
+def _work_order(encoded: dict[str, list[int]], samples: int, done: set, batch_size: int, seed: int) -> list:
+    """The (prompt key, variant) items the corpus lacks, in a fixed order (by ``seed``), then
+    sorted by prompt length inside windows of 8 batches: less padding."""
+    items = [(k, v) for k in encoded for v in range(samples + 1) if (k, v) not in done]
+    random.Random(seed).shuffle(items)
+    window = 8 * batch_size
+    return [
+        x for i in range(0, len(items), window) for x in sorted(items[i : i + window], key=lambda x: len(encoded[x[0]]))
+    ]
+
+
+def _grow_batch(model, tokenizer, batch: list, encoded: dict, seed: int, temperature: float, max_new_tokens: int):
+    """One ``generate`` call: the batch's rows (prompt key, variant, prompt ids, answer ids),
+    each sampled row from its own seeded stream (``item_seed``), the others greedy."""
+    from .distill import generate_answers
+
+    seeds = [None if v == 0 else item_seed(seed, k, v) for k, v in batch]
+    ids = [encoded[k] for k, _ in batch]
+    answers = generate_answers(model, tokenizer, ids, max_new_tokens, False, temperature, 0, seeds=seeds)
+    return [(k, v, p, ans) for (k, v), p, (ans, _, _) in zip(batch, ids, answers)]
 
 
 def grow(
@@ -230,31 +266,13 @@ def grow(
     ``max_prompt_tokens`` once chat-encoded are skipped (cutting them would cut the chat
     template's assistant turn). The target is cast to ``dtype`` in place (as distill does);
     its fingerprint is taken before. Returns counts; ``progress`` gets them after each shard."""
-    from .distill import _generate
-    from .pairs import fingerprint, reference
+    from ..pairs import fingerprint, reference
 
     fp = fingerprint(target)
     corpus = Corpus(corpus_dir(root, fp))
     done = corpus.done()
-    texts = {}
-    for p in prompts:
-        if p.strip():
-            texts.setdefault(prompt_key(p), p)
-    encoded: dict[str, list[int]] = {}
-    skipped_long = 0
-    for k, p in texts.items():
-        ids = _encode(tokenizer, p)
-        if len(ids) > max_prompt_tokens:
-            skipped_long += 1
-        else:
-            encoded[k] = ids
-    items = [(k, v) for k in encoded for v in range(samples + 1) if (k, v) not in done]
-    # A fixed order (by seed), then sorted by length inside windows of 8 batches: less padding
-    random.Random(seed).shuffle(items)
-    window = 8 * batch_size
-    items = [
-        x for i in range(0, len(items), window) for x in sorted(items[i : i + window], key=lambda x: len(encoded[x[0]]))
-    ]
+    encoded, skipped_long = _encoded_prompts(tokenizer, prompts, max_prompt_tokens)
+    items = _work_order(encoded, samples, done, batch_size, seed)
     model = target.to(getattr(torch, dtype))
     meta = {
         "target": target_ref or reference(target),
@@ -270,29 +288,16 @@ def grow(
         "source": "corpus.grow",
         "version": package_version(),
     }
-    stats = {
-        "fingerprint": fp,
-        "dir": str(corpus.root),
-        "present": len(done),
-        "todo": len(items),
-        "skipped_long": skipped_long,
-        "written": 0,
-        "shards": 0,
-        "answer_tokens": 0,
-    }
-    vocab = target.config.vocab_size
+    stats = {"fingerprint": fp, "dir": str(corpus.root), "present": len(done), "todo": len(items)}
+    stats.update(skipped_long=skipped_long, written=0, shards=0, answer_tokens=0)
     for b, i in enumerate(range(0, len(items), batch_size)):
         if (max_batches is not None and b >= max_batches) or (deadline and time.time() > deadline):
             break
         batch = items[i : i + batch_size]
-        seeds = [None if v == 0 else item_seed(seed, k, v) for k, v in batch]
-        ids = [encoded[k] for k, _ in batch]
-        answers = _generate(model, tokenizer, ids, max_new_tokens, False, temperature, 0, seeds=seeds)
-        rows = [(k, v, p, ans) for (k, v), p, (ans, _, _) in zip(batch, ids, answers)]
+        rows = _grow_batch(model, tokenizer, batch, encoded, seed, temperature, max_new_tokens)
         mode = _mode(batch)
-        write_shard(
-            corpus.root, rows, vocab, {**meta, "mode": mode, **({"temperature": None} if mode == "greedy" else {})}
-        )
+        greedy = {"temperature": None} if mode == "greedy" else {}
+        write_shard(corpus.root, rows, target.config.vocab_size, {**meta, "mode": mode, **greedy})
         stats["written"] += len(rows)
         stats["shards"] += 1
         stats["answer_tokens"] += sum(len(r[3]) for r in rows)
@@ -318,7 +323,7 @@ def import_datastore(data_dir: Path | str, root: Path | str, provenance: dict, t
     ``tokenizer`` and cut as the data phase cut it); a mismatch is an error, not a guess."""
     from safetensors.numpy import load_file
 
-    from .distill import work_blocks
+    from .distill import chat_ids, work_blocks
 
     data_dir = Path(data_dir)
     manifest_path = data_dir / "manifest.json"
@@ -343,7 +348,7 @@ def import_datastore(data_dir: Path | str, root: Path | str, provenance: dict, t
         for r, (i, v) in enumerate(block):
             seq = t["seq"][t["starts"][r] : t["starts"][r + 1]].astype(np.int64).tolist()
             plen = int(t["prompt_len"][r])
-            if seq[:plen] != _encode(tokenizer, pool[i])[:cut]:
+            if seq[:plen] != chat_ids(tokenizer, pool[i])[:cut]:
                 raise CorpusError(
                     f"import: {data_dir} shard {n} row {r} is not prompt {i} of prompts.jsonl as this tokenizer "
                     "encodes it; was the data phase run with another tokenizer or config?"
@@ -433,8 +438,8 @@ def teacher_topk(
     shards under ``work/data``: one per corpus shard, in corpus order, each corpus shard once
     (the manifest's ``corpus_shards``). ``specdec-llm distill --phase train --work WORK``
     trains on them."""
+    from ..pairs import fingerprint
     from .distill import DataStore
-    from .pairs import fingerprint
 
     fp = fingerprint(target)
     if corpus.root.name != fp:

@@ -20,7 +20,6 @@ draft's own tensors in ``draft.safetensors``, ``config.json``).
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from .pairs import (
+from ..pairs import (
     DRAFT_META,
     SHARED_TENSORS,
     VOCAB_SUBSET,
@@ -41,6 +40,7 @@ from .pairs import (
     reference,
     shared_draft,
 )
+from .loop import Schedule, TrainLoop, subset_rows
 
 EXPAND_TEMPLATE = (
     "Here is an example of a task someone might ask an AI assistant:\n\n{seed}\n\n"
@@ -79,7 +79,8 @@ class TrainConfig:
 
 
 # -- data ---------------------------------------------------------------------------------
-def _chat(tok, text: str) -> list[int]:
+def chat_ids(tok, text: str) -> list[int]:
+    """``text`` as one user turn through the tokenizer's chat template, the assistant's turn opened."""
     s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     return tok(s, add_special_tokens=False)["input_ids"]
 
@@ -106,7 +107,7 @@ class RowSampler:
 
 
 @torch.inference_mode()
-def _generate(
+def generate_answers(
     model,
     tok,
     prompts: list[list[int]],
@@ -240,13 +241,13 @@ def build_data(
         prompts_path.write_text(pool.read_text(encoding="utf-8"))
     if not prompts_path.exists():
         prompts = list(dict.fromkeys(p.strip() for p in seed_prompts if p.strip()))
-        asks = [_chat(tok, EXPAND_TEMPLATE.format(seed=s)) for s in prompts for _ in range(cfg.expand_per_seed)]
+        asks = [chat_ids(tok, EXPAND_TEMPLATE.format(seed=s)) for s in prompts for _ in range(cfg.expand_per_seed)]
         asks = [a for a in asks if len(a) <= cfg.max_prompt_tokens]
         task = progress.add_task("writing prompts", total=len(asks)) if progress else None
         new = []
         for i in range(0, len(asks), cfg.batch_size):
             torch.manual_seed(cfg.seed + i)
-            for answer, _, _ in _generate(model, tok, asks[i : i + cfg.batch_size], 96, True, 1.0, 1):
+            for answer, _, _ in generate_answers(model, tok, asks[i : i + cfg.batch_size], 96, True, 1.0, 1):
                 text = tok.decode(answer, skip_special_tokens=True).strip()
                 if 10 <= len(text) and text not in prompts:
                     new.append(text)
@@ -267,9 +268,9 @@ def build_data(
             continue
         if deadline and time.time() > deadline:
             break
-        ids = [encoded.setdefault(i, _chat(tok, pool[i])[: cfg.max_prompt_tokens]) for i, _ in block]
+        ids = [encoded.setdefault(i, chat_ids(tok, pool[i])[: cfg.max_prompt_tokens]) for i, _ in block]
         torch.manual_seed(cfg.seed + done)
-        answers = _generate(model, tok, ids, cfg.max_new_tokens, block[0][1] > 0, cfg.temperature, cfg.topk)
+        answers = generate_answers(model, tok, ids, cfg.max_new_tokens, block[0][1] > 0, cfg.temperature, cfg.topk)
         store.write_shard([(p, ans, top, logp) for p, (ans, top, logp) in zip(ids, answers)])
         done += len(block)
         store.manifest.update(items_done=done, items_total=total, prompts=len(pool), config=asdict(cfg))
@@ -282,36 +283,6 @@ def build_data(
 
 
 # -- training -------------------------------------------------------------------------------
-def cosine_lr(step: int, lr: float, warmup: int, steps: int) -> float:
-    """Linear warmup, then cosine decay to a tenth of ``lr`` at ``steps``."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    frac = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
-
-def save_adam(opt: torch.optim.Optimizer, params: list, path: Path) -> None:
-    """AdamW's moments of ``params`` as safetensors (checkpoints hold no pickle)."""
-    state = {}
-    for i, p in enumerate(params):
-        if p in opt.state:
-            state[f"{i}.exp_avg"] = opt.state[p]["exp_avg"].cpu()
-            state[f"{i}.exp_avg_sq"] = opt.state[p]["exp_avg_sq"].cpu()
-    save_file(state, str(path))
-
-
-def load_adam(opt: torch.optim.Optimizer, params: list, path: Path, step: int) -> None:
-    """Restore ``save_adam``'s moments into ``opt`` (on each parameter's device) at ``step``."""
-    state = load_file(str(path))
-    for i, p in enumerate(params):
-        if f"{i}.exp_avg" in state:
-            opt.state[p] = {
-                "step": torch.tensor(float(step)),
-                "exp_avg": state[f"{i}.exp_avg"].to(p.device),
-                "exp_avg_sq": state[f"{i}.exp_avg_sq"].to(p.device),
-            }
-
-
 def _batches(examples, batch_size: int, max_len: int, rng: random.Random):
     order = list(range(len(examples)))
     while True:
@@ -418,124 +389,93 @@ def save_draft(draft, out: Path, target, layers: list[int], extra: dict, dtype: 
     (out / DRAFT_META).write_text(json.dumps(meta, indent=2))
 
 
+def _split_heldout(store: DataStore, cfg: TrainConfig) -> tuple[list, list]:
+    """The stored examples: those trained on, and a fixed held-out slice (never trained on)
+    for the agreement curve at each checkpoint."""
+    examples = list(store.examples())
+    if not examples:
+        raise ValueError(f"no distillation data under {store.root}; run the data phase first")
+    held = random.Random(cfg.seed).sample(range(len(examples)), min(cfg.holdout, len(examples) // 10))
+    held_set = set(held)
+    return [ex for i, ex in enumerate(examples) if i not in held_set], [examples[i] for i in held]
+
+
+def _start_draft(target, store: DataStore, cfg: TrainConfig, loop: TrainLoop):
+    """The draft to train and its vocabulary subset (None: the full head): the checkpoint's
+    shape when resuming (it wins over the command line's; weights are loaded later), an
+    existing draft's layers, weights and subset with ``init_from``, else new from ``cfg``."""
+    if loop.state is not None:
+        cfg.layers = loop.state["config"]["layers"]
+        subset = loop.saved_subset()
+        return shared_draft(target, cfg.layers, subset), subset
+    if cfg.init_from:
+        draft, meta = load_draft_dir(draft_dir(cfg.init_from), target, fingerprint(target))
+        cfg.layers = meta["init_layers"]
+        return draft, draft.lm_head.ids if isinstance(draft.lm_head, SubsetHead) else None
+    subset = None
+    if cfg.vocab_subset and cfg.vocab_subset < target.config.vocab_size:
+        eos = target.generation_config.eos_token_id
+        always = [eos] if isinstance(eos, int) else list(eos or [])
+        subset = choose_subset(store, cfg.vocab_subset, target.config.vocab_size, always)
+    return shared_draft(target, cfg.layers, subset), subset
+
+
+def _export(draft, loop: TrainLoop, out: Path, target, store: DataStore, cfg: TrainConfig) -> None:
+    """The draft directory the pair registry loads, with the run's figures so far."""
+    train_meta = {
+        "steps": loop.step,
+        "tokens_seen": loop.tokens_seen,
+        "data_tokens": store.manifest.get("tokens"),
+        "config": asdict(cfg),
+        "heldout_curve": loop.heldout_curve(),
+    }
+    save_draft(draft.eval(), out, target, cfg.layers, {"train": train_meta}, cfg.save_dtype)
+    draft.train()
+
+
 def train(target, work: Path, out: Path, cfg: TrainConfig, resume: bool, progress=None, deadline=None) -> dict:
     """Phase 2: train the draft's own layers; checkpoint to ``work/ckpt`` and export to ``out``."""
     target = target.float()
     store = DataStore(work / "data")
-    examples = list(store.examples())
-    if not examples:
-        raise ValueError(f"no distillation data under {work / 'data'}; run the data phase first")
-    # a fixed held-out slice (never trained on) for the agreement curve at each checkpoint
-    held = random.Random(cfg.seed).sample(range(len(examples)), min(cfg.holdout, len(examples) // 10))
-    heldout = [examples[i] for i in held]
-    held_set = set(held)
-    examples = [ex for i, ex in enumerate(examples) if i not in held_set]
-    ckpt = work / "ckpt"
-    state = json.loads((ckpt / "state.json").read_text()) if resume and (ckpt / "state.json").exists() else None
-    resuming = state is not None
-    if resuming:  # the checkpoint's shape wins over the command line's; weights are loaded below
-        cfg.layers = state["config"]["layers"]
-        subset = (
-            load_file(str(ckpt / "subset.safetensors"))[VOCAB_SUBSET].long()
-            if (ckpt / "subset.safetensors").exists()
-            else None
-        )
-        draft = shared_draft(target, cfg.layers, subset)
-    elif cfg.init_from:  # warm start: an existing draft's layers, weights and vocabulary subset
-        draft, meta = load_draft_dir(draft_dir(cfg.init_from), target, fingerprint(target))
-        cfg.layers = meta["init_layers"]
-        subset = draft.lm_head.ids if isinstance(draft.lm_head, SubsetHead) else None
-    else:
-        subset = None
-        if cfg.vocab_subset and cfg.vocab_subset < target.config.vocab_size:
-            eos = target.generation_config.eos_token_id
-            subset = choose_subset(
-                store, cfg.vocab_subset, target.config.vocab_size, [eos] if isinstance(eos, int) else list(eos or [])
-            )
-        draft = shared_draft(target, cfg.layers, subset)
+    examples, heldout = _split_heldout(store, cfg)
+    loop = TrainLoop(work / "ckpt", resume)
+    draft, subset = _start_draft(target, store, cfg, loop)
     draft.train()
-    subset_pos = None
-    if subset is not None:
-        subset_pos = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-        subset_pos[subset] = torch.arange(len(subset))
+    subset_pos = subset_rows(subset, target.config.vocab_size)
     params = [p for n, p in draft.named_parameters() if n.startswith("model.layers")]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    step, history, tokens_seen = 0, [], 0
-    if resuming:
-        draft.load_state_dict(load_file(str(ckpt / "draft.safetensors")), strict=False)
-        load_adam(opt, params, ckpt / "optim.safetensors", state["step"])
-        step, history, tokens_seen = state["step"], state.get("history", []), state.get("tokens_seen", 0)
+    loop.restore(draft, opt, params, draft.device)
+    batches = _batches(examples, cfg.batch_size, cfg.max_len, random.Random(cfg.seed + loop.step))
+    task = progress.add_task("training", total=cfg.steps, completed=loop.step) if progress else None
 
-    rng = random.Random(cfg.seed + step)
-    batches = _batches(examples, cfg.batch_size, cfg.max_len, rng)
-    task = progress.add_task("training", total=cfg.steps, completed=step) if progress else None
-    window: list[tuple[float, float]] = []
+    def loss_step():
+        loss, kl, agree, n = _loss(draft, next(batches), cfg.max_len, cfg.ce_weight, subset_pos)
+        return loss, n, (kl, agree)
+
+    def record(window: list) -> dict:
+        mk, ma = (sum(x[i] for x in window) / len(window) for i in (0, 1))
+        if progress:
+            progress.update(task, completed=loop.step, description=f"training kl={mk:.3f} agree={ma:.3f}")
+            if loop.step % 50 == 0:
+                progress.console.print(
+                    f"train: step {loop.step}/{cfg.steps} tokens {loop.tokens_seen:,} kl {mk:.3f} agreement {ma:.3f}"
+                )
+        return {"kl": round(mk, 4), "agreement": round(ma, 4)}
 
     def checkpoint() -> None:
-        if heldout and history and "heldout_agreement" not in history[-1]:
-            history[-1]["heldout_agreement"] = round(heldout_agreement(draft, heldout, cfg.max_len), 4)
+        if heldout and loop.wants_heldout():
+            agree = round(heldout_agreement(draft, heldout, cfg.max_len), 4)
+            loop.history[-1]["heldout_agreement"] = agree
             if progress:
                 progress.console.print(
-                    f"train: step {step} tokens {tokens_seen:,} held-out agreement {history[-1]['heldout_agreement']:.3f}"
+                    f"train: step {loop.step} tokens {loop.tokens_seen:,} held-out agreement {agree:.3f}"
                 )
-        ckpt.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items() if k.startswith("model.layers")},
-            str(ckpt / "draft.safetensors"),
-        )
-        save_adam(opt, params, ckpt / "optim.safetensors")
-        if subset is not None:
-            save_file({VOCAB_SUBSET: subset.to(torch.int32)}, str(ckpt / "subset.safetensors"))
-        (ckpt / "state.json").write_text(
-            json.dumps({"step": step, "tokens_seen": tokens_seen, "history": history, "config": asdict(cfg)})
-        )
-        save_draft(
-            draft.eval(),
-            out,
-            target,
-            cfg.layers,
-            {
-                "train": {
-                    "steps": step,
-                    "tokens_seen": tokens_seen,
-                    "data_tokens": store.manifest.get("tokens"),
-                    "config": asdict(cfg),
-                    "heldout_curve": [
-                        {k: h[k] for k in ("step", "tokens_seen", "heldout_agreement")}
-                        for h in history
-                        if "heldout_agreement" in h
-                    ],
-                }
-            },
-            cfg.save_dtype,
-        )
-        draft.train()
+        own = {k: v for k, v in draft.state_dict().items() if k.startswith("model.layers")}
+        loop.save(own, opt, params, subset, asdict(cfg))
+        _export(draft, loop, out, target, store, cfg)
 
-    while step < cfg.steps:
-        if deadline and time.time() > deadline:
-            break
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, cfg.lr, cfg.warmup, cfg.steps)
-        loss, kl, agree, n = _loss(draft, next(batches), cfg.max_len, cfg.ce_weight, subset_pos)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        tokens_seen += n
-        window = (window + [(kl, agree)])[-50:]
-        if step % 10 == 0 or step == cfg.steps:
-            mk, ma = (sum(x[i] for x in window) / len(window) for i in (0, 1))
-            history.append({"step": step, "tokens_seen": tokens_seen, "kl": round(mk, 4), "agreement": round(ma, 4)})
-            if progress:
-                progress.update(task, completed=step, description=f"training kl={mk:.3f} agree={ma:.3f}")
-                if step % 50 == 0:
-                    progress.console.print(
-                        f"train: step {step}/{cfg.steps} tokens {tokens_seen:,} kl {mk:.3f} agreement {ma:.3f}"
-                    )
-        if step % cfg.checkpoint_every == 0:
-            checkpoint()
-    checkpoint()
-    return {"steps": step, "tokens_seen": tokens_seen, "history": history[-5:]}
+    schedule = Schedule(cfg.steps, cfg.lr, cfg.warmup, cfg.checkpoint_every)
+    loop.run(loss_step, opt, params, schedule, record, checkpoint, deadline)
+    return {"steps": loop.step, "tokens_seen": loop.tokens_seen, "history": loop.history[-5:]}

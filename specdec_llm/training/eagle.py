@@ -1,4 +1,4 @@
-"""EAGLE-style feature-level drafts: model, training (``specdec-llm distill --kind eagle``), save and load.
+"""EAGLE-style feature-level drafts: training (``specdec-llm distill --kind eagle``) and saving.
 
 An :class:`EagleDraft` is one Llama decoder layer that reads the target's own hidden
 states. At position ``j`` of the draft's KV cache sits the pair (feature for position ``j``,
@@ -11,7 +11,9 @@ token ``x_{j+1}``); the layer's output there predicts ``x_{j+2}``.
 - ``inputs(ids, g) = fc(cat(embed(ids), g))``: a Linear ``2H -> H`` (no bias), so the decoder
   layer stays shaped like the target's and any Llama forward runs it on ``inputs_embeds``.
 - ``model``: a one-layer model of the target's class; its embedding, final norm and rotary
-  embedding are the target's tensors, its head the target's or a :class:`~specdec_llm.pairs.SubsetHead`.
+  embedding are the target's tensors, its head the target's or a :class:`~specdec_llm.pairs.SubsetHead`
+  (the model, ``build_eagle`` and ``load_eagle_dir`` live in ``specdec_llm.pairs``, beside the
+  registry that loads them).
   The draft's feature ``h`` is the residual stream after its layer 0 (before the final norm);
   ``logits(h) = lm_head(norm(h))``.
 
@@ -28,18 +30,16 @@ import hashlib
 import json
 import math
 import random
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from .distill import cosine_lr, load_adam, save_adam
-from .engine import hf
-from .pairs import (  # noqa: F401 (the draft model lives beside the registry that loads it; re-exported)
+from ..engine import hf
+from ..pairs import (
     DRAFT_META,
     KIND,
     SHARED_TENSORS,
@@ -50,10 +50,9 @@ from .pairs import (  # noqa: F401 (the draft model lives beside the registry th
     build_eagle,
     default_feature_layers,
     fingerprint,
-    load_eagle_dir,
     reference,
-    shared_draft,
 )
+from .loop import Schedule, TrainLoop, subset_rows
 
 
 # -- training-time test: all steps at once ------------------------------------------------
@@ -133,7 +132,7 @@ def as_records(examples, max_len: int) -> list[tuple[torch.Tensor, int]]:
 
 
 def corpus_examples(target, root: Path | None = None) -> list:
-    """The token records of ``root``: a ``specdec_llm.corpus`` corpus (default
+    """The token records of ``root``: a ``specdec_llm.training.corpus`` corpus (default
     ``data/corpus/<target fingerprint>``) or a ``specdec-llm distill`` data directory."""
     root = root or Path("data/corpus") / fingerprint(target)
     if (root / "manifest.json").exists() and any(root.glob("shard-*.safetensors")):  # a distill DataStore
@@ -141,7 +140,7 @@ def corpus_examples(target, root: Path | None = None) -> list:
 
         return list(DataStore(root).examples())
     if not root.is_dir():
-        raise PairError(f"no token corpus at {root}: build one (specdec_llm.corpus) or pass --corpus DIR")
+        raise PairError(f"no token corpus at {root}: build one (specdec-llm corpus grow) or pass --corpus DIR")
     from .corpus import Corpus  # written alongside; imported only when used
 
     return list(Corpus(root).records())
@@ -345,18 +344,14 @@ def heldout_indices(records, n: int, seed: int = 0) -> list[int]:
     return sorted(sorted(range(len(records)), key=key)[:n])
 
 
-def train_eagle(target, examples, work: Path, out: Path, cfg: EagleConfig, resume: bool, progress=None, deadline=None):
-    """Train an EAGLE draft on ``examples`` (token records); checkpoints in ``work/eagle-ckpt``,
-    teacher signals cached in ``work/eagle-teacher``, the draft exported to ``out``."""
-    dev = next(target.parameters()).device
-    target = target.float().eval()
-    n_layers = len(target.model.layers)
-    ckpt = work / "eagle-ckpt"
-    state = json.loads((ckpt / "state.json").read_text()) if resume and (ckpt / "state.json").exists() else None
-    if state:  # the checkpoint's shape wins over the command line's
+def _prepare(target, examples, work: Path, cfg: EagleConfig, loop: TrainLoop, progress=None):
+    """The run's records and teacher cache (computed where missing: how many shards, too),
+    its held-out and training record indices and its vocabulary subset (None: the full
+    head). A resumed checkpoint's shape wins over the command line's (``cfg`` is updated)."""
+    if loop.state is not None:
         for k in ("feature_layers", "ttt_steps", "max_len", "init", "vocab_subset", "seed", "holdout"):
-            setattr(cfg, k, state["config"][k])
-    layers = list(cfg.feature_layers) if cfg.feature_layers else default_feature_layers(n_layers)
+            setattr(cfg, k, loop.state["config"][k])
+    layers = list(cfg.feature_layers) if cfg.feature_layers else default_feature_layers(len(target.model.layers))
     cfg.feature_layers = layers
     records = as_records(examples, cfg.max_len)
     if len(records) < 2:
@@ -367,119 +362,87 @@ def train_eagle(target, examples, work: Path, out: Path, cfg: EagleConfig, resum
     held = heldout_indices(records, min(cfg.holdout, len(records) // 10 or 1), cfg.seed)
     held_set = set(held)
     train_idx = [i for i in range(len(records)) if i not in held_set]
-
-    subset = None
-    if state and (ckpt / "subset.safetensors").exists():
-        subset = load_file(str(ckpt / "subset.safetensors"))[VOCAB_SUBSET].long()
-    elif not state and cfg.vocab_subset and cfg.vocab_subset < target.config.vocab_size:
+    subset = loop.saved_subset()
+    if loop.state is None and cfg.vocab_subset and cfg.vocab_subset < target.config.vocab_size:
         eos = target.generation_config.eos_token_id
         always = [eos] if isinstance(eos, int) else list(eos or [])
         subset = choose_subset([records[i] for i in train_idx], _Sub(cache, train_idx), cfg.vocab_subset,
                                target.config.vocab_size, always)  # fmt: skip
-    draft = build_eagle(target, layers, subset, cfg.init)
-    subset_pos = None
-    if subset is not None:
-        subset_pos = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=dev)
-        subset_pos[subset.to(dev)] = torch.arange(len(subset), device=dev)
+    return records, cache, computed, held, train_idx, subset
+
+
+def _index_batches(train_idx: list[int], batch_size: int, rng: random.Random):
+    """Batches of record indices, reshuffled each pass, forever."""
+    order = list(train_idx)
+    while True:
+        rng.shuffle(order)
+        for i in range(0, max(1, len(order) - batch_size + 1), batch_size):
+            yield order[i : i + batch_size]
+
+
+def _export(draft: EagleDraft, loop: TrainLoop, out: Path, target, cfg: EagleConfig, records: int, held: int) -> None:
+    """The draft directory the pair registry loads, with the run's figures so far."""
+    train_meta = {
+        "steps": loop.step,
+        "tokens_seen": loop.tokens_seen,
+        "records": records,
+        "heldout_records": held,
+        "config": asdict(cfg),
+        "heldout_curve": loop.heldout_curve(),
+    }
+    save_eagle(draft, out, target, {"ttt_steps": cfg.ttt_steps, "init": cfg.init, "train": train_meta}, cfg.save_dtype)
+
+
+def train_eagle(target, examples, work: Path, out: Path, cfg: EagleConfig, resume: bool, progress=None, deadline=None):
+    """Train an EAGLE draft on ``examples`` (token records); checkpoints in ``work/eagle-ckpt``,
+    teacher signals cached in ``work/eagle-teacher``, the draft exported to ``out``."""
+    dev = next(target.parameters()).device
+    target = target.float().eval()
+    loop = TrainLoop(work / "eagle-ckpt", resume)
+    records, cache, computed, held, train_idx, subset = _prepare(target, examples, work, cfg, loop, progress)
+    draft = build_eagle(target, cfg.feature_layers, subset, cfg.init)
+    subset_pos = subset_rows(subset, target.config.vocab_size, dev)
     params = draft.own_parameters()
     for p in params:
         p.requires_grad_(True)
     draft.train()
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    step, history, tokens_seen = 0, [], 0
-    if state:
-        draft.load_state_dict(load_file(str(ckpt / "draft.safetensors"), device=str(dev)), strict=False)
-        load_adam(opt, params, ckpt / "optim.safetensors", state["step"])
-        step, history, tokens_seen = state["step"], state["history"], state["tokens_seen"]
+    loop.restore(draft, opt, params, dev)
+    stream = _index_batches(train_idx, cfg.batch_size, random.Random(cfg.seed + loop.step))
+    task = progress.add_task("training eagle", total=cfg.steps, completed=loop.step) if progress else None
 
-    rng = random.Random(cfg.seed + step)
-
-    def batches():
-        order = list(train_idx)
-        while True:
-            rng.shuffle(order)
-            for i in range(0, max(1, len(order) - cfg.batch_size + 1), cfg.batch_size):
-                yield order[i : i + cfg.batch_size]
-
-    stream = batches()
-    task = progress.add_task("training eagle", total=cfg.steps, completed=step) if progress else None
-    window: list[tuple[float, list]] = []
-
-    def checkpoint() -> None:
-        if history and "heldout_agreement" not in history[-1]:
-            agree = heldout_agreement(draft, records, cache, held, cfg.ttt_steps, subset_pos, cfg.batch_size)
-            history[-1]["heldout_agreement"] = agree
-            if progress:
-                progress.console.print(f"eagle: step {step} tokens {tokens_seen:,} held-out agreement by step {agree}")
-        ckpt.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {k: v.detach().cpu().contiguous() for k, v in draft.own_state().items()}, str(ckpt / "draft.safetensors")
-        )
-        save_adam(opt, params, ckpt / "optim.safetensors")
-        if subset is not None:
-            save_file({VOCAB_SUBSET: subset.to(torch.int32).cpu()}, str(ckpt / "subset.safetensors"))
-        tmp = ckpt / "state.json.tmp"
-        tmp.write_text(
-            json.dumps({"step": step, "tokens_seen": tokens_seen, "history": history, "config": asdict(cfg)})
-        )
-        tmp.replace(ckpt / "state.json")
-        curve = [
-            {k: h[k] for k in ("step", "tokens_seen", "heldout_agreement")} for h in history if "heldout_agreement" in h
-        ]
-        save_eagle(
-            draft,
-            out,
-            target,
-            {
-                "ttt_steps": cfg.ttt_steps,
-                "init": cfg.init,
-                "train": {
-                    "steps": step,
-                    "tokens_seen": tokens_seen,
-                    "records": len(records),
-                    "heldout_records": len(held),
-                    "config": asdict(cfg),
-                    "heldout_curve": curve,
-                },
-            },
-            cfg.save_dtype,
-        )
-
-    t0 = time.time()
-    start = step
-    while step < cfg.steps:
-        if deadline and time.time() > deadline:
-            break
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, cfg.lr, cfg.warmup, cfg.steps)
+    def loss_step():
         idx = next(stream)
         ids, feats, labels = _batch(records, cache, idx, dev)
         loss, stats = ttt_loss(draft, ids, feats, labels, cfg.ttt_steps, cfg.step_decay, subset_pos)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        tokens_seen += sum(len(records[i][0]) for i in idx)
-        window = (window + [(float(loss.detach()), [h / max(1, n) for h, n in stats])])[-50:]
-        if step % cfg.history_every == 0 or step == cfg.steps:
-            ml = sum(w[0] for w in window) / len(window)
-            ma = [round(sum(w[1][s] for w in window) / len(window), 4) for s in range(cfg.ttt_steps)]
-            history.append({"step": step, "tokens_seen": tokens_seen, "loss": round(ml, 4), "agreement": ma})
+        return loss, sum(len(records[i][0]) for i in idx), (float(loss.detach()), [h / max(1, n) for h, n in stats])
+
+    def record(window: list) -> dict:
+        ml = sum(w[0] for w in window) / len(window)
+        ma = [round(sum(w[1][s] for w in window) / len(window), 4) for s in range(cfg.ttt_steps)]
+        if progress:
+            progress.update(task, completed=loop.step, description=f"eagle loss={ml:.3f} agree={ma}")
+        return {"loss": round(ml, 4), "agreement": ma}
+
+    def checkpoint() -> None:
+        if loop.wants_heldout():
+            agree = heldout_agreement(draft, records, cache, held, cfg.ttt_steps, subset_pos, cfg.batch_size)
+            loop.history[-1]["heldout_agreement"] = agree
             if progress:
-                progress.update(task, completed=step, description=f"eagle loss={ml:.3f} agree={ma}")
-        if step % cfg.checkpoint_every == 0:
-            checkpoint()
-    if not history or history[-1]["step"] != step:
-        history.append({"step": step, "tokens_seen": tokens_seen})
-    checkpoint()
-    spent = time.time() - t0
+                progress.console.print(
+                    f"eagle: step {loop.step} tokens {loop.tokens_seen:,} held-out agreement by step {agree}"
+                )
+        loop.save(draft.own_state(), opt, params, subset, asdict(cfg))
+        _export(draft, loop, out, target, cfg, len(records), len(held))
+
+    schedule = Schedule(cfg.steps, cfg.lr, cfg.warmup, cfg.checkpoint_every, cfg.history_every)
+    loop.run(loss_step, opt, params, schedule, record, checkpoint, deadline, close_history=True)
     return {
-        "steps": step,
-        "tokens_seen": tokens_seen,
+        "steps": loop.step,
+        "tokens_seen": loop.tokens_seen,
         "teacher_shards_computed": computed,
-        "seconds_per_step": round(spent / max(1, step - start), 3),
-        "history": history[-3:],
+        "seconds_per_step": round(loop.seconds / max(1, loop.step - loop.start), 3),
+        "history": loop.history[-3:],
     }
 
 

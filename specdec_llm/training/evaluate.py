@@ -6,7 +6,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from .engine import GenerationRequest, SpeculativeDecoder
+from ..engine import GenerationRequest, SpeculativeDecoder
 
 
 def read_prompts(path: Path, limit: int | None = None) -> list[dict]:
