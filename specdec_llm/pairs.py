@@ -77,13 +77,13 @@ class PairSpec:
         return draft_kind(self.draft)
 
     def drafter_names(self) -> list[str]:
-        """Its ``drafters`` list, else lookup, suffix and (with a draft) model, quantized or eagle."""
+        """Its ``drafters`` list, else the registered defaults for its draft (engine/registry.py):
+        lookup, suffix and (with a draft) model, quantized or eagle."""
         if self.drafters is not None:
             return list(self.drafters)
-        kind = self.draft_kind()
-        if kind == "none":
-            return ["lookup", "suffix"]
-        return ["lookup", "suffix", kind if kind in ("quantized", "eagle") else "model"]
+        from .engine import registry as drafter_registry
+
+        return drafter_registry.defaults(self.draft_kind())
 
     def check_drafter(self, drafter: str) -> None:
         if drafter != "auto" and drafter not in self.drafter_names():
@@ -127,30 +127,14 @@ def _read_toml(text: str, source: str) -> dict[str, PairSpec]:
             )
         drafters = fields.get("drafters")
         if drafters is not None:
-            from .engine.drafters import KNOWN
+            from .engine import registry as drafter_registry
 
             if not isinstance(drafters, list) or not all(isinstance(d, str) for d in drafters):
-                raise PairError(f"{source}: pair {name!r}: drafters must be a list of names, e.g. {list(KNOWN)}")
-            bad = [d for d in drafters if d not in KNOWN]
-            if bad:
-                raise PairError(
-                    f"{source}: pair {name!r}: unknown drafter {bad[0]!r}; known drafters: {', '.join(KNOWN)}"
-                )
-            kind = draft_kind(draft)
-            if "model" in drafters and kind in ("none", "quantized", "eagle"):
-                raise PairError(
-                    f"{source}: pair {name!r}: drafter 'model' needs a draft model; set draft = ... or drop 'model'"
-                    + (" (this draft is an EAGLE draft: use drafter 'eagle')" if kind == "eagle" else "")
-                )
-            if "eagle" in drafters and kind != "eagle":
-                raise PairError(
-                    f"{source}: pair {name!r}: drafter 'eagle' needs an EAGLE draft directory "
-                    "(specdec-llm distill --kind eagle); set draft = ... or drop 'eagle'"
-                )
-            if "quantized" in drafters and not quantized:
-                raise PairError(
-                    f"{source}: pair {name!r}: drafter 'quantized' needs draft = \"quantized:int4\" (or int8, fp8)"
-                )
+                known_drafters = drafter_registry.known()
+                raise PairError(f"{source}: pair {name!r}: drafters must be a list of names, e.g. {known_drafters}")
+            why = drafter_registry.check(drafters, draft_kind(draft))
+            if why:
+                raise PairError(f"{source}: pair {name!r}: {why}")
         out[name] = PairSpec(name=name, source=source, **fields)
     return out
 

@@ -11,7 +11,8 @@ from conftest import check_caches, greedy_reference, perturbed, tiny_llama
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder
 from specdec_llm.engine.decoder import Batch
-from specdec_llm.engine.drafters import Lookup, Proposal, SuffixIndex
+from specdec_llm.engine.drafters import Lookup, SuffixIndex
+from specdec_llm.engine.protocol import Proposal
 
 # prompts that repeat themselves, so prompt lookup has matches from the first token
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9], [30, 31, 32, 30, 31], [100, 3, 100, 3, 100], [7]]

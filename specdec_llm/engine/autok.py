@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .types import expected_tokens_per_iteration
 
 if TYPE_CHECKING:
-    from .drafters import Proposal
+    from .protocol import Proposal
 
 EMA = 0.2  # weight of a new timing sample
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the acceptance prior

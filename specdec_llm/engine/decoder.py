@@ -23,13 +23,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import compiled, costcache, hf, registry
 from . import drafters as drafting
 from .autok import BatchCosts, CostModel, Probes, RowOptions, Timer, best_batch, calibrate, plan
+from .protocol import DraftContext, Proposal
 from .ragged import RaggedCache
 from .sampling import accept_greedy, accept_sampled, probs
 from .types import FinishReason, GenerationRequest, GenerationResult, RequestError, Stats
@@ -37,7 +38,7 @@ from .types import FinishReason, GenerationRequest, GenerationResult, RequestErr
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from .drafters import Drafter, Session
+    from .protocol import Drafter, Session
 
 TextCallback = Callable[[str], None]
 # after this many drafting iterations in a row, one plain (k = 0) iteration: the target-only
@@ -99,11 +100,11 @@ class SpeculativeDecoder:
         if drafters is None:
             drafters = ["model"] if draft is not None else []
         names = [d for d in drafters if isinstance(d, str)]
-        built = iter(registry.build(names, draft, self.vocab_size))
+        built = iter(registry.build(names, DraftContext(draft, self.vocab_size, tokenizer)))
         self.drafters: list[Drafter] = [next(built) if isinstance(d, str) else d for d in drafters]
         # the target layers whose outputs a feature-level drafter reads (eagle.py): every
         # target forward returns them (a pair has one draft, so at most one such drafter)
-        self.feature_layers: tuple[int, ...] = next((f for d in self.drafters if (f := getattr(d, "features", ()))), ())
+        self.feature_layers: tuple[int, ...] = next((d.features for d in self.drafters if d.features), ())
         if eos_token_ids is None:  # the generation config's, plus the tokenizer's (chat end-of-turn)
             eos = target.generation_config.eos_token_id if target.generation_config else None
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -241,7 +242,7 @@ class SpeculativeDecoder:
         buckets = sorted({BatchCosts.bucket(r) for r in range(1, cap + 1)})
         for rows in buckets:
             self.ensure_calibrated(rows)
-        rates = {d.name: d.prior for d in self.drafters if isinstance(d, drafting.ModelDrafter)}
+        rates = {d.name: d.prior for d in self.drafters if not d.free}
         return min(cap, best_batch({b: self.costs[b] for b in buckets}, rates))
 
     def ensure_calibrated(self, rows: int) -> None:
@@ -292,7 +293,7 @@ class SpeculativeDecoder:
             tcache.crop(context)
             return t.seconds
 
-        steps = {d.name: d.time_step(rows, ids) for d in self.drafters if isinstance(d, drafting.ModelDrafter)}
+        steps = {d.name: step for d in self.drafters if (step := d.time_step(rows, ids)) is not None}
         time_verify(0), [fn() for fn in steps.values()]  # warm up
         # every k for small batches; wide batches at a few (drafting seldom pays there, and each
         # point costs a forward of rows * (k + 1) tokens): the others are interpolated
@@ -334,7 +335,7 @@ class Row:
     def room(self) -> int:
         return min(self.req.max_new_tokens - len(self.out), self.dec.context_length - len(self.seq))
 
-    def accept(self, prop: drafting.Proposal | None, logits: torch.Tensor) -> tuple[int, int]:
+    def accept(self, prop: Proposal | None, logits: torch.Tensor) -> tuple[int, int]:
         req = self.req
         drafts = prop.tokens if prop else []
         if req.greedy:
@@ -450,7 +451,7 @@ class Batch:
     """Rows decoding together. ``add`` a request (prefilled alone, then merged), ``step``
     until ``rows`` is empty; ``step`` returns the rows that finished in it."""
 
-    offers: dict[int, dict[str, drafting.Proposal]]  # the free drafters' proposals of this iteration
+    offers: dict[int, dict[str, Proposal]]  # the free drafters' proposals of this iteration
 
     def __init__(self, dec: SpeculativeDecoder):
         self.dec = dec
@@ -458,7 +459,7 @@ class Batch:
         self.tcache = RaggedCache(dec.target, 0, dec.feature_layers)
         self.sessions: dict[str, Session] = {d.name: d.session(self) for d in dec.drafters}
         # sessions that read the target's features of each row's new positions (eagle.py)
-        self.watchers = [s for s in self.sessions.values() if hasattr(s, "observe")]
+        self.watchers = [self.sessions[d.name] for d in dec.drafters if d.features]
         self.probes = Probes()
         self.joining: list[RaggedCache] = []  # the target caches of rows that joined since the last step
         self.plain_before = False  # whether the last iteration was a plain one (k = 0 for every row)
@@ -492,16 +493,16 @@ class Batch:
         """Each row's (drafter, k) for this iteration. A fixed k uses the first of the row's
         drafters that proposes anything; auto rows follow the batch's plan (autok.plan)."""
         dec, rows = self.dec, self.rows
-        free = [s for s in self.sessions.values() if isinstance(s, drafting._Free)]
-        offers: dict[int, dict[str, drafting.Proposal]] = {b: {} for b in range(len(rows))}
-        for s in free:
+        free = {d.name: self.sessions[d.name] for d in dec.drafters if d.free}
+        offers: dict[int, dict[str, Proposal]] = {b: {} for b in range(len(rows))}
+        for free_name, s in free.items():
             ks = {
                 b: min(r.k if r.k is not None else dec.max_k, r.room() - 1)
                 for b, r in enumerate(rows)
-                if s.name in r.drafters
+                if free_name in r.drafters
             }
             for b, prop in s.propose(rows, {b: k for b, k in ks.items() if k > 0}).items():
-                offers[b][s.name] = prop
+                offers[b][free_name] = prop
         self.offers = offers
         picks: list[tuple[str | None, int]] = [(None, 0)] * len(rows)
         fixed_steps: dict[str, int]
@@ -510,7 +511,7 @@ class Batch:
             if r.k is not None:
                 n_fixed += 1
                 k = max(0, min(r.k, r.room() - 1))
-                name = next((d for d in r.drafters if d in offers[b] or not self.sessions[d].free), None) if k else None
+                name = next((d for d in r.drafters if d in offers[b] or not dec.drafter(d).free), None) if k else None
                 if name is not None:
                     k = min(k, len(offers[b][name].tokens)) if name in offers[b] else k
                     picks[b] = (name, k)
@@ -523,16 +524,13 @@ class Batch:
             options: list[RowOptions] = []
             for b in auto:
                 r = rows[b]
-                models = {
-                    d: m.tracker(r).rate for d in r.drafters if isinstance(m := dec.drafter(d), drafting.ModelDrafter)
-                }
+                models = {d: m.rate(r) for d in r.drafters if not (m := dec.drafter(d)).free}
                 options.append(RowOptions(free=list(offers[b].values()), models=models, limit=r.room() - 1))
             probe = None
             if self.probes.due:  # refresh the estimates; a model drafts on the row cheapest to bring up to date
-                models_ = {n: s for n, s in self.sessions.items() if isinstance(s, drafting._ModelSession)}
                 probe = min(
                     range(len(auto)),
-                    key=lambda i: min((models_[d].behind(rows[auto[i]]) for d in options[i].models), default=0),
+                    key=lambda i: min((self.sessions[d].behind(rows[auto[i]]) for d in options[i].models), default=0),
                 )
             chosen = plan(cost, options, n_fixed, fixed_width, fixed_steps, probe_row=probe)
             drafted = any(k for _, k in chosen)
@@ -561,12 +559,12 @@ class Batch:
         t_start = time.perf_counter()
         picks = self.choose()
         t_chosen = time.perf_counter()
-        props: dict[int, drafting.Proposal] = {}
+        props: dict[int, Proposal] = {}
         for name, session in self.sessions.items():
             ks = {b: k for b, (d, k) in enumerate(picks) if d == name and k}
             if not ks:
                 continue
-            if session.free:
+            if dec.drafter(name).free:
                 props.update({b: self.offers[b][name].cut(k) for b, k in ks.items()})
             else:
                 props.update(session.propose(rows, ks))
@@ -597,7 +595,7 @@ class Batch:
             new = (prop.tokens[:n] if prop else []) + [nxt]
             for name, offer in self.offers[b].items():  # free proposals not verified: what they would have got
                 if prop is None or name != prop.drafter:
-                    cast(drafting._Free, self.sessions[name]).shadow(r, offer, new)
+                    self.sessions[name].shadow(r, offer, new)
             r.advance(prop.drafter if prop else None, k, n, new)
 
         # the target-only counterfactual: a k = 0 iteration is one (the proposals nobody

@@ -1,36 +1,27 @@
-"""Drafters: what proposes the tokens the target verifies. One small protocol, one class each.
+"""Drafters: what proposes the tokens the target verifies, one class each, behind the seam
+of protocol.py (read it first).
 
-A ``Drafter`` belongs to a decoder (long-lived: a draft model, a suffix index shared by
-requests, acceptance statistics). A ``Batch`` opens a session of each drafter for the
-per-batch state (a draft model's KV cache, its rows aligned with the batch's rows);
-per-row state lives in ``row.state[drafter.name]``.
-
-    drafter.session(batch)            -> a session (per Batch)
-    session.add(row)                  a row joined the batch (appended at the end)
-    session.merge() / keep(order)     joins copied in / rows left or moved (new i = old order[i])
-    session.propose(rows, ks)         {b: Proposal} for the rows b asked, at most ks[b] tokens
-    session.commit(b, row, prop, n)   n of the proposal's tokens were accepted: roll back the rest
-    drafter.finish(row)               a row finished (the suffix index learns its text)
-
-A ``Proposal`` carries the tokens, their draft distributions (``q``; None for a
-deterministic drafter, a one-hot draft for the rejection rule) and the estimated
-acceptance of each token given the ones before it. ``free`` drafters (no model forward:
-prompt lookup, suffix index) are asked before the batch chooses who drafts how much (see
-autok.plan); a model drafter is asked after, for the rows that chose it, and costs k draft
-steps for the whole batch (its cost is measured, autok.CostModel).
+``FreeDrafter`` proposes from token ids alone: prompt lookup (``Lookup``) and a suffix
+index over earlier sequences (``Suffix``); each token's acceptance is learned per bucket
+(``Acceptance``). ``ModelDrafter`` runs a draft model with its own KV cache, k one-token
+steps for every row that chose it, its acceptance tracked per row (geometric model);
+``SelfDrafter`` is the target's own quantized weights, whose cache catches up by copying
+the target's. Their cost is measured (autok.CostModel); which one drafts how much for a
+row is the batch's plan (autok.plan).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import hf
 from .autok import AcceptanceTracker, Timer
+from .protocol import Proposal
 from .ragged import RaggedCache
 from .sampling import probs, sample
 
@@ -39,33 +30,6 @@ if TYPE_CHECKING:
 
     from .decoder import Batch, Row
     from .types import Stats
-
-KNOWN = ("lookup", "suffix", "model", "quantized", "eagle")  # drafter names a pair can list (``drafters = [...]``)
-MODELS = (
-    "model",
-    "quantized",
-)  # drafters that run the pair's draft: a separate model, or the target's quantized copy (quant.py)
-
-
-@dataclass
-class Proposal:
-    drafter: str
-    tokens: list[int]
-    q: list[torch.Tensor] | None = None  # draft distributions (None: deterministic)
-    accept: list[float] = field(default_factory=list)  # estimated P(token i accepted | tokens before it were)
-    features: list[Any] = field(default_factory=list)  # the drafter's acceptance bucket of each token
-
-    def expected(self, k: int) -> float:
-        """Expected tokens from one verification of the first ``k`` tokens (the target's own one included)."""
-        e, run = 1.0, 1.0
-        for a in self.accept[:k]:
-            run *= a
-            e += run
-        return e
-
-    def cut(self, k: int) -> Proposal:
-        q = self.q[:k] if self.q is not None else None
-        return Proposal(self.drafter, self.tokens[:k], q, self.accept[:k], self.features[:k])
 
 
 class Acceptance:
@@ -89,18 +53,40 @@ class Acceptance:
             c[1] += 1
 
 
-class _Free:
-    """A drafter that reads token ids only (no model): proposals cost no forward."""
+class FreeDrafter:
+    """A drafter that reads token ids only (no model): its proposals cost no forward, and it
+    is its own session (it keeps no per-batch state). A subclass sets ``name`` and writes
+    ``continuation(row, k)``: at most ``k`` tokens to follow ``row.seq``, and each one's
+    acceptance bucket (a hashable: tokens of one bucket share a learned acceptance rate)."""
 
     free, shared = True, False
+    features: tuple[int, ...] = ()
     name: str
-    continuation: Callable[[Row, int], tuple[list[int], list[Any]]]  # (tokens, their buckets)
 
-    def __init__(self, prior: float):
+    def __init__(self, prior: float = 0.3):
         self.acceptance = Acceptance(prior)
 
-    def session(self, batch: Batch) -> _Free:
+    def continuation(self, row: Row, k: int) -> tuple[list[int], list[Hashable]]:
+        raise NotImplementedError
+
+    def session(self, batch: Batch) -> FreeDrafter:
         return self
+
+    @property
+    def prior(self) -> float:
+        return self.acceptance.prior
+
+    def rate(self, row: Row) -> float:
+        return self.acceptance.prior
+
+    def time_step(self, rows: int, ids: list[int]) -> None:
+        return None
+
+    def behind(self, row: Row) -> int:
+        return 0
+
+    def observe(self, row: Row, features: torch.Tensor) -> None:
+        pass
 
     def add(self, row: Row) -> None:
         pass
@@ -159,7 +145,7 @@ class _RowNgrams:
         self.seen = max(self.seen, len(seq))
 
 
-class Lookup(_Free):
+class Lookup(FreeDrafter):
     """Prompt lookup: the longest recent match of the sequence's last n tokens (n from
     ``max_n`` down to ``min_n``) in the row's own prompt and output; the tokens that followed
     it are proposed. A token's bucket is (match length, position), so a long match earns
@@ -256,7 +242,7 @@ class SuffixIndex:
         return tokens, feats
 
 
-class Suffix(_Free):
+class Suffix(FreeDrafter):
     """A suffix index over earlier sequences of the same scope (a job's rows, or the
     requests that share no scope), frequency-gated as SuffixDecoding does: a path is
     proposed while the product of its tokens' frequencies stays above ``min_prob``. Rows
@@ -284,23 +270,27 @@ class ModelDrafter:
     acceptance is tracked (geometric model), starting from a running estimate over past rows."""
 
     free, shared = False, False
-    row_state: type[_ModelRow]  # what a row keeps in row.state[name] (set below the class)
+    features: tuple[int, ...] = ()
+    row_state: type[ModelRow]  # what a row keeps in row.state[name] (set below the class)
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, name: str = "model", prior: float = 0.5):
         self.model, self.vocab_size, self.name = model, vocab_size, name
         self.prior = prior  # running acceptance estimate over finished rows
 
-    def session(self, batch: Batch) -> _ModelSession:
-        return _ModelSession(self, batch)
+    def session(self, batch: Batch) -> ModelSession:
+        return ModelSession(self, batch)
 
     def tracker(self, row: Row) -> AcceptanceTracker:
-        st: _ModelRow | None = row.state.get(self.name)
+        st: ModelRow | None = row.state.get(self.name)
         if st is None:
             st = row.state[self.name] = self.row_state(AcceptanceTracker(self.prior))
         return st.tracker
 
+    def rate(self, row: Row) -> float:
+        return self.tracker(row).rate
+
     def finish(self, row: Row) -> None:
-        st: _ModelRow | None = row.state.get(self.name)
+        st: ModelRow | None = row.state.get(self.name)
         if st is not None and st.used:
             self.prior = 0.7 * self.prior + 0.3 * st.tracker.rate
 
@@ -321,16 +311,16 @@ class ModelDrafter:
 
 
 @dataclass
-class _ModelRow:
+class ModelRow:
     tracker: AcceptanceTracker
     dlen: int = 0  # tokens of row.seq in the draft cache
     used: bool = False
 
 
-ModelDrafter.row_state = _ModelRow
+ModelDrafter.row_state = ModelRow
 
 
-class _ModelSession:
+class ModelSession:
     free = False
 
     def __init__(self, drafter: ModelDrafter, batch: Batch):
@@ -360,6 +350,12 @@ class _ModelSession:
 
     def behind(self, row: Row) -> int:
         return len(row.seq) - int(row.state[self.d.name].dlen)
+
+    def shadow(self, row: Row, prop: Proposal, emitted: list[int]) -> None:
+        pass  # a model drafter drafts only when chosen: every proposal it makes is verified
+
+    def observe(self, row: Row, features: torch.Tensor) -> None:
+        pass
 
     def catch_up(self, rows: list[Row], ks: dict[int, int]) -> None:
         """Bring the draft cache of every drafting row up to ``seq[:-1]``'s last token.
@@ -460,11 +456,11 @@ class SelfDrafter(ModelDrafter):
     accepted positions copied from the target too, so its cache always holds the target's
     exact keys and values of ``seq[:dlen]``, and only the tokens in flight are its own."""
 
-    def session(self, batch: Batch) -> _SelfSession:
-        return _SelfSession(self, batch)
+    def session(self, batch: Batch) -> SelfSession:
+        return SelfSession(self, batch)
 
 
-class _SelfSession(_ModelSession):
+class SelfSession(ModelSession):
     d: SelfDrafter
 
     def add(self, row: Row) -> None:
@@ -518,5 +514,3 @@ def prefill(
 
 if TYPE_CHECKING:
     _Counts = dict[tuple[int, ...], dict[int, int]]  # context -> {next token: count}
-    Drafter = Lookup | Suffix | ModelDrafter  # (eagle.EagleDrafter, SelfDrafter are ModelDrafters)
-    Session = _Free | _ModelSession

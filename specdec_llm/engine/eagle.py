@@ -30,7 +30,8 @@ import torch
 
 from . import hf
 from .autok import Timer
-from .drafters import ModelDrafter, Proposal, _ModelRow, _ModelSession
+from .drafters import ModelDrafter, ModelRow, ModelSession
+from .protocol import Proposal
 from .ragged import RaggedCache
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def is_feature_draft(draft: object) -> bool:
 
 
 @dataclass
-class _EagleRow(_ModelRow):
+class _EagleRow(ModelRow):
     pending: list[torch.Tensor] = field(default_factory=list)  # target features not yet fed, in order
 
 
@@ -101,7 +102,7 @@ class EagleDrafter(ModelDrafter):
         return step
 
 
-class _EagleSession(_ModelSession):
+class _EagleSession(ModelSession):
     d: EagleDrafter
 
     def __init__(self, drafter: EagleDrafter, batch: Batch):

@@ -1,17 +1,96 @@
-"""Drafters by name: the one place that knows every drafter class (drafters.py and the
-feature-level one in eagle.py), so neither module imports the other's users."""
+"""Drafters by name: the one list the decoder, the pairs, the CLI and LangChain read.
+
+``register_drafter(name, build, ...)`` adds a drafting method: ``build(DraftContext)`` makes
+a new drafter (protocol.py) for a decoder. Packages outside this one register theirs when
+imported, or through the ``specdec_llm.drafters`` entry point group (an object reference
+to a function called with no arguments that calls ``register_drafter``), so a pairs file
+read by a worker process can name them too::
+
+    [project.entry-points."specdec_llm.drafters"]
+    phrases = "my_package.drafting:register"
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, cast
 
-from .drafters import KNOWN, MODELS, Lookup, ModelDrafter, SelfDrafter, Suffix
+from .drafters import Lookup, ModelDrafter, SelfDrafter, Suffix
 from .eagle import EagleDrafter, is_feature_draft
+from .protocol import DraftContext
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .drafters import Drafter
+    from .protocol import Drafter
+
+GROUP = "specdec_llm.drafters"
+MODEL_DRAFTS = ("model", "distilled", "placeholder")  # pair draft kinds (pairs.draft_kind) that are a causal LM
+
+
+@dataclass(frozen=True)
+class Registration:
+    name: str
+    build: Callable[[DraftContext], Drafter]
+    draft_kinds: tuple[str, ...] = ()  # the pair draft kinds it runs on; () needs no draft
+    default: bool = False  # listed for a pair that names no drafters (when its draft is of those kinds)
+    needs: str = ""  # what it needs, said in errors: "needs ..."
+
+
+_DRAFTERS: dict[str, Registration] = {}
+_loaded_entry_points = False
+
+
+def register_drafter(
+    name: str,
+    build: Callable[[DraftContext], Drafter],
+    *,
+    draft_kinds: tuple[str, ...] = (),
+    default: bool = False,
+    needs: str = "",
+    replace: bool = False,
+) -> None:
+    """Make drafter ``name`` known: pairs may list it (``drafters = [..., "NAME"]``) and
+    requests ask for it (``drafter="NAME"``). ``draft_kinds``: the pair drafts it runs on
+    (e.g. ``("model", "distilled")``; empty for a drafter that reads token ids only)."""
+    if not name or not name.replace("-", "").replace("_", "").isalnum() or name == "auto":
+        raise ValueError(f"drafter name {name!r}: use letters, digits, '-' or '_' (and not 'auto')")
+    if name in _DRAFTERS and not replace:
+        raise ValueError(f"drafter {name!r} is registered already; pass replace=True to replace it")
+    _DRAFTERS[name] = Registration(name, build, tuple(draft_kinds), default, needs)
+
+
+def registered() -> dict[str, Registration]:
+    """Every known drafter, in registration order (built-in ones first)."""
+    global _loaded_entry_points
+    if not _loaded_entry_points:
+        _loaded_entry_points = True
+        for ep in entry_points(group=GROUP):
+            ep.load()()
+    return dict(_DRAFTERS)
+
+
+def known() -> list[str]:
+    return list(registered())
+
+
+def defaults(draft_kind: str) -> list[str]:
+    """The drafters of a pair that lists none, for its draft's kind (pairs.draft_kind)."""
+    return [n for n, r in registered().items() if r.default and (not r.draft_kinds or draft_kind in r.draft_kinds)]
+
+
+def check(names: list[str], draft_kind: str) -> str | None:
+    """Why a pair with a draft of ``draft_kind`` cannot list ``names`` (None: it can)."""
+    table = registered()
+    for name in names:
+        if name not in table:
+            return f"unknown drafter {name!r}; known drafters: {', '.join(table)}"
+        r = table[name]
+        if r.draft_kinds and draft_kind not in r.draft_kinds:
+            return f"drafter {name!r} needs {r.needs or 'a draft of kind ' + ' or '.join(r.draft_kinds)}"
+    return None
 
 
 def runnable(draft: Any) -> PreTrainedModel:
@@ -19,36 +98,62 @@ def runnable(draft: Any) -> PreTrainedModel:
     return cast("PreTrainedModel", draft.model if is_feature_draft(draft) else draft)
 
 
-def build(names: list[str], draft_model: Any = None, vocab_size: int | None = None) -> list[Drafter]:
-    """Drafters by name, in order (the order a fixed k tries them in). "model" and "quantized"
-    are the same drafter class over the pair's draft model (a pair has one draft); "eagle"
-    runs a feature-level draft (eagle.py)."""
+def build(names: list[str], context: DraftContext) -> list[Drafter]:
+    """Drafters by name, in order (the order a fixed k tries them in)."""
+    table = registered()
     out: list[Drafter] = []
     for name in names:
-        if name == "lookup":
-            out.append(Lookup())
-        elif name == "suffix":
-            out.append(Suffix())
-        elif name == "eagle":
-            if not is_feature_draft(draft_model):
-                raise ValueError(
-                    "drafter 'eagle' needs a feature-level draft (specdec-llm distill --kind eagle) as the pair's "
-                    "draft; drop 'eagle' from drafters or use such a draft"
-                )
-            out.append(EagleDrafter(draft_model, vocab_size or int(draft_model.model.config.vocab_size)))
-        elif name in MODELS:
-            if draft_model is None or runnable(draft_model) is not draft_model:
-                raise ValueError(
-                    f"drafter {name!r} needs a draft model: set the pair's draft, or drop {name!r} from drafters"
-                )
-            # the target's own weights in 4 bits agree with it on ~0.99 of greedy tokens (docs/pairs.md):
-            # start there, so the schedule tries it from the first row; rows then correct it
-            # and shares the target's KV layout, so it catches up from the target's cache (SelfDrafter)
-            own = bool(getattr(draft_model, "quantization", None))
-            cls = SelfDrafter if own else ModelDrafter
-            out.append(cls(draft_model, vocab_size or int(draft_model.config.vocab_size), name, 0.9 if own else 0.5))
-        else:
-            raise ValueError(f"unknown drafter {name!r}; known drafters: {', '.join(KNOWN)}")
+        if name not in table:
+            raise ValueError(f"unknown drafter {name!r}; known drafters: {', '.join(table)}")
+        out.append(table[name].build(context))
     if len({d.name for d in out}) != len(out):
         raise ValueError(f"drafters {names} name one drafter twice")
     return out
+
+
+def _model(name: str) -> Callable[[DraftContext], Drafter]:
+    """A draft model's drafter: "model" and "quantized" are one class over the pair's draft
+    (a pair has one draft); the target's own quantized weights share its KV layout and catch
+    up from its cache (SelfDrafter), and agree with it on ~0.99 of greedy tokens
+    (docs/pairs.md): their acceptance starts there, so the plan tries them from the first row."""
+
+    def make(c: DraftContext) -> Drafter:
+        draft = c.draft
+        if draft is None or runnable(draft) is not draft:
+            raise ValueError(
+                f"drafter {name!r} needs a draft model: set the pair's draft, or drop {name!r} from drafters"
+            )
+        own = bool(getattr(draft, "quantization", None))
+        return (SelfDrafter if own else ModelDrafter)(draft, c.vocab_size, name, 0.9 if own else 0.5)
+
+    return make
+
+
+def _eagle(c: DraftContext) -> Drafter:
+    if not is_feature_draft(c.draft):
+        raise ValueError(
+            "drafter 'eagle' needs a feature-level draft (specdec-llm distill --kind eagle) as the pair's "
+            "draft; drop 'eagle' from drafters or use such a draft"
+        )
+    return EagleDrafter(c.draft, c.vocab_size)
+
+
+register_drafter("lookup", lambda c: Lookup(), default=True)
+register_drafter("suffix", lambda c: Suffix(), default=True)
+register_drafter(
+    "model", _model("model"), draft_kinds=MODEL_DRAFTS, default=True, needs="a draft model; set draft = ... or drop it"
+)
+register_drafter(
+    "quantized",
+    _model("quantized"),
+    draft_kinds=("quantized",),
+    default=True,
+    needs='draft = "quantized:int4" (or int8, fp8)',
+)
+register_drafter(
+    "eagle",
+    _eagle,
+    draft_kinds=("eagle",),
+    default=True,
+    needs="an EAGLE draft directory (specdec-llm distill --kind eagle); set draft = ... or drop 'eagle'",
+)
