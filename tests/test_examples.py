@@ -102,6 +102,15 @@ def test_report_on_a_fresh_store(run_example):
     assert "(example-report): 2 ok / 0 failed" in out
 
 
+def test_custom_drafter(run_example):
+    """A drafter defined outside the package, registered and run through a pair: it
+    proposes (each prompt ends with a phrase's start) and the outputs are the target's."""
+    out = run_example("custom_drafter.py", "--max-new-tokens", "12")
+    assert "3/3 outputs token-identical to the target decoding alone" in out, out
+    proposed = [int(n) for n in re.findall(r"phrases proposed +(\d+)", out)]
+    assert len(proposed) == 3 and all(proposed), out
+
+
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
