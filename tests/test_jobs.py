@@ -16,9 +16,11 @@ from specdec_llm.client.broker import get_app, is_embedded
 from specdec_llm.client.cli import register
 from specdec_llm.client.rows import InputError, job_id_for, read_rows
 from specdec_llm.settings import get_settings, reload_settings
+from workers.cli import register as register_worker
 
 cli = typer.Typer()
 register(cli)
+register_worker(cli)  # `worker`: the workers' own command (the real CLI finds it by its entry point)
 
 
 def invoke(*args: str):

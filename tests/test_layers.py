@@ -1,7 +1,9 @@
 """The layers' arrows go one way (docs/architecture.md "Layout"): engine <- pairs <- store <- client <-
 workers, and the LangChain adapters and the CLI on top. Read from the source (every
-``import``, lazy ones inside functions included), so a new arrow the wrong way fails here,
-and from a fresh interpreter: LangChain's local mode never imports Celery."""
+``import``, lazy ones inside functions included), so a new arrow the wrong way fails here:
+no cycle between modules nor between packages, no private name taken from another module,
+and from a fresh interpreter: LangChain's local mode never imports Celery. No exceptions
+listed: ``specdec-llm worker`` comes from ``workers`` through an entry point."""
 
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import tomllib
+from importlib.metadata import entry_points
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("specdec_llm", "workers")
-# the one import of `workers` from `specdec_llm`: the CLI command that starts a worker
-WORKER_ENTRY = ("specdec_llm.client.cli", "workers.cli")
+COMMANDS_GROUP = "specdec_llm.commands"  # = specdec_llm.cli.COMMANDS_GROUP (not imported: it loads the engine)
 
 
 def modules() -> dict[str, Path]:
@@ -92,6 +95,66 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def package_of(module: str) -> str:
+    """The package a module belongs to: ``workers``, or ``specdec_llm``'s subpackage or
+    top-level module (``specdec_llm.client``, ``specdec_llm.cli``, ``specdec_llm.errors``)."""
+    parts = module.split(".")
+    return parts[0] if parts[0] != "specdec_llm" else ".".join(parts[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import."""
+    out: dict[str, set[str]] = {}
+    for a, bs in graph.items():
+        out.setdefault(package_of(a), set()).update(package_of(b) for b in bs if package_of(b) != package_of(a))
+    for bs in list(out.values()):
+        for b in bs:
+            out.setdefault(b, set())
+    return out
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_uses(name: str, path: Path, mods: dict[str, Path]) -> list[str]:
+    """The private names (``_x``, not dunders) module ``name`` takes from other project
+    modules: ``from m import _x``, or ``m._x`` / ``pkg.m._x`` of a module it imported."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    bound: dict[str, str] = {}  # local name -> the project module it is
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                local = alias.asname or alias.name.split(".")[0]
+                bound[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            if not inside(base, *PACKAGES):
+                continue  # a third-party library's private names are its own business
+            for alias in node.names:
+                if private(alias.name):
+                    found.append(f"from {base} import {alias.name}")
+                if f"{base}.{alias.name}" in mods:
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and private(node.attr)):
+            continue
+        chain, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id in bound:
+            module = ".".join([bound[value.id], *reversed(chain)])
+            if module in mods and module != name:
+                found.append(f"{module}.{node.attr}")
+    return sorted(set(found))
+
+
 def inside(module: str, *prefixes: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
@@ -102,7 +165,34 @@ def arrows(graph, source: str, *targets: str) -> list[tuple[str, str]]:
 
 
 def test_no_import_cycle():
-    assert cycles(import_graph()) == []
+    """Between modules (the engine's included) and between packages (``specdec_llm.client``
+    and ``workers``, ``specdec_llm.store`` and ``specdec_llm.cli``...): none."""
+    graph = import_graph()
+    assert cycles(graph) == []
+    assert cycles(package_graph(graph)) == []
+
+
+def test_no_private_name_is_taken_from_another_module():
+    """What a module shares has a public name (and a docstring); its ``_private`` names are
+    its own. Third-party private names (``torch._scaled_mm``) are out of scope."""
+    mods = modules()
+    taken = {name: uses for name, path in sorted(mods.items()) if (uses := private_uses(name, path, mods))}
+    assert taken == {}
+
+
+def test_the_worker_command_comes_through_its_entry_point():
+    """``specdec-llm worker`` is the workers' own command, registered on the CLI through the
+    ``specdec_llm.commands`` entry point group (so nothing in ``specdec_llm`` imports
+    ``workers``), declared in pyproject.toml and present in the installed metadata."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][COMMANDS_GROUP]
+    assert declared == {"worker": "workers.cli:register"}
+    installed = {e.name: e.value for e in entry_points(group=COMMANDS_GROUP)}
+    assert installed == declared, "the installed metadata is older than pyproject.toml: run `pip install -e .`"
+    import typer
+
+    app = typer.Typer()
+    entry_points(group=COMMANDS_GROUP)["worker"].load()(app)
+    assert [c.callback.__name__ for c in app.registered_commands] == ["worker"]
 
 
 def test_the_arrows_go_one_way():
@@ -128,8 +218,7 @@ def test_the_arrows_go_one_way():
         == []
     )
     assert arrows(g, "specdec_llm.client", "specdec_llm.langchain", "specdec_llm.cli") == []
-    assert arrows(g, "specdec_llm.client", "workers") == [WORKER_ENTRY]
-    assert arrows(g, "specdec_llm", "workers") == [WORKER_ENTRY]
+    assert arrows(g, "specdec_llm", "workers") == []
     assert arrows(g, "workers", "specdec_llm.langchain", "specdec_llm.cli") == []
     assert arrows(g, "specdec_llm.langchain", "specdec_llm.cli", "workers") == []
 

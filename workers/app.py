@@ -4,7 +4,8 @@ shared with the client that sends), the task (``tasks.py``) and the lease heartb
 
 from __future__ import annotations
 
-from specdec_llm.client.broker import TASK, broker_display, celery_config, config_key, is_embedded, queue_name
+from specdec_llm.client.broker import broker_display, celery_config, config_key, is_embedded
+from specdec_llm.client.protocol import TASK, queue_name
 from specdec_llm.settings import get_settings
 
 __all__ = ["TASK", "broker_display", "get_app", "is_embedded", "queue_name"]

@@ -1,19 +1,115 @@
-"""The worker side of ``specdec-llm worker``: its options are read and checked in
-``specdec_llm/client/cli.py``, which calls ``start_worker`` (the only import of ``workers``
-from ``specdec_llm``)."""
+"""``specdec-llm worker``: the command, its options read and checked before Celery starts or
+the pair loads (``worker``), and the Celery worker it runs (``start_worker``).
+
+``register(app)`` adds the command to the CLI's Typer app. The CLI finds it through the
+``specdec_llm.commands`` entry point group (``pyproject.toml``), so nothing in ``specdec_llm``
+imports ``workers``: the arrows go one way (workers -> client). Importing this module is light
+(Typer, the options): Celery, the task and the runtime load when the command runs."""
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Annotated
 
-from specdec_llm.cli_common import fail
-from specdec_llm.client.broker import broker_display, is_embedded, queue_name
-from specdec_llm.pairs import quiet_loading
+import typer
+
+from specdec_llm.cli_common import check_batching, check_device, fail, user_errors
+from specdec_llm.client.broker import broker_display, is_embedded
+from specdec_llm.client.cli import DeviceOpt, MaxBatchOpt, PairOpt, PriceOpt
+from specdec_llm.client.protocol import queue_name
 from specdec_llm.settings import get_settings
 
-from . import runtime
-from .app import get_app
+ConcurrencyOpt = Annotated[int, typer.Option(help="Pool processes, each holding the pair (1 per GPU)")]
+QueuesOpt = Annotated[str | None, typer.Option(help="Comma-separated queues (default: specdec.<pair>)")]
+CalibrateOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Also measure target-only and speculative tok/s on a short prompt at start (the pair's "
+        "baseline for rows recorded before each request measured its own)"
+    ),
+]
+MaxWaitOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--max-wait-ms",
+        help="An idle worker waits this long for more requests to start a batch with "
+        "(default: SPECDEC_MAX_WAIT_MS or 20)",
+    ),
+]
+MetricsPortOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--metrics-port",
+        help="Serve Prometheus metrics of every pool process on http://0.0.0.0:PORT/metrics "
+        "(prometheus_client multiprocess mode; folder: PROMETHEUS_MULTIPROC_DIR or a "
+        "temporary one)",
+    ),
+]
+EventsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--events",
+        "-E",
+        help="Send Celery task events (task-received, task-started, task-succeeded...) for monitors "
+        "such as Flower or `celery events` (Celery's -E, worker_send_task_events)",
+    ),
+]
+
+
+def worker(
+    pair: PairOpt = None,
+    device: DeviceOpt = None,
+    concurrency: ConcurrencyOpt = 1,
+    queues: QueuesOpt = None,
+    price_per_hour: PriceOpt = [],  # noqa: B006
+    calibrate: CalibrateOpt = False,
+    max_batch: MaxBatchOpt = None,
+    max_wait_ms: MaxWaitOpt = None,
+    metrics_port: MetricsPortOpt = None,
+    events: EventsOpt = False,
+    loglevel: str = "INFO",
+) -> None:
+    """Start a worker: one pair on one device, consuming the pair's queue.
+
+    --max-batch B > 1 decodes up to B requests as one batch: one process (Celery's threads
+    pool, B task threads, at most B messages reserved) holding the pair once."""
+    from specdec_llm import client, store
+    from specdec_llm.pairs import get_spec
+    from specdec_llm.settings import get_settings
+
+    with user_errors():
+        spec = get_spec(pair or get_settings().default_pair)  # reads the registry only: no model, no CUDA
+    max_wait_ms = get_settings().max_wait_ms if max_wait_ms is None else max_wait_ms
+    max_batch = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
+    if max_wait_ms < 0:
+        fail("max-wait-ms: use 0 or more")
+    if metrics_port is not None and not 0 < metrics_port < 65536:
+        fail(f"metrics-port: {metrics_port} is not a TCP port; use 1-65535")
+    device = check_device(device) or spec.device
+    with user_errors():  # before Celery starts or the pair loads
+        client.check_broker_url()
+        price = store.price_for(price_per_hour or None, device)  # the flag, else SPECDEC_PRICE_PER_HOUR
+    raise typer.Exit(
+        start_worker(
+            spec.name,
+            device=device,
+            concurrency=concurrency,
+            queues=queues,
+            price_per_hour=price,
+            calibrate=calibrate,
+            max_batch=max_batch,
+            max_wait_ms=max_wait_ms,
+            metrics_port=metrics_port,
+            events=events,
+            loglevel=loglevel,
+        )
+    )
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``worker`` to ``app`` (the ``specdec_llm.commands`` entry point)."""
+    app.command()(worker)
 
 
 def start_worker(
@@ -36,6 +132,11 @@ def start_worker(
     pool, B task threads, at most B messages reserved) holding the pair once. ``events``:
     the worker sends Celery's task events (``-E``: task-received, -started, -succeeded...),
     for Flower, ``celery events`` or an ``app.events.Receiver``."""
+    from specdec_llm.pairs import quiet_loading
+
+    from . import runtime
+    from .app import get_app
+
     threads = None
     if device == "cpu" and concurrency > 1 and not get_settings().threads:
         threads = max(1, (os.cpu_count() or 1) // concurrency)  # share the cores, don't oversubscribe

@@ -22,8 +22,8 @@ import logging
 from celery import bootsteps
 from celery.worker import state
 
-from specdec_llm.client.broker import TASK
 from specdec_llm.client.jobs import reclaim_and_enqueue
+from specdec_llm.client.protocol import TASK
 from specdec_llm.settings import get_settings
 from specdec_llm.store import jobs
 

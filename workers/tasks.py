@@ -43,8 +43,7 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 from celery.utils.time import get_exponential_backoff_interval
 
 from specdec_llm import store
-from specdec_llm.client.broker import TASK, queue_name
-from specdec_llm.client.jobs import MAX_ATTEMPTS
+from specdec_llm.client.protocol import FINISHED, MAX_ATTEMPTS, TASK, task_message
 from specdec_llm.client.rows import build_request
 from specdec_llm.client.streams import StreamWriter
 from specdec_llm.engine import RequestError
@@ -98,14 +97,14 @@ class GenerateTask(Task):
 def generate(self, request_id: str, pair: str, enqueued_at: float | None = None, result: dict | None = None) -> dict:
     started, clock = time.time(), time.monotonic()
     if not runtime.serves(pair):  # routed to a worker of another pair: pass it on
-        self.app.send_task(TASK, args=[request_id, pair], kwargs={"enqueued_at": enqueued_at}, queue=queue_name(pair))
+        self.app.send_task(TASK, **task_message(request_id, pair, enqueued_at=enqueued_at))
         return {"request_id": request_id, "status": "forwarded"}
     if result is None:
         row = store.get_request(request_id)
         if row is None:
             log.warning("request %s is not in the store; nothing to do", request_id)
             return {"request_id": request_id, "status": "missing"}
-        if row["status"] in ("ok", "failed", "cancelled"):
+        if row["status"] in FINISHED:
             return _finished(row)
         if row["status"] == "running" and row["attempts"] >= MAX_ATTEMPTS:
             error = (

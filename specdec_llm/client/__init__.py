@@ -1,15 +1,16 @@
 """The job client: everything a process that *sends* work does, over the store.
 
-It knows the task's name and the queues (``broker.py``) and sends by name: it imports no
-task code (``workers/``), and Celery only when it sends. Plain dicts in and out.
+It knows the task's name, the queues and the message (``protocol.py``) and sends by name:
+it imports no task code (``workers/``), and Celery only when it sends. Plain dicts in and out.
 
 - ``jobs.py``: submit a file as a job, enqueue rows, status, results, retry, cancel, wait;
 - ``rows.py`` / ``openai_batch.py``: input files -> rows -> store requests -> ``GenerationRequest``;
   OpenAI Batch lines in and out;
 - ``streams.py``: text from the worker to the caller while it generates (both ends use it);
 - ``local.py``: local worker processes (``specdec-llm worker`` as a child process);
+- ``protocol.py``: the job protocol both ends share: the task's name, its queues, its message;
 - ``broker.py`` / ``embedded.py``: the Celery configuration both ends share, the embedded broker;
-- ``cli.py``: ``specdec-llm submit | status | results | retry | cancel | run | worker``;
+- ``cli.py``: ``specdec-llm submit | status | results | retry | cancel | run``;
   ``ops_cli.py``: ``specdec-llm jobs | workers | prune`` and ``status --watch``.
 
     from specdec_llm import client
@@ -24,13 +25,10 @@ from .broker import (
     check_broker_url,
     is_embedded,
     live_workers,
-    queue_name,
     queue_size,
 )
 from .jobs import (
-    FINISHED,
     FORMATS,
-    MAX_ATTEMPTS,
     PENDING,
     RESULT_FIELDS,
     cancel,
@@ -49,6 +47,7 @@ from .jobs import (
     write_results,
 )
 from .local import log_tail, start_local_worker, stop_local_worker
+from .protocol import FINISHED, MAX_ATTEMPTS, TASK, queue_name, task_message
 from .rows import InputError, build_request
 from .streams import StreamWriter, follow_stream
 
@@ -58,6 +57,7 @@ __all__ = [
     "MAX_ATTEMPTS",
     "PENDING",
     "RESULT_FIELDS",
+    "TASK",
     "InputError",
     "QueueError",
     "StreamWriter",
@@ -84,6 +84,7 @@ __all__ = [
     "status",
     "stop_local_worker",
     "submit",
+    "task_message",
     "wait",
     "wait_for_empty_queue",
     "write_results",

@@ -1,6 +1,7 @@
-"""Where the messages go: the task's name and queues, and the Celery configuration both ends
-share, from settings: ``SPECDEC_BROKER_URL``, ``SPECDEC_RESULT_BACKEND`` (the store is
-``SPECDEC_DATABASE_URL``, read by the store itself).
+"""Where the messages go: the Celery configuration both ends share, from settings:
+``SPECDEC_BROKER_URL``, ``SPECDEC_RESULT_BACKEND`` (the store is ``SPECDEC_DATABASE_URL``,
+read by the store itself). The task's name, its queues and its message are the job
+protocol's (``protocol.py``).
 
 The client sends by task name (``send_task``): it imports no task code, and Celery only
 when it sends. The worker's app (``workers/app.py``) is this configuration plus the task
@@ -33,7 +34,8 @@ from datetime import timedelta
 from specdec_llm.errors import SpecDecError
 from specdec_llm.settings import Settings, get_settings
 
-TASK = "specdec.generate"
+from .protocol import queue_name
+
 SOFT_TIME_LIMIT = 3600  # s: the task is told (SoftTimeLimitExceeded) and fails its row
 TIME_LIMIT = SOFT_TIME_LIMIT + 300  # s: the pool kills the process running it
 VISIBILITY_TIMEOUT = 2 * TIME_LIMIT  # s: Redis redelivers an unacknowledged message after this
@@ -45,11 +47,6 @@ _apps: dict[tuple, object] = {}
 
 class QueueError(SpecDecError, RuntimeError):
     """The broker cannot be reached (the rows, if any, are saved); the message says what to do."""
-
-
-def queue_name(pair: str) -> str:
-    """One queue per pair: a worker holds one pair and consumes its queue."""
-    return f"specdec.{pair}"
 
 
 def is_embedded(settings: Settings | None = None) -> bool:

@@ -1,11 +1,12 @@
-"""``specdec-llm submit | status | results | retry | cancel | run | worker`` (and, from
-``ops_cli``, ``jobs | workers | prune``).
+"""``specdec-llm submit | status | results | retry | cancel | run`` (and, from ``ops_cli``,
+``jobs | workers | prune``).
 
 ``register(app)`` adds them to a Typer app: each command is a function of its own here.
-Thin: parsing and printing here, the work in ``specdec_llm.client`` (jobs). ``worker``
-checks its options here, then starts the worker with ``workers.cli.start_worker``: the one
-place ``specdec_llm`` imports ``workers`` (in that command, when it runs). Every failure a person can fix prints one line
-(``error: ...``) on stderr and exits 2 (``specdec_llm.cli_common``).
+Thin: parsing and printing here, the work in ``specdec_llm.client`` (jobs). ``worker`` is the
+workers' own command (``workers/cli.py``, found through the ``specdec_llm.commands`` entry
+point group): it shares the options defined here (``PairOpt``, ``DeviceOpt``, ...). Every
+failure a person can fix prints one line (``error: ...``) on stderr and exits 2
+(``specdec_llm.cli_common``).
 """
 
 from __future__ import annotations
@@ -66,97 +67,10 @@ def _fmt(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
-ConcurrencyOpt = Annotated[int, typer.Option(help="Pool processes, each holding the pair (1 per GPU)")]
-QueuesOpt = Annotated[str | None, typer.Option(help="Comma-separated queues (default: specdec.<pair>)")]
-CalibrateOpt = Annotated[
-    bool,
-    typer.Option(
-        help="Also measure target-only and speculative tok/s on a short prompt at start (the pair's "
-        "baseline for rows recorded before each request measured its own)"
-    ),
-]
-MaxWaitOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--max-wait-ms",
-        help="An idle worker waits this long for more requests to start a batch with "
-        "(default: SPECDEC_MAX_WAIT_MS or 20)",
-    ),
-]
-MetricsPortOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--metrics-port",
-        help="Serve Prometheus metrics of every pool process on http://0.0.0.0:PORT/metrics "
-        "(prometheus_client multiprocess mode; folder: PROMETHEUS_MULTIPROC_DIR or a "
-        "temporary one)",
-    ),
-]
-EventsOpt = Annotated[
-    bool,
-    typer.Option(
-        "--events",
-        "-E",
-        help="Send Celery task events (task-received, task-started, task-succeeded...) for monitors "
-        "such as Flower or `celery events` (Celery's -E, worker_send_task_events)",
-    ),
-]
 InputArg = Annotated[
     Path,
     typer.Argument(help="JSONL (our rows or OpenAI Batch lines), CSV (a prompt column) or text (one prompt per line)"),
 ]
-
-
-def worker(
-    pair: PairOpt = None,
-    device: DeviceOpt = None,
-    concurrency: ConcurrencyOpt = 1,
-    queues: QueuesOpt = None,
-    price_per_hour: PriceOpt = [],  # noqa: B006
-    calibrate: CalibrateOpt = False,
-    max_batch: MaxBatchOpt = None,
-    max_wait_ms: MaxWaitOpt = None,
-    metrics_port: MetricsPortOpt = None,
-    events: EventsOpt = False,
-    loglevel: str = "INFO",
-) -> None:
-    """Start a worker: one pair on one device, consuming the pair's queue.
-
-    --max-batch B > 1 decodes up to B requests as one batch: one process (Celery's threads
-    pool, B task threads, at most B messages reserved) holding the pair once."""
-    from specdec_llm import client, store
-    from specdec_llm.pairs import get_spec
-    from specdec_llm.settings import get_settings
-
-    with user_errors():
-        spec = get_spec(pair or get_settings().default_pair)  # reads the registry only: no model, no CUDA
-    max_wait_ms = get_settings().max_wait_ms if max_wait_ms is None else max_wait_ms
-    max_batch = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
-    if max_wait_ms < 0:
-        fail("max-wait-ms: use 0 or more")
-    if metrics_port is not None and not 0 < metrics_port < 65536:
-        fail(f"metrics-port: {metrics_port} is not a TCP port; use 1-65535")
-    device = check_device(device) or spec.device
-    with user_errors():  # before Celery starts or the pair loads
-        client.check_broker_url()
-        price = store.price_for(price_per_hour or None, device)  # the flag, else SPECDEC_PRICE_PER_HOUR
-    from workers.cli import start_worker  # the worker side: Celery, the task, the runtime
-
-    raise typer.Exit(
-        start_worker(
-            spec.name,
-            device=device,
-            concurrency=concurrency,
-            queues=queues,
-            price_per_hour=price,
-            calibrate=calibrate,
-            max_batch=max_batch,
-            max_wait_ms=max_wait_ms,
-            metrics_port=metrics_port,
-            events=events,
-            loglevel=loglevel,
-        )
-    )
 
 
 def submit(
@@ -411,7 +325,7 @@ def _print_run_summary(st: dict, out: Path, *, wall: float) -> None:
         print(f"  {c['failed']} rows failed: see their 'error' in {out}; `specdec-llm retry {job}` runs them again")
 
 
-COMMANDS = (worker, submit, status, results, retry, cancel, run)
+COMMANDS = (submit, status, results, retry, cancel, run)
 
 
 def register(app: typer.Typer) -> None:

@@ -22,13 +22,13 @@ from specdec_llm.store import jobs
 from specdec_llm.store.jobs import job_requests
 
 from . import rows as R
-from .broker import TASK, QueueError, check_broker_url, get_app, queue_name, queue_size, reaching
+from .broker import QueueError, check_broker_url, get_app, queue_size, reaching
 from .local import log_tail
+from .protocol import FINISHED, MAX_ATTEMPTS, TASK, task_message
 
 log = logging.getLogger(__name__)
 
 PENDING = ("queued", "running")
-FINISHED = ("ok", "failed", "cancelled")
 RESULT_FIELDS = (
     "id",
     "status",
@@ -43,9 +43,6 @@ RESULT_FIELDS = (
     "wall_time_s",
     "metadata",
 )
-
-
-MAX_ATTEMPTS = 3  # deliveries that died mid-generation before a row is given up (tasks, leases)
 
 
 # -- submit -----------------------------------------------------------------------------------
@@ -113,16 +110,8 @@ def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False, ch
     sent = []
     with app.producer_or_acquire() as producer:
         for rid in request_ids:
-            sent.append(
-                app.send_task(
-                    TASK,
-                    args=[rid, pair],
-                    kwargs={"enqueued_at": now},
-                    queue=queue_name(pair),
-                    producer=producer,
-                    ignore_result=not keep_results,
-                )
-            )
+            message = task_message(rid, pair, enqueued_at=now)
+            sent.append(app.send_task(TASK, **message, producer=producer, ignore_result=not keep_results))
     return sent
 
 
