@@ -22,7 +22,7 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9], [30, 31, 32, 30, 31], [100, 3, 1
 
 
 class TinyEagle(torch.nn.Module):
-    """A feature-level draft of the shape specdec_llm/eagle.py builds: one decoder layer over
+    """A feature-level draft of the shape specdec_llm.pairs.build_eagle builds: one decoder layer over
     inputs(x, fuse(f)). ``echo``: the layer is a no-op and the inputs pass the last feature
     layer's output through, so the draft predicts what the target predicted one position
     earlier (it proposes repeats of the last token: often accepted on a tiny random target)."""
