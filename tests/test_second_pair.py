@@ -68,11 +68,11 @@ def test_the_named_chat_template_frames_turns_and_stops_at_the_turn_end(base_pai
 
 def test_bad_draft_vocab_names_the_key(tmp_path):
     with pytest.raises(PairError, match="draft_vocab"):
-        pairs._read_toml('[pairs.x]\ntarget = "a"\ndraft = "b"\ndraft_vocab = 10\n', "f")
+        pairs.read_toml('[pairs.x]\ntarget = "a"\ndraft = "b"\ndraft_vocab = 10\n', "f")
     with pytest.raises(PairError, match="draft_vocab"):
-        pairs._read_toml('[pairs.x]\ntarget = "a"\ndraft = "quantized:int4"\ndraft_vocab = 0\n', "f")
+        pairs.read_toml('[pairs.x]\ntarget = "a"\ndraft = "quantized:int4"\ndraft_vocab = 0\n', "f")
     with pytest.raises(PairError, match="chat_template"):
-        pairs._read_toml('[pairs.x]\ntarget = "a"\nchat_template = 3\n', "f")
+        pairs.read_toml('[pairs.x]\ntarget = "a"\nchat_template = 3\n', "f")
 
 
 def test_a_chunked_package_assembles_its_file(tmp_path, monkeypatch):

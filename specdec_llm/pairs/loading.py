@@ -1,0 +1,156 @@
+"""Loading a pair: its target and tokenizer (a pair's named chat template where the
+tokenizer has none), its draft by kind, the vocabulary check, torch's threads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..engine import SpeculativeDecoder
+from ..settings import get_settings
+from .drafts import REFERENCE, fingerprint, load_draft_dir, quantized_draft, shared_draft
+from .eagle_draft import load_eagle_dir
+from .gguf import resolve
+from .spec import CHAT_TEMPLATES, CHAT_TURN_ENDS, DRAFT_META, PairError, PairSpec, draft_dir, get_spec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def use_threads(threads: int | None = None) -> None:
+    """torch's intra-op threads for this process: ``threads``, else ``SPECDEC_THREADS``;
+    neither: torch's own default. The one thread setup (CLI commands, workers, LangChain)."""
+    threads = threads or get_settings().threads
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def quiet_loading() -> None:
+    """No per-tensor progress bars or info logs from transformers while models load
+    (for command-line output; a library user keeps transformers' own settings)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def load_model(ref: str, dtype: str, device: str, trust_remote_code: bool = False, pair: str = "NAME"):
+    from transformers import AutoModelForCausalLM
+
+    src = resolve(ref, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            src, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, local_files_only=Path(src).exists()
+        )
+    except OSError as e:
+        raise PairError(f"cannot load model {ref!r}: {e}") from e
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise PairError(remote_code_refused(ref, pair)) from None
+    return model.to(device).eval()
+
+
+def remote_code_refused(ref: str, pair: str = "NAME") -> str:
+    """Why a model that needs its repository's own Python code was not loaded, and how to allow it."""
+    return (
+        f"model {ref!r} needs custom code from its repository (its config's auto_map), and repository "
+        "code is never run unless the pair allows it; after reading that code, set "
+        f"`trust_remote_code = true` under the pair's [pairs.{pair}] entry in your pairs file "
+        "(SPECDEC_CONFIG_FILE)"
+    )
+
+
+def load_tokenizer(ref: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve(ref, trust_remote_code), trust_remote_code=trust_remote_code)
+
+
+@dataclass
+class Pair:
+    spec: PairSpec
+    target: object
+    draft: object | None
+    tokenizer: object
+    vocab_size: int
+    target_fingerprint: str
+    draft_info: dict = field(default_factory=dict)
+
+    def decoder(self) -> SpeculativeDecoder:
+        return SpeculativeDecoder(
+            self.target,
+            self.draft,
+            self.tokenizer,
+            drafters=self.spec.drafter_names(),
+            vocab_size=self.vocab_size,
+            default_k=self.spec.k,
+            kernel_cache=get_settings().cache_dir / "kernels.json",
+            compile_draft=self.spec.compile_draft,
+        )
+
+
+def check_vocab(target_ref: str, tok_t, draft_ref: str, tok_d, vt: int, vd: int) -> int:
+    """The shared vocabulary size; a clear error if the tokenizers disagree on it."""
+    shared = min(vt, vd, len(tok_t), len(tok_d))
+    inv_t = {i: s for s, i in tok_t.get_vocab().items() if i < shared}
+    inv_d = {i: s for s, i in tok_d.get_vocab().items() if i < shared}
+    if inv_t != inv_d:
+        diff = next((i for i in sorted(inv_t) if inv_t.get(i) != inv_d.get(i)), None)
+        raise PairError(
+            f"vocabulary mismatch: target {target_ref} and draft {draft_ref} use different tokenizers "
+            f"(token id {diff}: {inv_t.get(diff)!r} vs {inv_d.get(diff)!r}); a draft must share the target's vocabulary"
+        )
+    return shared
+
+
+def _stop_at_turn_end(target, tokenizer, token: str | None) -> None:
+    """Decoding stops at the end of the model's turn too (an instruct model's generation
+    config lists it; a base model's does not)."""
+    if token is None or token not in tokenizer.get_vocab():
+        return
+    eos = target.generation_config.eos_token_id
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    end = tokenizer.convert_tokens_to_ids(token)
+    if end not in ids:
+        target.generation_config.eos_token_id = [*ids, end]
+
+
+def load_pair(name_or_spec: str | PairSpec) -> Pair:
+    spec = get_spec(name_or_spec) if isinstance(name_or_spec, str) else name_or_spec
+    if spec.dtype not in DTYPES:
+        raise PairError(f"pair {spec.name}: dtype {spec.dtype!r} unknown; use one of {', '.join(DTYPES)}")
+    target = load_model(spec.target, spec.dtype, spec.device, spec.trust_remote_code, pair=spec.name)
+    target.__dict__[REFERENCE] = spec.target
+    tokenizer = load_tokenizer(spec.target, spec.trust_remote_code)
+    if spec.chat_template and not tokenizer.chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATES.get(spec.chat_template, spec.chat_template)
+        _stop_at_turn_end(target, tokenizer, CHAT_TURN_ENDS.get(spec.chat_template))
+    t_fp = fingerprint(target)
+    vocab = min(target.config.vocab_size, len(tokenizer))
+    draft, info = None, {}
+    if spec.draft is None:
+        info = {"kind": "none"}
+    elif spec.quantized:
+        draft, info = quantized_draft(spec, target, tokenizer)
+    elif spec.draft.startswith("layers:"):
+        layers = [int(x) for x in spec.draft.removeprefix("layers:").split(",")]
+        draft = shared_draft(target, layers)
+        info = {"kind": "placeholder", "init_layers": layers, "trained": False}
+    else:
+        ref = spec.draft
+        if ref.startswith("pkg:") or (Path(ref).expanduser() / DRAFT_META).exists():
+            path = draft_dir(ref)
+            if json.loads((path / DRAFT_META).read_text()).get("kind") == "eagle":
+                draft, meta = load_eagle_dir(path, target, t_fp)
+            else:
+                draft, meta = load_draft_dir(path, target, t_fp)
+            info = {"kind": meta.get("kind", "distilled"), **{k: meta[k] for k in meta if k != "target_fingerprint"}}
+        else:
+            draft = load_model(ref, spec.dtype, spec.device, spec.trust_remote_code, pair=spec.name)
+            tok_d = load_tokenizer(ref, spec.trust_remote_code)
+            vocab = check_vocab(spec.target, tokenizer, ref, tok_d, target.config.vocab_size, draft.config.vocab_size)
+            info = {"kind": "model", "fingerprint": fingerprint(draft)}
+    return Pair(spec, target, draft, tokenizer, vocab, t_fp, info)

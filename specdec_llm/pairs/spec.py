@@ -1,0 +1,188 @@
+"""Pair specs: the TOML registry (built-in pairs, the user's file, the environment's
+overrides), what a pair's ``draft`` reference is, and where a draft directory lives."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+from ..engine import RequestError
+from ..errors import SpecDecError
+from ..settings import get_settings
+
+DRAFT_META = "specdec_draft.json"
+SHARED_TENSORS = ["model.embed_tokens", "model.norm", "lm_head", "model.rotary_emb"]
+VOCAB_SUBSET = "vocab_subset"  # in draft.safetensors: token ids of a SubsetHead draft
+QUANTIZED = "quantized:"  # draft = "quantized:int4": the target's own weights quantized (engine/quant.py)
+
+
+class PairError(SpecDecError, ValueError):
+    """A pair that cannot be found or loaded; the message says what to do."""
+
+
+@dataclass
+class PairSpec:
+    name: str
+    target: str
+    draft: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    k: int | str = "auto"  # what a request's k="auto" means for this pair: "auto" or a fixed integer
+    drafters: list[str] | None = None  # default: lookup, suffix, and model when there is a draft
+    trust_remote_code: bool = False
+    compile_draft: bool = False  # compile a quantized draft's one-token step (engine/compiled.py)
+    # a Jinja chat template for a tokenizer that has none (a base model's GGUF), or the name of
+    # one in CHAT_TEMPLATES; a tokenizer's own template is kept
+    chat_template: str | None = None
+    # a quantized draft's LM head over only this many of the target's most frequent tokens
+    # (FR-Spec; ``vocab_subset``): verification stays over the whole vocabulary, outputs exact
+    draft_vocab: int | None = None
+    description: str = ""
+    source: str = "builtin"  # builtin | user file path
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def quantized(self) -> bool:
+        """The draft is the target's own weights, quantized (``draft = "quantized:int4"``)."""
+        return bool(self.draft) and self.draft.startswith(QUANTIZED)
+
+    def draft_kind(self) -> str:
+        """none | placeholder | quantized | distilled | eagle | model (a Hugging Face model),
+        from the reference and, for a draft directory, its ``specdec_draft.json`` (nothing is loaded)."""
+        return draft_kind(self.draft)
+
+    def drafter_names(self) -> list[str]:
+        """Its ``drafters`` list, else the registered defaults for its draft (engine/registry.py):
+        lookup, suffix and (with a draft) model, quantized or eagle."""
+        if self.drafters is not None:
+            return list(self.drafters)
+        from ..engine import registry as drafter_registry
+
+        return drafter_registry.defaults(self.draft_kind())
+
+    def check_drafter(self, drafter: str) -> None:
+        if drafter != "auto" and drafter not in self.drafter_names():
+            known = ", ".join(["auto", *self.drafter_names()])
+            raise RequestError("drafter", f"unknown drafter {drafter!r} for pair {self.name}; use one of: {known}")
+
+
+def read_toml(text: str, source: str) -> dict[str, PairSpec]:
+    """The pairs of one TOML text (``source`` names it in errors), every key checked."""
+    data = tomllib.loads(text).get("pairs", {})
+    known = set(PairSpec.__dataclass_fields__) - {"name", "source"}
+    out = {}
+    for name, fields in data.items():
+        unknown = set(fields) - known
+        if unknown:
+            raise PairError(f"{source}: pair {name!r} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        if "target" not in fields:
+            raise PairError(f"{source}: pair {name!r} needs a 'target' (model dir, hub id or .gguf file)")
+        k = fields.get("k", "auto")
+        if k != "auto" and not (isinstance(k, int) and k >= 0):
+            raise PairError(f'{source}: pair {name!r}: k must be "auto" or an integer >= 0, not {k!r}')
+        draft = fields.get("draft")
+        quantized = isinstance(draft, str) and draft.startswith(QUANTIZED)
+        if quantized:
+            quantization_scheme(draft, f"{source}: pair {name!r}")
+        compile_draft = fields.get("compile_draft", False)
+        if not isinstance(compile_draft, bool) or (compile_draft and not quantized):
+            raise PairError(
+                f"{source}: pair {name!r}: compile_draft must be true or false, and needs "
+                f'draft = "quantized:int4" (it compiles the quantized draft\'s step)'
+            )
+        draft_vocab = fields.get("draft_vocab")
+        if draft_vocab is not None and not (isinstance(draft_vocab, int) and draft_vocab > 0 and quantized):
+            raise PairError(
+                f"{source}: pair {name!r}: draft_vocab must be a positive number of tokens, e.g. 32768, "
+                f'and needs draft = "quantized:int4" (it narrows the quantized draft\'s head)'
+            )
+        if not isinstance(fields.get("chat_template", ""), str):
+            raise PairError(
+                f"{source}: pair {name!r}: chat_template must be a Jinja template or one of {sorted(CHAT_TEMPLATES)}"
+            )
+        drafters = fields.get("drafters")
+        if drafters is not None:
+            from ..engine import registry as drafter_registry
+
+            if not isinstance(drafters, list) or not all(isinstance(d, str) for d in drafters):
+                known_drafters = drafter_registry.known()
+                raise PairError(f"{source}: pair {name!r}: drafters must be a list of names, e.g. {known_drafters}")
+            why = drafter_registry.check(drafters, draft_kind(draft))
+            if why:
+                raise PairError(f"{source}: pair {name!r}: {why}")
+        out[name] = PairSpec(name=name, source=source, **fields)
+    return out
+
+
+def registry() -> dict[str, PairSpec]:
+    settings = get_settings()
+    pairs = read_toml(resources.files("specdec_llm").joinpath("builtin_pairs.toml").read_text(), "builtin")
+    if settings.config_file.is_file():
+        pairs.update(read_toml(settings.config_file.read_text(), str(settings.config_file)))
+    for spec in pairs.values():
+        spec.device = settings.device or spec.device
+        spec.dtype = settings.dtype or spec.dtype
+    return pairs
+
+
+def get_spec(name: str) -> PairSpec:
+    pairs = registry()
+    if name not in pairs:
+        raise RequestError("pair", f"unknown pair {name!r}; known pairs: {', '.join(sorted(pairs))}")
+    return pairs[name]
+
+
+CHAT_TEMPLATES = {  # by name, for pairs whose tokenizer has no template (chat_template = "gemma")
+    "gemma": (
+        "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
+        "{{ '<start_of_turn>' + role + '\\n' + m['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+    ),
+}
+
+
+CHAT_TURN_ENDS = {"gemma": "<end_of_turn>"}  # the token a named template's model turn ends with
+
+
+def draft_kind(ref: str | None) -> str:
+    """What a pair's ``draft`` reference is, without loading it: none | placeholder |
+    quantized | distilled | eagle (a draft directory, by its meta) | model."""
+    if not ref:
+        return "none"
+    if ref.startswith(QUANTIZED):
+        return "quantized"
+    if ref.startswith("layers:"):
+        return "placeholder"
+    try:
+        meta_path = draft_dir(ref) / DRAFT_META
+        if meta_path.exists():
+            return json.loads(meta_path.read_text()).get("kind", "distilled")
+    except (PairError, OSError, ValueError):
+        pass
+    return "model"
+
+
+def draft_dir(ref: str) -> Path:
+    """A distilled draft's directory: a path, or ``pkg:specdec_llm/drafts/NAME`` inside this package."""
+    if not ref.startswith("pkg:"):
+        return Path(ref).expanduser()
+    rel = ref.removeprefix("pkg:specdec_llm/")
+    path = Path(str(resources.files("specdec_llm").joinpath(rel)))
+    if not (path / DRAFT_META).exists():
+        raise PairError(f"{ref}: no distilled draft at {path}")
+    return path
+
+
+def quantization_scheme(draft: str, where: str) -> str:
+    """The scheme of ``draft = "quantized:SCHEME"``; a PairError naming the known ones."""
+    from ..engine.quant import SCHEMES
+
+    scheme = draft.removeprefix(QUANTIZED)
+    if scheme not in SCHEMES:
+        raise PairError(f"{where}: unknown quantization {draft!r}; known: " + ", ".join(QUANTIZED + s for s in SCHEMES))
+    return scheme
