@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
-from conftest import check_caches, greedy_reference, perturbed, tiny_llama
+from conftest import check_caches, exact_two_token_distribution, greedy_reference, perturbed, tiny_llama
+from helpers import N, V, assert_target_distribution, sampled_requests, sharpen
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder
-from specdec_llm.engine import decoder as decoder_mod
+from specdec_llm.engine import schedule
 from specdec_llm.engine.autok import BatchCosts, calibrate
 from specdec_llm.engine.decoder import Batch
 
@@ -73,32 +73,22 @@ def test_rows_join_between_iterations(target):
 def test_sampled_rows_keep_the_target_distribution():
     """Seeded sampled rows decoded in batches (beside greedy rows): the first two tokens'
     empirical distribution matches the exact target one (same bound as test_engine)."""
-    from conftest import exact_two_token_distribution
-
-    V, N, prompt = 8, 20_000, [1, 2, 3]
+    prompt = [1, 2, 3]
     target = tiny_llama(11, vocab=V, hidden=32)
     draft = tiny_llama(12, vocab=V, hidden=32, layers=1)
-    with torch.no_grad():
-        for m in (target, draft):
-            m.lm_head.weight.mul_(40)
+    sharpen(target, draft)
     exact = exact_two_token_distribution(target, prompt, 1.0, 0, 1.0)
     dec = SpeculativeDecoder(target, draft)
     greedy = GenerationRequest(prompt=[4, 5], max_new_tokens=2, k=2)
     reqs = []
-    for i in range(N):
-        reqs.append(GenerationRequest(prompt=prompt, max_new_tokens=2, k=1 + i % 2, seed=i, temperature=1.0))
+    for i, req in enumerate(sampled_requests(prompt)):
+        reqs.append(req)
         if i % 16 == 0:
             reqs.append(greedy)
     out = dec.generate_many(reqs, max_batch=16)
-    counts = torch.zeros(V, V)
     ref = greedy_reference(target, [4, 5], 2)
-    for req, res in zip(reqs, out):
-        if req is greedy:
-            assert res.token_ids == ref
-        else:
-            counts[res.token_ids[0], res.token_ids[1]] += 1
-    tv = 0.5 * (counts / N - exact).abs().sum()
-    assert tv < 0.035, f"TV {tv:.4f}"
+    assert all(res.token_ids == ref for req, res in zip(reqs, out) if req is greedy)
+    assert_target_distribution([res for req, res in zip(reqs, out) if req is not greedy], exact)
     assert sum(r.stats.draft_tokens_accepted for r in out) > N * 0.1
 
 
@@ -138,7 +128,7 @@ def test_auto_rows_fill_the_draft_lazily_and_catch_up(target, monkeypatch):
     batch. Caches stay exact after every step and outputs equal the target's greedy ones."""
     dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
     batch = Batch(dec)
-    monkeypatch.setattr(decoder_mod, "plan", scripted([0, 0, 0, 3] + [0] * 14 + [4, 0, 1, 2]))
+    monkeypatch.setattr(schedule, "plan", scripted([0, 0, 0, 3] + [0] * 14 + [4, 0, 1, 2]))
     dcache = batch.sessions["model"].cache
     fills = []  # (row, valid columns it had): a row never drafted has none
     real_fill = dcache.fill_row

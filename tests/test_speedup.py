@@ -13,6 +13,7 @@ from conftest import perturbed, tiny_llama
 from typer.testing import CliRunner
 
 from specdec_llm.engine import GenerationRequest
+from specdec_llm.engine.calibration import Calibration
 from specdec_llm.engine.decoder import SpeculativeDecoder
 from specdec_llm.store.reports import SPEEDUP_BASIS  # the reports' label: the engine's, word for word
 
@@ -61,14 +62,14 @@ def test_drafting_iterations_use_the_live_step_cost_not_the_startup_one(models):
 
 def test_calibration_is_before_the_clock_and_cached_on_disk(models, tmp_path, monkeypatch):
     calls = []
-    real = SpeculativeDecoder.calibrate
+    real = Calibration.measure
 
     def slow_calibration(self, rows=1, context=64):
         calls.append(rows)
         time.sleep(0.5)
         real(self, rows, context)
 
-    monkeypatch.setattr(SpeculativeDecoder, "calibrate", slow_calibration)
+    monkeypatch.setattr(Calibration, "measure", slow_calibration)
     first = SpeculativeDecoder(*models, kernel_cache=tmp_path / "kernels.json")
     res = first.generate(GenerationRequest(prompt=[1, 2, 3], max_new_tokens=16))
     assert calls == [1]
@@ -96,8 +97,8 @@ def test_a_second_cli_generate_spends_no_time_calibrating(pairs_file, tmp_path, 
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
     reload_settings()
     calls = []
-    real = SpeculativeDecoder.calibrate
-    monkeypatch.setattr(SpeculativeDecoder, "calibrate", lambda self, *a, **kw: (calls.append(a), real(self, *a, **kw)))
+    real = Calibration.measure
+    monkeypatch.setattr(Calibration, "measure", lambda self, *a, **kw: (calls.append(a), real(self, *a, **kw)))
     runs = []
     for _ in range(2):
         r = CliRunner().invoke(
@@ -118,7 +119,7 @@ def test_a_drafting_job_keeps_measuring_the_target_only_step(models):
     """Auto rows that draft every iteration still run a plain iteration every PLAIN_EVERY
     drafting ones: a calibration whose k = 0 point came out 3x too slow (a shape error no
     live scale of drafting iterations corrects) is corrected from real plain steps."""
-    from specdec_llm.engine.decoder import PLAIN_EVERY
+    from specdec_llm.engine.schedule import PLAIN_EVERY
 
     dec = SpeculativeDecoder(*models)
     dec.ensure_calibrated(1)
@@ -156,7 +157,7 @@ def test_the_plain_step_is_measured_warm_after_a_plain_iteration(models):
     """A plain iteration right after drafting runs with the draft's weights in the CPU's caches;
     target-only decoding never does: only a plain iteration that follows another is measured,
     so drafting rows run their plain iterations in pairs (PLAIN_RUN)."""
-    from specdec_llm.engine.decoder import PLAIN_RUN
+    from specdec_llm.engine.schedule import PLAIN_RUN
 
     dec = SpeculativeDecoder(*models)
     dec.ensure_calibrated(1)

@@ -46,7 +46,7 @@ def check_turn_text(tokenizer: Any, text: Any, field: str) -> None:
             )
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], field: str = "messages") -> list[int]:
     """Chat turns -> prompt token ids (template with the generation prompt), after refusing
     any role or content that holds special-token text."""
     if not isinstance(messages, list) or not messages:
@@ -59,7 +59,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - no template, bad roles...: the request's fault
-        raise RequestError("messages", f"cannot apply the chat template: {e}") from None
+        raise RequestError(field, f"cannot apply the chat template: {e}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -67,4 +67,4 @@ def render_user_prompt(tokenizer: Any, prompt: str) -> list[int]:
     """A text prompt wrapped as one user turn (``chat=True``), refused like any message;
     the error names ``prompt``."""
     check_turn_text(tokenizer, prompt, "prompt")
-    return render_chat(tokenizer, [{"role": "user", "content": prompt}])
+    return render_chat(tokenizer, [{"role": "user", "content": prompt}], "prompt")
