@@ -62,6 +62,11 @@ def register_drafter(
     _DRAFTERS[name] = Registration(name, build, tuple(draft_kinds), default, needs)
 
 
+def unregister_drafter(name: str) -> None:
+    """Forget drafter ``name`` (decoders built with it keep theirs)."""
+    _DRAFTERS.pop(name, None)
+
+
 def registered() -> dict[str, Registration]:
     """Every known drafter, in registration order (built-in ones first)."""
     global _loaded_entry_points
