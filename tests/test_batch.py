@@ -8,8 +8,7 @@ import pytest
 from conftest import check_caches, exact_two_token_distribution, greedy_reference, perturbed, tiny_llama
 from helpers import N, V, assert_target_distribution, sampled_requests, sharpen
 
-from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder
-from specdec_llm.engine import schedule
+from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder, schedule
 from specdec_llm.engine.autok import BatchCosts, calibrate
 from specdec_llm.engine.decoder import Batch
 

@@ -43,7 +43,10 @@ def test_builtin_names_and_defaults():
     assert defaults("quantized") == ["lookup", "suffix", "quantized"]
     assert defaults("distilled") == ["lookup", "suffix", "model"]
     assert defaults("eagle") == ["lookup", "suffix", "eagle"]
-    assert check(["model"], "quantized") == "drafter 'model' needs a draft model; set draft = ... or drop it"
+    assert check(["model"], "quantized") == (
+        "drafter 'model' needs a draft model; set draft = ... or drop it "
+        "(this draft is of kind quantized: use drafter 'quantized')"
+    )
     assert check(["medusa"], "none").startswith("unknown drafter 'medusa'; known drafters: lookup, suffix")
 
 

@@ -250,7 +250,7 @@ def test_cli_trains_an_eagle_draft_the_registry_loads(tiny_pair_dir, tmp_path, m
         info = json.loads(r.stdout)
         assert info["draft_kind"] == "eagle" and info["drafters"] == ["lookup", "suffix", "eagle"]
         path.write_text(f'[pairs.x]\ntarget = "{target_dir}"\ndraft = "{out}"\ndrafters = ["model"]\n')
-        with pytest.raises(PairError, match="EAGLE draft: use drafter 'eagle'"):
+        with pytest.raises(PairError, match="draft is of kind eagle: use drafter 'eagle'"):
             registry()
     finally:
         monkeypatch.delenv("SPECDEC_CONFIG_FILE")

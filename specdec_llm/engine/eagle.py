@@ -15,7 +15,7 @@ until it next drafts with this model: the first draft step feeds every pending p
 features), the next steps one drafted pair each. Drafted pairs are always dropped after
 the verification (``commit``): accepted tokens come back with the target's real features.
 
-The draft object (``specdec_llm/eagle.py`` builds, trains and loads it) provides:
+The draft object (``specdec_llm/training/eagle.py`` trains it; ``specdec_llm/pairs`` builds and loads it) provides:
 ``model`` (a one-layer causal LM run on ``inputs_embeds``), ``feature_layers``,
 ``fuse(f) -> g`` and ``inputs(ids, g) -> inputs_embeds``.
 """

@@ -94,7 +94,9 @@ def check(names: list[str], draft_kind: str) -> str | None:
             return f"unknown drafter {name!r}; known drafters: {', '.join(table)}"
         r = table[name]
         if r.draft_kinds and draft_kind not in r.draft_kinds:
-            return f"drafter {name!r} needs {r.needs or 'a draft of kind ' + ' or '.join(r.draft_kinds)}"
+            why = f"drafter {name!r} needs {r.needs or 'a draft of kind ' + ' or '.join(r.draft_kinds)}"
+            fits = [n for n, o in table.items() if draft_kind in o.draft_kinds]
+            return why + (f" (this draft is of kind {draft_kind}: use drafter {fits[0]!r})" if fits else "")
     return None
 
 
