@@ -209,3 +209,80 @@ def empty_store(request, tmp_path: Path, sqlite_template: Path) -> str:
     with db.get_engine(url).begin() as conn:
         conn.execute(text(f"TRUNCATE {', '.join(STORE_TABLES)} RESTART IDENTITY CASCADE"))
     return url
+
+
+# -- the job client and the worker fleets (test_jobs, test_workers and the tests beside them) ---
+@pytest.fixture
+def embedded(pairs_file, tmp_path, monkeypatch):
+    """Settings for embedded mode in a fresh data dir: no broker URL, default SQLite store."""
+    from specdec_llm.settings import reload_settings
+
+    for var in (
+        "SPECDEC_BROKER_URL",
+        "SPECDEC_RESULT_BACKEND",
+        "SPECDEC_DATABASE_URL",
+        "SPECDEC_CELERY_CONFIG",
+        "SPECDEC_PRICE_PER_HOUR",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("SPECDEC_THREADS", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    reload_settings()
+    yield tmp_path / "data"
+    monkeypatch.delenv("SPECDEC_DATA_DIR")
+    reload_settings()
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A private redis-server on its own port: no shared keys, gone afterwards."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    from helpers import free_port, unavailable
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        unavailable("redis-server is not installed")
+    port, folder = free_port(), tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)],
+        stdout=subprocess.DEVNULL,
+    )
+    for _ in range(100):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def pairs_toml(tiny_pair_dir, tmp_path_factory) -> Path:
+    """A pairs file with the tiny pair, for worker fleets (``fleet.make_fleet``)."""
+    path = tmp_path_factory.mktemp("pairs") / "pairs.toml"
+    path.write_text(f'[pairs.tiny]\ntarget = "{tiny_pair_dir / "target"}"\ndraft = "{tiny_pair_dir / "draft"}"\n')
+    return path
+
+
+@pytest.fixture
+def use(monkeypatch):
+    """Point this process's settings at a fleet (its env), restored afterwards."""
+    from specdec_llm.settings import reload_settings
+
+    def apply(fleet, **overrides):
+        for k, v in {**fleet.env, **overrides}.items():
+            monkeypatch.setenv(k, v)
+        reload_settings()
+
+    yield apply
+    monkeypatch.undo()
+    reload_settings()

@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import typer
-from test_jobs import embedded  # noqa: F401 - fixture reused
 from typer.testing import CliRunner
 
 from specdec_llm import store
@@ -242,7 +241,7 @@ def test_every_error_derives_from_spec_dec_error_and_keeps_its_base():
 
 
 # -- hostile input: refused in one line before anything is enqueued or started ----------------------
-def test_a_broker_url_kombu_cannot_read_is_refused_before_anything(embedded, tmp_path, monkeypatch):  # noqa: F811
+def test_a_broker_url_kombu_cannot_read_is_refused_before_anything(embedded, tmp_path, monkeypatch):
     from specdec_llm import client
 
     monkeypatch.setenv("SPECDEC_BROKER_URL", "redis://127.0.0.1:6379/7?password=secret")
@@ -289,7 +288,7 @@ def test_a_decimal_comma_in_a_price_is_refused_not_read_as_another_price(db, mon
         ([], {"SPECDEC_PRICE_PER_HOUR": "abc"}, "SPECDEC_PRICE_PER_HOUR: cannot read 'abc'"),
     ],
 )
-def test_a_bad_worker_price_is_refused_before_celery_starts(embedded, monkeypatch, args, env, fragment):  # noqa: F811
+def test_a_bad_worker_price_is_refused_before_celery_starts(embedded, monkeypatch, args, env, fragment):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     reload_settings()
@@ -298,7 +297,7 @@ def test_a_bad_worker_price_is_refused_before_celery_starts(embedded, monkeypatc
     assert "specdec worker:" not in r.output and "could not load pair" not in r.output
 
 
-def test_the_worker_takes_the_per_device_price_form(embedded, tmp_path):  # noqa: F811
+def test_the_worker_takes_the_per_device_price_form(embedded, tmp_path):
     """`worker --price-per-hour cuda=9,cpu=3.6` (it was "Input should be a valid number"): a
     real worker prices its rows with its device kind's price."""
     from specdec_llm import client
@@ -318,7 +317,7 @@ def test_the_worker_takes_the_per_device_price_form(embedded, tmp_path):  # noqa
     assert rep["cost_usd"] == pytest.approx(row["wall_time_s"] / 3600 * 3.6)
 
 
-def test_pairs_list_never_cuts_a_name_at_80_columns(embedded):  # noqa: F811
+def test_pairs_list_never_cuts_a_name_at_80_columns(embedded):
     from specdec_llm.pairs import registry
 
     env = {**os.environ, "COLUMNS": "80"}
@@ -355,7 +354,7 @@ def test_pairs_list_never_cuts_a_name_at_80_columns(embedded):  # noqa: F811
         ),
     ],
 )
-def test_run_and_submit_check_every_option_before_a_row_is_written(embedded, tmp_path, args, fragment):  # noqa: F811
+def test_run_and_submit_check_every_option_before_a_row_is_written(embedded, tmp_path, args, fragment):
     path = tmp_path / "in.jsonl"
     path.write_text('{"prompt": "hi"}\n')
     one_line_exit_2(CliRunner().invoke(main_cli(), ["run", str(path), "--pair", "tiny", *args]), fragment)
@@ -365,7 +364,7 @@ def test_run_and_submit_check_every_option_before_a_row_is_written(embedded, tmp
     assert not list((embedded / "queue").glob("*.msg"))
 
 
-def test_retry_and_run_say_cancelled_rows_stay_cancelled_and_retry_cancelled_runs_them(embedded, tmp_path):  # noqa: F811
+def test_retry_and_run_say_cancelled_rows_stay_cancelled_and_retry_cancelled_runs_them(embedded, tmp_path):
     from specdec_llm import client
 
     path = tmp_path / "in.jsonl"

@@ -6,8 +6,8 @@ index stays under its bound and never lets one scope read another's text."""
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import check_caches, greedy_reference, perturbed, tiny_llama
+from conftest import check_caches, exact_two_token_distribution, greedy_reference, perturbed, tiny_llama
+from helpers import N, V, assert_target_distribution, sampled_requests, sharpen
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder
 from specdec_llm.engine.decoder import Batch
@@ -123,24 +123,16 @@ def test_sampling_with_a_deterministic_drafter_keeps_the_target_distribution():
     """Prompt lookup proposes the same tokens every time ([1, 1] after this prompt): the
     rejection rule with a one-hot draft must still give the target's exact distribution
     (same bound and N as test_engine's sampled tests)."""
-    from conftest import exact_two_token_distribution
-
-    V, N, prompt = 8, 20_000, [1, 1, 1]
+    prompt = [1, 1, 1]
     target = tiny_llama(11, vocab=V, hidden=32)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(40)
+    sharpen(target)
     exact = exact_two_token_distribution(target, prompt, 1.0, 0, 1.0)
     assert 0.05 < exact[1, 1] and exact[1].sum() < 0.9, (
         "the lookup draft must be plausible but not certain for the test to have power"
     )
     dec = SpeculativeDecoder(target, drafters=["lookup"])
-    reqs = [GenerationRequest(prompt=prompt, max_new_tokens=2, k=1 + i % 2, seed=i, temperature=1.0) for i in range(N)]
-    out = dec.generate_many(reqs, max_batch=256)
-    counts = torch.zeros(V, V)
-    for res in out:
-        counts[res.token_ids[0], res.token_ids[1]] += 1
-    tv = 0.5 * (counts / N - exact).abs().sum()
-    assert tv < 0.035, f"TV {tv:.4f}"
+    out = dec.generate_many(sampled_requests(prompt), max_batch=256)
+    assert_target_distribution(out, exact)
     accepted = sum(r.stats.drafter_tokens.get("lookup", {}).get("accepted", 0) for r in out)
     assert accepted > N * 0.05  # the draft really was accepted, not only resampled
 

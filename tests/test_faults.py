@@ -24,17 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_workers import (  # noqa: F401 - fixtures reused
-    _unavailable,
-    assert_exactly_once,
-    free_port,
-    make_fleet,
-    pairs_toml,
-    redis_url,
-    use,
-    wait_for,
-    write_prompts,
-)
+from fleet import Fleet, assert_exactly_once, make_fleet, write_prompts
+from helpers import free_port, unavailable, wait_for
 
 from specdec_llm import client
 from specdec_llm.settings import reload_settings
@@ -93,7 +84,7 @@ def kill_mid_row(job: str, proc) -> bool:
     return bool(held) and set(held) <= set(running_on(job, proc))
 
 
-def test_five_sigkills_during_a_200_row_job(tmp_path, redis_url, pairs_toml, use):  # noqa: F811
+def test_five_sigkills_during_a_200_row_job(tmp_path, redis_url, pairs_toml, use):
     """Five SIGKILLs, each landing while the worker is generating a row (checked: the row is
     still running under the dead worker's lease; a kill that missed is not counted and
     another follows). No visibility-timeout tuning: the leases bring the rows back."""
@@ -151,7 +142,7 @@ class Redis:
     def __init__(self, folder: Path, persistent: bool = True):
         self.exe = shutil.which("redis-server")
         if self.exe is None:
-            _unavailable("redis-server is not installed")
+            unavailable("redis-server is not installed")
         self.folder, self.port, self.proc, self.persistent = folder, free_port(), None, persistent
         self.url = f"redis://127.0.0.1:{self.port}"
         self.start()
@@ -185,7 +176,7 @@ class Redis:
 
 
 @pytest.mark.parametrize("persistent", [True, False], ids=["aof", "no-persistence"])
-def test_broker_restarted_mid_job(tmp_path, pairs_toml, use, persistent):  # noqa: F811
+def test_broker_restarted_mid_job(tmp_path, pairs_toml, use, persistent):
     """Redis killed and restarted mid-job. The row being generated when it died comes back
     by its lease; without persistence the queued rows' messages are gone too, and `run`'s
     wait (``requeue_lost_after_s``) sends them again. No visibility-timeout tuning."""
@@ -233,7 +224,7 @@ _pairs.load_pair = _out_of_memory
 )
 
 
-def test_a_worker_that_cannot_load_exits_nonzero_and_rows_wait(tmp_path, redis_url, pairs_toml, use):  # noqa: F811
+def test_a_worker_that_cannot_load_exits_nonzero_and_rows_wait(tmp_path, redis_url, pairs_toml, use):
     fleet = make_fleet(tmp_path, redis_url, 4, sqlite_url(tmp_path), pairs_toml)
     use(fleet)
     broken = tmp_path / "broken.toml"  # the same pair name, a model that is not there
@@ -261,7 +252,7 @@ def test_a_worker_that_cannot_load_exits_nonzero_and_rows_wait(tmp_path, redis_u
 
 
 # -- the client interrupted ---------------------------------------------------------------------
-def test_run_interrupted_then_run_again_resumes(tmp_path, pairs_toml, monkeypatch):  # noqa: F811
+def test_run_interrupted_then_run_again_resumes(tmp_path, pairs_toml, monkeypatch):
     """`specdec-llm run` (embedded broker, its own local worker) gets SIGINT mid-job: it says
     how to resume, stops its worker and exits 130; the same command again finishes the job
     with every row exactly once."""
@@ -353,7 +344,7 @@ def _ok(job: str) -> int:
 
 
 # -- the embedded broker: `run`'s local worker SIGKILLed ---------------------------------------
-def test_run_embedded_survives_its_worker_sigkilled(tmp_path, pairs_toml, monkeypatch):  # noqa: F811
+def test_run_embedded_survives_its_worker_sigkilled(tmp_path, pairs_toml, monkeypatch):
     """`specdec-llm run` with the embedded broker: its local worker is SIGKILLed while it
     generates a row (whose message file is already gone). `run` starts another worker, the
     row comes back by its lease, and the job ends with every row exactly once."""
@@ -436,11 +427,9 @@ _tasks.build_request = _slow_build
 
 
 @pytest.mark.parametrize("broker", ["redis", "embedded", "redis-batching"])
-def test_a_row_longer_than_the_lease_timeout_is_not_requeued(tmp_path, redis_url, pairs_toml, use, broker):  # noqa: F811
+def test_a_row_longer_than_the_lease_timeout_is_not_requeued(tmp_path, redis_url, pairs_toml, use, broker):
     """Rows that run 4 s under a 1.5 s lease timeout: the worker's heartbeats keep them (none
     requeued, each generated once), on both brokers and in the batching (threads) pool."""
-    from test_workers import Fleet
-
     (tmp_path / "slow_rows.py").write_text(SLOW_ROWS)
     env = {
         "SPECDEC_DATABASE_URL": sqlite_url(tmp_path),

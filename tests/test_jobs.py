@@ -5,51 +5,14 @@ worker subprocess that `run` starts and stops)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import typer
-from typer.testing import CliRunner
+from helpers import invoke, jsonl
 
 from specdec_llm import client, store
 from specdec_llm.client.broker import get_app, is_embedded
-from specdec_llm.client.cli import register
 from specdec_llm.client.rows import InputError, job_id_for, read_rows
 from specdec_llm.settings import get_settings, reload_settings
-from workers.cli import register as register_worker
-
-cli = typer.Typer()
-register(cli)
-register_worker(cli)  # `worker`: the workers' own command (the real CLI finds it by its entry point)
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-@pytest.fixture
-def embedded(pairs_file, tmp_path, monkeypatch):
-    """Settings for embedded mode in a fresh data dir: no broker URL, default SQLite store."""
-    for var in (
-        "SPECDEC_BROKER_URL",
-        "SPECDEC_RESULT_BACKEND",
-        "SPECDEC_DATABASE_URL",
-        "SPECDEC_CELERY_CONFIG",
-        "SPECDEC_PRICE_PER_HOUR",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("SPECDEC_THREADS", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    reload_settings()
-    yield tmp_path / "data"
-    monkeypatch.delenv("SPECDEC_DATA_DIR")
-    reload_settings()
-
-
-def jsonl(path: Path, *objects) -> Path:
-    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objects))
-    return path
 
 
 # -- reading input files ---------------------------------------------------------------------

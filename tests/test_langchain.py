@@ -12,10 +12,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from fleet import make_fleet
+from helpers import free_port, wait_for
 from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
 from langchain_core.messages import HumanMessage, SystemMessage
 from sqlalchemy import select
-from test_workers import free_port, make_fleet, redis_url, use, wait_for  # noqa: F401 - fixtures reused
 
 from specdec_llm import client, store
 from specdec_llm.engine import GenerationRequest, RequestError
@@ -251,7 +252,7 @@ def lc_pairs(tiny_pair_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, redis_url, lc_pairs):  # noqa: F811
+def fleet(tmp_path_factory, redis_url, lc_pairs):
     folder = tmp_path_factory.mktemp("lc_fleet")
     fleet = make_fleet(folder, redis_url, 0, sqlite_url(folder), lc_pairs)
     fleet.start_worker()
@@ -260,7 +261,7 @@ def fleet(tmp_path_factory, redis_url, lc_pairs):  # noqa: F811
 
 
 @pytest.fixture
-def remote(fleet, use):  # noqa: F811
+def remote(fleet, use):
     use(fleet)
     # the worker is up once it answers (its first task waits for the pair to load)
     SpecDecLLM(pair="tiny", max_new_tokens=1, timeout=120).invoke("warm up")
@@ -383,7 +384,7 @@ def test_remote_chat_model(remote):
     assert full.content == msg.content and full.usage_metadata == msg.usage_metadata
 
 
-def test_remote_errors_are_raised_not_waited_out(remote, use, monkeypatch):  # noqa: F811
+def test_remote_errors_are_raised_not_waited_out(remote, use, monkeypatch):
     with pytest.raises(RequestError, match="unknown pair"):
         SpecDecLLM(pair="nope").invoke("hi")
     with pytest.raises(RequestError, match="top_p"):

@@ -9,7 +9,7 @@ import json
 from datetime import datetime
 
 import pytest
-from test_jobs import embedded, invoke, jsonl  # noqa: F401 - embedded is a fixture
+from helpers import invoke, jsonl
 
 from specdec_llm import client
 from specdec_llm.client.openai_batch import CHAT, COMPLETIONS, output_line
@@ -230,7 +230,7 @@ def test_output_lines_read_as_openai_types():
 
 
 # -- the whole job path ------------------------------------------------------------------------------
-def test_a_20_row_batch_file_with_2_bad_rows_round_trips(embedded, tmp_path):  # noqa: F811
+def test_a_20_row_batch_file_with_2_bad_rows_round_trips(embedded, tmp_path):
     """OpenAI Batch input -> `run` (the real job path: store, filesystem broker, a local worker
     process, the tiny pair) -> OpenAI Batch output: 18 completions and 2 errors, one line per
     input line, in order, each readable by the openai package's types."""

@@ -13,7 +13,8 @@ import time
 
 import pytest
 from conftest import tiny_llama, tiny_tokenizer
-from test_workers import _unavailable, make_fleet, redis_url, use, wait_for  # noqa: F401 - fixtures reused
+from fleet import make_fleet
+from helpers import unavailable, wait_for
 from typer.testing import CliRunner
 
 from specdec_llm import client, store
@@ -43,14 +44,14 @@ def long_pairs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def fleet(request, tmp_path_factory, redis_url, long_pairs):  # noqa: F811
+def fleet(request, tmp_path_factory, redis_url, long_pairs):
     """One batching worker (2 rows per batch, task events on, a heartbeat a second)."""
     folder = tmp_path_factory.mktemp(f"ops_{request.param}")
     with contextlib.ExitStack() as stack:
         if request.param == "postgresql":
             why = postgres_available()
             if why:
-                _unavailable(f"PostgreSQL test server unreachable: {why}")
+                unavailable(f"PostgreSQL test server unreachable: {why}")
             url = stack.enter_context(temporary_postgres())
         else:
             url = sqlite_url(folder)
@@ -73,7 +74,7 @@ def prompts(path, *texts: str):
     return path
 
 
-def test_status_watch_follows_a_job_to_its_end_and_workers_lists_the_worker(fleet, use, tmp_path):  # noqa: F811
+def test_status_watch_follows_a_job_to_its_end_and_workers_lists_the_worker(fleet, use, tmp_path):
     use(fleet)
     path = prompts(tmp_path / "w.jsonl", *(f"The quick brown fox {i}" for i in range(4)))
     job = client.submit(path, "tiny", {"max_new_tokens": 16})["job_id"]
@@ -91,7 +92,7 @@ def test_status_watch_follows_a_job_to_its_end_and_workers_lists_the_worker(flee
     assert listed[0]["id"] == job and (listed[0]["state"], listed[0]["ok"]) == ("done", 4)
 
 
-def test_submit_and_run_take_drafter(fleet, use, tmp_path):  # noqa: F811
+def test_submit_and_run_take_drafter(fleet, use, tmp_path):
     use(fleet)
     path = prompts(tmp_path / "d.jsonl", "drafts and verifies drafts and verifies", "over the lazy dog")
     r = cli("submit", path, "--pair", "tiny", "--drafter", "lookup", "--k", "2", "--max-new-tokens", "24")
@@ -114,7 +115,7 @@ def test_submit_and_run_take_drafter(fleet, use, tmp_path):  # noqa: F811
         assert "use one of: auto, lookup, suffix" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
-def test_cancel_now_stops_running_rows_and_the_batch_goes_on(fleet, use, tmp_path):  # noqa: F811
+def test_cancel_now_stops_running_rows_and_the_batch_goes_on(fleet, use, tmp_path):
     use(fleet)
     long = {"max_new_tokens": 8000, "k": 0}  # minutes of decoding, unless cancelled
     a = client.submit(prompts(tmp_path / "a.jsonl", "The quick brown fox"), "tiny", long)["job_id"]
@@ -139,7 +140,7 @@ def test_cancel_now_stops_running_rows_and_the_batch_goes_on(fleet, use, tmp_pat
     assert json.loads(cli("jobs", "--json", "--limit", "2").stdout)[0]["cancelled"] == 1
 
 
-def test_a_worker_started_with_events_sends_task_events(fleet, use, tmp_path):  # noqa: F811
+def test_a_worker_started_with_events_sends_task_events(fleet, use, tmp_path):
     use(fleet)
     from specdec_llm.client.broker import get_app
 

@@ -13,9 +13,8 @@ import threading
 
 import pytest
 import typer
+from fleet import make_fleet
 from sqlalchemy import func, select
-from test_jobs import embedded  # noqa: F401 - fixture reused
-from test_workers import make_fleet, pairs_toml, redis_url, use  # noqa: F401 - fixtures reused
 from typer.testing import CliRunner
 
 from specdec_llm import client, store
@@ -33,7 +32,7 @@ TOO_LONG = " ".join(f"zq{i}" for i in range(400))  # > 512 tokens: the tiny targ
 
 
 @pytest.fixture(scope="module")
-def batch_fleet(tmp_path_factory, redis_url, pairs_toml):  # noqa: F811
+def batch_fleet(tmp_path_factory, redis_url, pairs_toml):
     """One worker process that batches up to 4 requests (a generous wait, so that a burst
     surely starts as one batch on a busy CI machine)."""
     folder = tmp_path_factory.mktemp("batch_fleet")
@@ -66,7 +65,7 @@ def prompt(i: int, tag: str) -> str:
     return f"{WORDS[i % len(WORDS)]} {tag} {i} {WORDS[(i * 3 + 1) % len(WORDS)]}"
 
 
-def test_rows_share_batches_and_equal_one_at_a_time(batch_fleet, reference, use, tmp_path):  # noqa: F811
+def test_rows_share_batches_and_equal_one_at_a_time(batch_fleet, reference, use, tmp_path):
     use(batch_fleet)
     rows = [{"id": f"r{i}", "prompt": prompt(i, "batch")} for i in range(11)]
     rows.insert(5, {"id": "bad", "prompt": TOO_LONG})  # valid at submit, refused by the engine
@@ -105,7 +104,7 @@ def test_rows_share_batches_and_equal_one_at_a_time(batch_fleet, reference, use,
     assert "batches of up to 4 (threads pool" in log and log.count("calibration tiny on cpu") == 1
 
 
-def test_streaming_per_request_while_batched(batch_fleet, reference, use):  # noqa: F811
+def test_streaming_per_request_while_batched(batch_fleet, reference, use):
     """Streaming rows beside plain ones: each stream carries exactly its own row's text."""
     use(batch_fleet)
     items = [
@@ -135,7 +134,7 @@ def test_streaming_per_request_while_batched(batch_fleet, reference, use):  # no
             assert len(pieces[item["id"]]) >= 1 and "".join(pieces[item["id"]]) == one.text, item["id"]
 
 
-def test_soft_time_limit_is_a_deadline_in_the_threads_pool(batch_fleet, reference, use):  # noqa: F811
+def test_soft_time_limit_is_a_deadline_in_the_threads_pool(batch_fleet, reference, use):
     """Celery's soft time limit does nothing in the threads pool: the task's deadline does.
     The late row fails alone with the usual message; its batch neighbour finishes."""
     use(batch_fleet)
@@ -153,7 +152,7 @@ def test_soft_time_limit_is_a_deadline_in_the_threads_pool(batch_fleet, referenc
 
 
 # -- run --max-batch: the local worker it starts batches ------------------------------------------
-def test_run_passes_max_batch_to_its_local_worker(embedded, tmp_path):  # noqa: F811 - the imported fixture
+def test_run_passes_max_batch_to_its_local_worker(embedded, tmp_path):
     """Embedded broker (files), no servers: `run --max-batch 3` starts a batching worker."""
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"id": f"e{i}", "prompt": prompt(i, "run")}) + "\n" for i in range(6)))

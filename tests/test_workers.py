@@ -5,130 +5,24 @@ database outage; bad rows fail alone; a pickled message is refused, never unpick
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from fleet import PROMPTS, assert_exactly_once, make_fleet, write_prompts
+from helpers import free_port, unavailable, wait_for
 from sqlalchemy import func, select
 
 from specdec_llm import client, store
 from specdec_llm.settings import reload_settings
-from specdec_llm.store.models import Baseline, Output, Request, Telemetry
+from specdec_llm.store.models import Baseline
 from specdec_llm.store.testing import postgres_available, sqlite_url, temporary_postgres
 from workers.app import TASK, get_app, queue_name
 
 pytestmark = pytest.mark.slow
-PROMPTS = ["The quick brown fox", "Speculative decoding", "over the lazy dog", "drafts and verifies"]
-
-
-def _unavailable(why: str):
-    if os.environ.get("CI"):
-        pytest.fail(f"{why} (required on CI)")
-    pytest.skip(why)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    """A private redis-server on its own port: no shared keys, gone afterwards."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        _unavailable("redis-server is not installed")
-    port, folder = free_port(), tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)],
-        stdout=subprocess.DEVNULL,
-    )
-    for _ in range(100):
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    break
-        except OSError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def pairs_toml(tiny_pair_dir, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("pairs") / "pairs.toml"
-    path.write_text(f'[pairs.tiny]\ntarget = "{tiny_pair_dir / "target"}"\ndraft = "{tiny_pair_dir / "draft"}"\n')
-    return path
-
-
-class Fleet:
-    """Settings shared by the test (the client) and its worker subprocesses."""
-
-    def __init__(self, folder: Path, env: dict):
-        self.folder, self.env, self.procs = folder, env, []
-
-    def start_worker(self, name: str = "worker", args: tuple[str, ...] = (), **env) -> subprocess.Popen:
-        full = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
-        full.update(self.env, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env)
-        log = self.folder / f"{name}.log"
-        if (
-            "--max-batch" not in args
-        ):  # these fleets run the one-row prefork worker (auto batching: test_jobs, test_batch)
-            args = ("--max-batch", "1", *args)
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "specdec_llm", "worker", "--pair", "tiny", *args],
-                env=full,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        proc.log_path = log
-        self.procs.append(proc)
-        return proc
-
-    def stop(self):
-        for p in self.procs:
-            client.stop_local_worker(p, timeout=15)
-
-    def log(self) -> str:
-        return "".join(p.log_path.read_text(errors="replace") for p in self.procs)
-
-
-def make_fleet(folder: Path, redis: str, db_number: int, database_url: str, pairs: Path) -> Fleet:
-    return Fleet(
-        folder,
-        {
-            "SPECDEC_BROKER_URL": f"{redis}/{db_number}",
-            "SPECDEC_DATABASE_URL": database_url,
-            "SPECDEC_DATA_DIR": str(folder / "data"),
-            "SPECDEC_CONFIG_FILE": str(pairs),
-            "SPECDEC_THREADS": "1",
-        },
-    )
-
-
-@pytest.fixture
-def use(monkeypatch):
-    """Point this process's settings at a fleet (its env), restored afterwards."""
-
-    def apply(fleet: Fleet, **overrides):
-        for k, v in {**fleet.env, **overrides}.items():
-            monkeypatch.setenv(k, v)
-        reload_settings()
-
-    yield apply
-    monkeypatch.undo()
-    reload_settings()
 
 
 @pytest.fixture(scope="module")
@@ -138,30 +32,6 @@ def sqlite_fleet(tmp_path_factory, redis_url, pairs_toml):
     fleet.start_worker()
     yield fleet
     fleet.stop()
-
-
-def write_prompts(path: Path, n: int, tag: str) -> Path:
-    import json
-
-    path.write_text(
-        "".join(json.dumps({"id": f"{tag}-{i}", "prompt": f"{PROMPTS[i % 4]} {tag} {i}"}) + "\n" for i in range(n))
-    )
-    return path
-
-
-def assert_exactly_once(job_id: str, n: int, url: str | None = None) -> None:
-    rows = client.job_requests(job_id)
-    assert len(rows) == n
-    assert [r["status"] for r in rows] == ["ok"] * n, [
-        (r["id"], r["status"], r["error"]) for r in rows if r["status"] != "ok"
-    ]
-    with store.session_scope(url) as s:
-        outputs = s.scalar(select(func.count()).select_from(Output).join(Request).where(Request.job_id == job_id))
-        telemetry = s.scalar(select(func.count()).select_from(Telemetry).where(Telemetry.job_id == job_id))
-        distinct = s.scalar(select(func.count(func.distinct(Telemetry.request_id))).where(Telemetry.job_id == job_id))
-    assert outputs == telemetry == distinct == n
-    job = store.get_job(job_id)
-    assert (job["status"], job["n_ok"], job["n_failed"]) == ("done", n, 0)
 
 
 # -- a job of 20 on each store ---------------------------------------------------------------
@@ -189,7 +59,7 @@ def pg_fleet(tmp_path_factory, redis_url, pairs_toml):
     """A worker whose database is PostgreSQL behind a TCP proxy the test can cut."""
     why = postgres_available()
     if why:
-        _unavailable(f"PostgreSQL test server unreachable: {why}")
+        unavailable(f"PostgreSQL test server unreachable: {why}")
     from sqlalchemy.engine import make_url
 
     folder = tmp_path_factory.mktemp("pg_fleet")
@@ -397,14 +267,6 @@ def test_run_uses_reachable_workers(sqlite_fleet, use, tmp_path):
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def wait_for(predicate, timeout: float, poll: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(poll)
-
-
 class TcpProxy:
     """127.0.0.1:<port> -> host:port. ``stop()`` is a database outage: the listener closes
     and every open connection is reset; ``start()`` brings it back on the same port."""
