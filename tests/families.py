@@ -80,6 +80,20 @@ def _falcon(vocab):
     )
 
 
+def _bloom(vocab):  # ALiBi: the position bias comes from the mask (hf.alibi_from_masks)
+    from transformers import BloomConfig
+
+    return BloomConfig(
+        vocab_size=vocab,
+        hidden_size=H,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+
 def _opt(vocab):
     from transformers import OPTConfig
 
@@ -118,6 +132,7 @@ CONFIGS = {
     "gpt-neox": _neox,
     "falcon": _falcon,
     "opt": _opt,
+    "bloom": _bloom,
 }
 
 

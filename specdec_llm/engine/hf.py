@@ -222,6 +222,7 @@ def forward_rows(
         return lean(ids.to(model.device), cache, keep, mask, positions, embeds, features)
     kwargs: dict[str, Any] = {cache_kwarg(type(model)): cache}
     if mask is not None:
+        alibi_from_masks(model)
         if model.config._attn_implementation == "eager":  # eager adds a float mask; sdpa takes booleans
             mask = _additive(mask, model.dtype)
         kwargs.update(attention_mask=mask, position_ids=positions)
@@ -233,6 +234,26 @@ def forward_rows(
         out = model(use_cache=True, logits_to_keep=keep, **kwargs)
     logits: torch.Tensor = out.logits
     return logits.float(), (torch.cat(outs, -1).float() if features else None)
+
+
+def alibi_from_masks(model: PreTrainedModel) -> None:
+    """ALiBi families (Bloom) build their position bias from a 2-D mask of valid key columns
+    (each key's position is the count of valid columns before it) and refuse the boolean
+    [B, 1, W, L + W] mask the ragged cache passes. The bias of a key depends on its position
+    only (softmax ignores a shift per query), and the block's last query sees every valid key
+    of its row, holes and padding excluded: its mask row is that 2-D mask. Installed once."""
+    decoder = model.get_decoder()
+    build = getattr(decoder, "build_alibi_tensor", None)
+    if build is None or "build_alibi_tensor" in decoder.__dict__:
+        return
+
+    def from_any_mask(attention_mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        if attention_mask.dim() == 4:
+            last = attention_mask[:, 0, -1, :]
+            attention_mask = (last if last.dtype == torch.bool else last == 0).long()
+        return cast(torch.Tensor, build(attention_mask, num_heads, dtype=dtype))
+
+    decoder.build_alibi_tensor = from_any_mask
 
 
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
