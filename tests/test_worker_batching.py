@@ -24,6 +24,7 @@ from specdec_llm.settings import reload_settings
 from specdec_llm.store.models import Output, Request, Telemetry
 from specdec_llm.store.testing import sqlite_url
 from workers.app import TASK, get_app, queue_name
+from workers.cli import register as register_worker
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 24
@@ -197,6 +198,7 @@ def test_max_batch_with_concurrency_is_refused(pairs_file, tmp_path, monkeypatch
     reload_settings()
     app = typer.Typer()
     register(app)
+    register_worker(app)  # `worker`: the workers' own command
     try:
         file = tmp_path / "in.jsonl"
         file.write_text('{"prompt": "hi"}\n')
