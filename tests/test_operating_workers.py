@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
+import sys
 import threading
 import time
 
@@ -43,10 +46,28 @@ def long_pairs(tmp_path_factory):
     return path
 
 
+STEP_S = 0.05  # s each row's step takes at least in the fleet's worker: 0.1 s per iteration of 2 rows
+# (a model's pace on a GPU, where an iteration outlasts the cancel poll: cancels.MIN_POLL_S)
+PACED_STEPS = f"""
+import time as _time
+import workers.cancels as _cancels
+
+_ask = _cancels.RowStop.__call__
+
+def _paced(self):  # the server asks each row's stop check before each of its steps
+    _time.sleep({STEP_S})
+    return _ask(self)
+
+_cancels.RowStop.__call__ = _paced
+"""
+
+
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def fleet(request, tmp_path_factory, redis_url, long_pairs):
-    """One batching worker (2 rows per batch, task events on, a heartbeat a second)."""
+    """One batching worker (2 rows per batch, task events on, a heartbeat a second), each
+    row's step at least ``STEP_S`` long (``PACED_STEPS``, loaded as its Celery config)."""
     folder = tmp_path_factory.mktemp(f"ops_{request.param}")
+    (folder / "paced_steps.py").write_text(PACED_STEPS)
     with contextlib.ExitStack() as stack:
         if request.param == "postgresql":
             why = postgres_available()
@@ -58,7 +79,8 @@ def fleet(request, tmp_path_factory, redis_url, long_pairs):
         store.ensure_schema(url)
         f = make_fleet(folder, redis_url, 6 if request.param == "sqlite" else 7, url, long_pairs)
         f.env["SPECDEC_LEASE_HEARTBEAT_S"] = "1"
-        f.start_worker("ops", args=("--max-batch", "2", "--max-wait-ms", "100", "--events"))
+        paced = {"SPECDEC_CELERY_CONFIG": "paced_steps", "PYTHONPATH": os.pathsep.join([str(folder), *sys.path])}
+        f.start_worker("ops", args=("--max-batch", "2", "--max-wait-ms", "100", "--events"), **paced)
         stack.callback(f.stop)
         yield f
 
@@ -116,28 +138,39 @@ def test_submit_and_run_take_drafter(fleet, use, tmp_path):
 
 
 def test_cancel_now_stops_running_rows_and_the_batch_goes_on(fleet, use, tmp_path):
+    """``cancel --now`` ends a long row within two iterations of the cancel being written (its
+    worker counts them: the error says how many), partial text kept, while the other row of
+    its batch goes on and finishes whole: the same text as that row decoded alone."""
     use(fleet)
     long = {"max_new_tokens": 8000, "k": 0}  # minutes of decoding, unless cancelled
+    short = {"max_new_tokens": 40, "k": 0}  # 4 s: still decoding when the other row stops
     a = client.submit(prompts(tmp_path / "a.jsonl", "The quick brown fox"), "tiny", long)["job_id"]
-    b = client.submit(prompts(tmp_path / "b.jsonl", "over the lazy dog"), "tiny", long)["job_id"]
+    b = client.submit(prompts(tmp_path / "b.jsonl", "over the lazy dog"), "tiny", short)["job_id"]
     wait_for(lambda: client.job_counts(a)["running"] == 1 and client.job_counts(b)["running"] == 1, 120)
     time.sleep(1.0)
     r = cli("cancel", a, "--now")
     assert r.exit_code == 0 and "0 rows cancelled; 1 running rows stop at their next iteration" in r.stdout, r.output
     asked = time.monotonic()
     wait_for(lambda: client.job_counts(a)["cancelled"] == 1, 30)
-    assert time.monotonic() - asked < 10  # the worker polls once a second
+    assert time.monotonic() - asked < 10
     assert client.job_counts(b)["running"] == 1  # the other row of the batch is still decoding
-    time.sleep(1.0)
-    assert cli("cancel", b, "--now").exit_code == 0
-    wait_for(lambda: client.job_counts(b)["cancelled"] == 1, 30)
-    [ra], [rb] = client.results(a), client.results(b)
-    for row in (ra, rb):
-        assert (row["status"], row["finish_reason"]) == ("cancelled", "cancelled") and row["text"], row
-        assert 0 < row["output_tokens"] < 8000 and "partial text is kept" in row["error"]
-    assert rb["output_tokens"] > ra["output_tokens"]  # b kept decoding after a stopped
+    [ra] = client.results(a)
+    assert (ra["status"], ra["finish_reason"]) == ("cancelled", "cancelled") and ra["text"], ra
+    assert 0 < ra["output_tokens"] < 8000 and "partial text is kept" in ra["error"]
+    late = int(re.search(r"(\d+) iterations after the cancel was written", ra["error"]).group(1))
+    print(
+        f"cancel --now ({fleet.env['SPECDEC_DATABASE_URL'].split(':')[0]}): the row stopped {late} iterations after the cancel was written, after {ra['output_tokens']} tokens"
+    )
+    assert late <= 2, ra["error"]
+    client.wait(b, workers=fleet.procs, timeout_s=120)
+    [rb] = client.results(b)
+    assert (rb["status"], rb["finish_reason"], rb["output_tokens"]) == ("ok", "length", 40), rb
+    (tmp_path / "c.jsonl").write_text(json.dumps({"id": "alone", "prompt": "over the lazy dog"}) + "\n")
+    alone = client.submit(tmp_path / "c.jsonl", "tiny", short)["job_id"]
+    client.wait(alone, workers=fleet.procs, timeout_s=120)
+    assert client.results(alone)[0]["text"] == rb["text"]  # nothing of it lost
     assert store.get_job(a)["status"] == "done"
-    assert json.loads(cli("jobs", "--json", "--limit", "2").stdout)[0]["cancelled"] == 1
+    assert json.loads(cli("jobs", "--json", "--limit", "3").stdout)[2]["cancelled"] == 1
 
 
 def test_a_worker_started_with_events_sends_task_events(fleet, use, tmp_path):

@@ -186,7 +186,7 @@ def _generate_row(task: Task, row: dict, rt: runtime.Runtime, pair: str, clock: 
         if job_id:
             cancels.flags.release(job_id)
     if result["finish_reason"] == "cancelled":
-        jobs.end_cancelled(request_id, result)
+        jobs.end_cancelled(request_id, result, iterations_after=stop.iterations_after if stop else None)
         return {}, {
             "request_id": request_id,
             "status": "cancelled",

@@ -37,7 +37,8 @@ function takes ``url=`` to use another database. Times are naive UTC (``utcnow()
     counts(job_id, *, lease_timeout_s=None) -> {status: n, "lost", "requeued"}
     requeue(job_id, *, lease_timeout_s, cancelled=False) -> [{"id", "pair"}]
     cancel(job_id, *, now=False) -> int;  refused_count(job_id)
-    cancels_requested(job_ids) -> set;  end_cancelled(request_id, result) -> bool   # cancel --now
+    cancels_requested(job_ids) -> set;  cancel_times(job_ids) -> {job: when}       # cancel --now
+    end_cancelled(request_id, result, *, iterations_after=None) -> bool
     job_requests(job_id, *, outputs=True) -> [dict]   # every row, its output and key telemetry, input order
 
 ``admin`` (operating: ``specdec-llm jobs | workers | prune``)

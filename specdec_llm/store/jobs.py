@@ -14,7 +14,7 @@ Job-wide: ``counts`` (by state, plus lost and requeued rows), ``requeue`` (retry
 (with its output and key telemetry) as plain dicts, in input order.
 
 ``cancel(job, now=True)`` also sets the job's cancel flag (``jobs.cancel_requested_at``):
-workers poll it (``cancels_requested``, one query for every job they are running) and end
+workers poll it (``cancel_times``, one query for every job they are running) and end
 each running row at its next iteration as cancelled, its partial text kept
 (``end_cancelled``: an output, no telemetry, so reports count finished rows only). A retry
 clears the flag; ``retry --cancelled`` drops those partial outputs before the rows run again.
@@ -275,25 +275,39 @@ def cancel(job_id: str, *, now: bool = False, url: str | None = None) -> int:
 
 
 def cancels_requested(job_ids: Iterable[str], *, url: str | None = None) -> set[str]:
-    """Which of ``job_ids`` have their cancel flag set (``cancel --now``): one primary-key
-    lookup per id, what a worker polls for the jobs it is running. Reads only."""
+    """Which of ``job_ids`` have their cancel flag set (``cancel --now``). Reads only."""
+    return set(cancel_times(job_ids, url=url))
+
+
+def cancel_times(job_ids: Iterable[str], *, url: str | None = None) -> dict[str, datetime]:
+    """The jobs of ``job_ids`` whose cancel flag is set (``cancel --now``), each with when it
+    was written (naive UTC): one primary-key lookup per id, what a worker polls for the jobs
+    it is running. Reads only."""
     ids = list(job_ids)
     if not ids:
-        return set()
+        return {}
     check_schema(url)
-    found: set[str] = set()
+    found: dict[str, datetime] = {}
     with session_scope(url) as s:
         for chunk in chunks(ids):
-            found.update(s.scalars(select(Job.id).where(Job.id.in_(chunk), Job.cancel_requested_at.is_not(None))))
+            rows = s.execute(
+                select(Job.id, Job.cancel_requested_at).where(Job.id.in_(chunk), Job.cancel_requested_at.is_not(None))
+            )
+            found.update((job_id, when) for job_id, when in rows if when is not None)
     return found
 
 
-def end_cancelled(request_id: str, result: dict[str, Any], *, url: str | None = None) -> bool:
+def end_cancelled(
+    request_id: str, result: dict[str, Any], *, iterations_after: int | None = None, url: str | None = None
+) -> bool:
     """A running row stopped by ``cancel --now``: status "cancelled", its partial text and
     tokens kept as its output (finish reason "cancelled"), no telemetry (reports count
-    finished rows). False when the row was not running (finished or requeued meanwhile)."""
+    finished rows); its error says after how many tokens, and ``iterations_after``: how many
+    of its iterations ended after the cancel was written (its worker counts them). False when
+    the row was not running (finished or requeued meanwhile)."""
     stats = result.get("stats") or {}
     tokens = int(stats.get("output_tokens") or len(result.get("token_ids") or []))
+    late = "" if iterations_after is None else f" ({iterations_after} iterations after the cancel was written)"
     with writing(url) as s:
         now = utcnow()
         changed = s.execute(
@@ -301,7 +315,7 @@ def end_cancelled(request_id: str, result: dict[str, Any], *, url: str | None = 
             .where(Request.id == request_id, Request.status == "running")
             .values(
                 status="cancelled",
-                error=f"cancelled while running (cancel --now), after {tokens} tokens; its partial text is kept",
+                error=f"cancelled while running (cancel --now), after {tokens} tokens{late}; its partial text is kept",
                 finished_at=now,
                 lease_owner=None,
                 heartbeat_at=None,
