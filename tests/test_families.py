@@ -129,3 +129,22 @@ def test_lean_forward_leaves_other_families_to_transformers(name):
     from specdec_llm.engine import lean
 
     assert lean.runner(tiny_family(name)) is None
+
+
+def test_a_family_the_engine_cannot_decode_is_refused_at_load(tmp_path):
+    """Mamba's cache holds recurrent states, not attention keys and values: load_pair says so
+    with a PairError naming the family and the reason (no traceback in a request), while
+    every family of the matrix passes the same check."""
+    from conftest import tiny_tokenizer
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    from specdec_llm.engine.ragged import unservable
+    from specdec_llm.pairs import PairError, PairSpec, load_pair
+
+    tok = tiny_tokenizer()
+    cfg = MambaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, state_size=8)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "mamba")
+    tok.save_pretrained(tmp_path / "mamba")
+    with pytest.raises(PairError, match=r"pair m: the target \(mamba, MambaForCausalLM\) cannot be decoded"):
+        load_pair(PairSpec(name="m", target=str(tmp_path / "mamba")))
+    assert [n for n in sorted(CONFIGS) if unservable(tiny_family(n))] == []

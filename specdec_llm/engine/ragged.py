@@ -210,3 +210,18 @@ class RaggedCache:
 
     def _live_layers(self) -> list[hf.GrowingLayer]:
         return [layer for layer in hf.layers(self.cache) if layer.kbuf is not None]
+
+
+def unservable(model: PreTrainedModel) -> str | None:
+    """Why this engine cannot decode ``model`` (None: it can), found by doing what decoding
+    does on a one-row cache: a prefill, a rollback (a hole) and a masked step. A family whose
+    cache is not attention keys and values (Mamba's states, for one) fails here, at load,
+    instead of in the middle of a request."""
+    try:
+        cache = RaggedCache(model, 1)
+        cache.forward([[1, 2, 3]], 1)
+        cache.drop(0, [2])
+        cache.forward([[4, 5]], 2)
+    except Exception as e:  # noqa: BLE001 - any failure is the reason, said at load
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..engine import SpeculativeDecoder
+from ..engine.ragged import unservable
 from ..settings import get_settings
 from .drafts import REFERENCE, fingerprint, load_draft_dir, quantized_draft, shared_draft
 from .eagle_draft import load_eagle_dir
@@ -153,4 +154,19 @@ def load_pair(name_or_spec: str | PairSpec) -> Pair:
             tok_d = load_tokenizer(ref, spec.trust_remote_code)
             vocab = check_vocab(spec.target, tokenizer, ref, tok_d, target.config.vocab_size, draft.config.vocab_size)
             info = {"kind": "model", "fingerprint": fingerprint(draft)}
+    refuse_unservable(spec, "target", target)
+    if info.get("kind") == "model":  # a model of its own (the other drafts are the target's layers)
+        refuse_unservable(spec, "draft", draft)
     return Pair(spec, target, draft, tokenizer, vocab, t_fp, info)
+
+
+def refuse_unservable(spec: PairSpec, what: str, model) -> None:
+    """A PairError at load for a model this engine cannot decode, naming its family and why."""
+    why = unservable(model)
+    if why:
+        family = getattr(model.config, "model_type", type(model).__name__)
+        raise PairError(
+            f"pair {spec.name}: the {what} ({family}, {type(model).__name__}) cannot be decoded by this engine: {why}. "
+            "It needs a causal LM whose cache holds attention keys and values (Llama, Qwen, Mistral, Gemma, GPT-2, "
+            "... ; docs/pairs.md#families-supported); use another model for it"
+        )
