@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_forward import cpu_info
+from machine import cpu_info
 from rich.console import Console
 from rich.table import Table
 

@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from bench_forward import cpu_info
+from machine import cpu_info
 from rich.console import Console
 from rich.table import Table
 

@@ -23,27 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 
 import torch
+from machine import cpu_info
 
 from specdec_llm.engine import hf, kernels, lean
 from specdec_llm.engine.ragged import RaggedCache
 from specdec_llm.pairs import load_pair
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 9, 17)
-
-
-def cpu_info() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return "unknown CPU"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    keep = [f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma"))]
-    return f"{fields.get('Model name', '?').strip()} ({' '.join(keep)})"
 
 
 def median_ms(fn, repeats: int) -> float:

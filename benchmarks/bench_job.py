@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_forward import cpu_info
+from machine import cpu_info
 
 from specdec_llm.pairs import get_spec, quiet_loading, resolve
 

@@ -21,7 +21,6 @@ import argparse
 import itertools
 import multiprocessing
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,22 +29,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import cpu_info
+
 from specdec_llm.store import TRANSIENT_ERRORS, admin, db, reports, utcnow
 from specdec_llm.store.testing import seed_finished_jobs, sqlite_url, temporary_postgres
 
 ROWS_PER_JOB = 1000
 OLD_DAYS, CUTOFF_DAYS, NEW_DAYS, REPORT_DAYS = 60, 30, 1, 7
-
-
-def cpu_info() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return "unknown CPU"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    keep = [f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma"))]
-    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs ({' '.join(keep)})"
 
 
 def seed(url: str, rows: int) -> None:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_forward import cpu_info
+from machine import cpu_info
 
 from specdec_llm.engine import compiled, hf
 from specdec_llm.engine.quant import model_bytes, quantized_copy
