@@ -222,7 +222,6 @@ def forward_rows(
         return lean(ids.to(model.device), cache, keep, mask, positions, embeds, features)
     kwargs: dict[str, Any] = {cache_kwarg(type(model)): cache}
     if mask is not None:
-        alibi_from_masks(model)
         if model.config._attn_implementation == "eager":  # eager adds a float mask; sdpa takes booleans
             mask = _additive(mask, model.dtype)
         kwargs.update(attention_mask=mask, position_ids=positions)
@@ -241,7 +240,8 @@ def alibi_from_masks(model: PreTrainedModel) -> None:
     (each key's position is the count of valid columns before it) and refuse the boolean
     [B, 1, W, L + W] mask the ragged cache passes. The bias of a key depends on its position
     only (softmax ignores a shift per query), and the block's last query sees every valid key
-    of its row, holes and padding excluded: its mask row is that 2-D mask. Installed once."""
+    of its row, holes and padding excluded: its mask row is that 2-D mask. Installed once per
+    model, when its first ragged cache is made."""
     decoder = model.get_decoder()
     build = getattr(decoder, "build_alibi_tensor", None)
     if build is None or "build_alibi_tensor" in decoder.__dict__:

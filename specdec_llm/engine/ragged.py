@@ -37,6 +37,7 @@ class RaggedCache:
         self.model = model
         self.cache = hf.new_cache(model)
         self.attention = Attention.of(model)
+        hf.alibi_from_masks(model)  # (Bloom: its position bias from this cache's masks)
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
         self.features = features
         self.last_features: torch.Tensor | None = None
