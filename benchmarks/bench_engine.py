@@ -8,8 +8,12 @@ Same prompts, same pair, same prepared weights, one run, methods interleaved per
 Methods: transformers ``generate`` (target only), transformers prompt lookup
 (``prompt_lookup_num_tokens=10``), transformers assisted generation (the pair's draft), the
 engine at k=0, the engine with each of the pair's drafters alone (k=auto), and the engine's
-default (every drafter, chosen per iteration); for a quantized self-draft, ``quantized`` and
-the default again with the draft's one-token step compiled (``compile_draft``). Each engine
+default (every drafter, chosen per iteration) and the default in one level (the draft model
+drafts one token per forward, never checking the free drafters' proposals: what it was
+before two-level drafting); for a quantized self-draft, ``quantized`` and the default again
+with the draft's one-token step compiled (``compile_draft``); and, when ``llama-cpp-python``
+is installed and the pair's target is a GGUF file, llama.cpp's own greedy decoding of that
+file (its weights stay quantized, so its text is not the fp32 target's: no "match"). Each engine
 method has its own decoder, so its suffix index has seen the earlier prompts' outputs only,
 never the prompt being timed (as a server that has answered earlier requests). Prints tokens/s per category and
 overall, the ratio to ``generate``, acceptance, tokens per target forward and whether
@@ -19,6 +23,7 @@ greedy outputs matched ``generate`` token for token; the CPU model and flags fir
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
 from collections import defaultdict
@@ -30,11 +35,31 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec_llm.engine import GenerationRequest, SpeculativeDecoder, compiled
-from specdec_llm.pairs import load_pair, quiet_loading
+from specdec_llm.pairs import load_pair, local_ref, quiet_loading
 from specdec_llm.training.evaluate import read_prompts
 
+LLAMA_CPP = "llama.cpp (its own Q4 GGUF decoding)"
+INEXACT = {LLAMA_CPP}  # methods whose text is not the fp32 target's (no "match")
 SPEC_BENCH = Path(__file__).resolve().parent.parent / "data" / "spec_bench_dev.jsonl"
 BASE = "hf generate"
+
+
+def llama_cpp(gguf: str, n: int, eos: set[int]):
+    """llama.cpp's plain greedy decoding of the GGUF file, on this process's threads: the same
+    prompt token ids in, at most ``n`` token ids out (stopping at an end-of-sequence token)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False)
+
+    def run(ids):
+        out: list[int] = []
+        for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            out.append(int(tok))
+            if len(out) >= n or tok in eos:
+                break
+        return out, None
+
+    return run
 
 
 def main() -> None:
@@ -56,7 +81,7 @@ def main() -> None:
     ref_dec = pair.decoder()  # prepares the weights (kernels measured on this machine) for every method
     eos = set(ref_dec.eos_token_ids)
 
-    def decoder(drafters, compile_draft=False):
+    def decoder(drafters, compile_draft=False, levels=2):
         d = SpeculativeDecoder(
             pair.target,
             pair.draft,
@@ -65,6 +90,9 @@ def main() -> None:
             vocab_size=pair.vocab_size,
             compile_draft=compile_draft,
         )
+        for drafter in d.drafters:
+            if not drafter.free:
+                drafter.levels = min(drafter.levels, levels)  # type: ignore[attr-defined]
         if compile_draft:
             print(f"compiled draft step: {d.kernels['compiled draft step']}", flush=True)
         compiled.ENABLED = compile_draft  # (its calibration measures the step it will run)
@@ -79,8 +107,8 @@ def main() -> None:
 
         return run
 
-    def engine(drafters, k="auto", compile_draft=False):
-        dec = decoder(drafters, compile_draft)
+    def engine(drafters, k="auto", compile_draft=False, levels=2):
+        dec = decoder(drafters, compile_draft, levels)
 
         def run(ids):
             compiled.ENABLED = compile_draft  # the compiled step serves its own methods only
@@ -98,9 +126,14 @@ def main() -> None:
     for name in names:
         builders[f"engine {name}"] = lambda name=name: engine([name])
     builders["engine default (" + "+".join(names) + ")"] = lambda: engine(names)
+    if pair.draft is not None:
+        builders["engine default one-level"] = lambda: engine(names, levels=1)
     if pair.spec.quantized:  # its one-token step compiled (engine/compiled.py), where measured faster
         builders["engine quantized compiled"] = lambda: engine(["quantized"], compile_draft=True)
         builders["engine default compiled (" + "+".join(names) + ")"] = lambda: engine(names, compile_draft=True)
+    gguf = local_ref(pair.spec.target)
+    if gguf.endswith(".gguf") and importlib.util.find_spec("llama_cpp") is not None:
+        builders[LLAMA_CPP] = lambda: llama_cpp(gguf, n, eos)
     if args.methods:
         keep = {m.strip() for m in args.methods.split(",")} | {BASE}
         builders = {m: f for m, f in builders.items() if m in keep or m.split(" (")[0] in keep}
@@ -150,7 +183,7 @@ def main() -> None:
                     tot["forwards"] += stats.target_forwards
                     tot["baseline_s"] += stats.baseline_s
                     tot["wall_s"] += stats.wall_time_s
-        bad = [name for name in methods if outputs[name] != outputs[BASE]]
+        bad = [name for name in methods if outputs[name] != outputs[BASE] and name not in INEXACT]
         for name in methods:
             for key in (row["category"], "all"):
                 totals[name][key]["matched"] += name not in bad
@@ -183,7 +216,7 @@ def main() -> None:
             "-" if per_fwd is None else f"{per_fwd:.2f}",
             "-" if reported is None else f"{reported:.2f}x",
             "-" if vs_k0 is None else f"{vs_k0:.2f}x",
-            f"{t['matched']}/{t['prompts']}",
+            "-" if m in INEXACT else f"{t['matched']}/{t['prompts']}",
         )
         report["methods"][m] = {
             "tokens_per_s": rate[m],

@@ -10,6 +10,7 @@ acceptance estimates (``Probes``: about 1% of the time).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,10 +23,26 @@ if TYPE_CHECKING:
 
 EMA = 0.2  # weight of a new timing sample
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the acceptance prior
-# a plain forward sample counts at most this factor from the current estimate: the baseline behind
-# a reported speedup must not follow one iteration that another process slowed down
-PLAIN_CLIP = 1.5
+# the target-only forward behind a reported speedup is the median of this many latest plain
+# forwards: a few iterations another process slowed down (or sped up) do not move it at all
+PLAIN_WINDOW = 9
 MARGIN = 1.1  # k > 0 only when it promises at least 10% more tokens/s than k = 0
+
+
+def interpolate(points: dict[int, float], x: int) -> float:
+    """The value at ``x`` of the piecewise-linear curve through ``points`` (measured at a few
+    x), the last slope extended beyond the last point."""
+    pts = sorted(points)
+    lo = max((p for p in pts if p <= x), default=pts[0])
+    hi = min((p for p in pts if p >= x), default=None)
+    if hi is None:  # beyond the last point: extend the last slope
+        prev = max((p for p in pts if p < lo), default=None)
+        slope = 0.0 if prev is None else (points[lo] - points[prev]) / (lo - prev)
+        return points[lo] + slope * (x - lo)
+    if hi == lo:
+        return points[lo]
+    w = (x - lo) / (hi - lo)
+    return points[lo] * (1 - w) + points[hi] * w
 
 
 @dataclass
@@ -49,13 +66,21 @@ class CostModel:
     # shape where it is off for real contexts (a too-flat curve made wide proposals look free)
     width_ratio: dict[int, float] = field(default_factory=dict)
     draft_scale: dict[str, float] = field(default_factory=dict)
+    # per model drafter that drafts in two levels: seconds of a draft forward feeding w > 1
+    # tokens per row (its own token plus a cheaper drafter's proposal to check), at calibration
+    draft_width_s: dict[str, dict[int, float]] = field(default_factory=dict)
+    # per model drafter: observed seconds per drafted token / its one-token step (two-level
+    # drafting drafts several tokens per forward: below 1); an EMA, absent until observed
+    draft_token_ratio: dict[str, float] = field(default_factory=dict)
     # what a plain (k = 0) iteration costs besides its forward (accepting, streaming text...):
     # an EMA over observed k = 0 iterations; None until one was seen (or loaded)
     plain_overhead_s: float | None = None
-    # seconds of a k = 0 forward as k = 0 iterations measured it (an EMA; None until one is
-    # seen): the target-only step itself, not the calibrated shape at a scale that drafting
-    # iterations of other widths moved (their errors are not the k = 0 point's)
+    # seconds of a k = 0 forward as k = 0 iterations measured it (the median of the latest
+    # PLAIN_WINDOW; None until one is seen): the target-only step itself, not the calibrated
+    # shape at a scale that drafting iterations of other widths moved (their errors are not
+    # the k = 0 point's)
     plain_forward_s: float | None = None
+    plain_samples: list[float] = field(default_factory=list)
     seen: dict[str, int] = field(default_factory=dict)  # live observations per scale since calibration
 
     @property
@@ -78,16 +103,19 @@ class CostModel:
         old = self.plain_overhead_s
         extra = max(0.0, seconds - forward_s)
         self.plain_overhead_s = extra if old is None else (1 - w) * old + w * extra
-        old_forward = self.plain_forward_s
-        if old_forward is not None:  # one sample disturbed by other load moves the estimate by ~10% at most
-            forward_s = min(max(forward_s, old_forward / PLAIN_CLIP), old_forward * PLAIN_CLIP)
-        self.plain_forward_s = forward_s if old_forward is None else (1 - w) * old_forward + w * forward_s
+        self.plain_samples = [*self.plain_samples, forward_s][-PLAIN_WINDOW:]
+        self.plain_forward_s = statistics.median(self.plain_samples)
 
     def to_dict(self) -> dict[str, Any]:
         """The costs as measured now (live scales folded in), for the on-disk cache."""
         return {
             "verify_s": {str(k): self.verify(k) for k in sorted(self.verify_s)},
             "draft_s": {n: v * self.draft_scale.get(n, 1.0) for n, v in sorted(self.draft_s.items())},
+            "draft_width_s": {
+                n: {str(w): v * self.draft_scale.get(n, 1.0) for w, v in sorted(shape.items())}
+                for n, shape in sorted(self.draft_width_s.items())
+            },
+            "draft_token_ratio": dict(sorted(self.draft_token_ratio.items())),
             "plain_overhead_s": self.plain_overhead_s,
             "plain_forward_s": self.plain_forward_s,
         }
@@ -96,22 +124,17 @@ class CostModel:
         """Fill from ``to_dict``'s output (scales reset: the figures are the latest measured)."""
         self.verify_s = {int(k): float(v) for k, v in data["verify_s"].items() if int(k) <= self.max_k}
         self.draft_s = {n: float(v) for n, v in data.get("draft_s", {}).items()}
+        self.draft_width_s = {
+            n: {int(w): float(v) for w, v in shape.items()} for n, shape in data.get("draft_width_s", {}).items()
+        }
+        self.draft_token_ratio = {n: float(v) for n, v in data.get("draft_token_ratio", {}).items()}
         self.plain_overhead_s = data.get("plain_overhead_s")
         self.plain_forward_s = data.get("plain_forward_s")
+        self.plain_samples = [] if self.plain_forward_s is None else [self.plain_forward_s]
         self.verify_scale, self.draft_scale, self.seen, self.width_ratio = 1.0, {}, {}, {}
 
     def _calibrated_verify(self, k: int) -> float:
-        pts = sorted(self.verify_s)
-        lo = max((p for p in pts if p <= k), default=pts[0])
-        hi = min((p for p in pts if p >= k), default=None)
-        if hi is None:  # beyond the last point: extend the last slope
-            prev = max((p for p in pts if p < lo), default=None)
-            slope = 0.0 if prev is None else (self.verify_s[lo] - self.verify_s[prev]) / (lo - prev)
-            return self.verify_s[lo] + slope * (k - lo)
-        if hi == lo:
-            return self.verify_s[lo]
-        w = (k - lo) / (hi - lo)
-        return self.verify_s[lo] * (1 - w) + self.verify_s[hi] * w
+        return interpolate(self.verify_s, k)
 
     def verify(self, k: int) -> float:
         """Seconds to verify k drafts now: the calibrated shape at the live scale, corrected per
@@ -121,8 +144,19 @@ class CostModel:
             best = max(best, self._calibrated_verify(j) * self.width_ratio.get(j, 1.0))
         return self.verify_scale * best
 
-    def draft(self, name: str = "model") -> float:
-        return self.draft_scale.get(name, 1.0) * self.draft_s.get(name, float("inf"))
+    def draft(self, name: str = "model", width: int = 1) -> float:
+        """Seconds of one forward of the model drafter ``name`` feeding ``width`` tokens per row
+        (width > 1: two-level drafting; infinite where that width was never measured)."""
+        calibrated = self.draft_s.get(name, float("inf"))
+        if width > 1:
+            shape = self.draft_width_s.get(name)
+            calibrated = interpolate({1: calibrated, **shape}, width) if shape else float("inf")
+        return self.draft_scale.get(name, 1.0) * calibrated
+
+    def draft_per_token(self, name: str = "model") -> float:
+        """Seconds per token the model drafter ``name`` drafts: its one-token step, times what
+        two-level drafting was observed to make of it (``draft_token_ratio``, 1 until seen)."""
+        return self.draft(name) * self.draft_token_ratio.get(name, 1.0)
 
     def _weight(self, scale: str) -> float:
         n = self.seen[scale] = self.seen.get(scale, 0) + 1
@@ -137,11 +171,25 @@ class CostModel:
             w, old = self._weight(f"verify:{k}"), self.width_ratio.get(k, 1.0)
             self.width_ratio[k] = (1 - w) * old + w * ratio / self.verify_scale
 
-    def observe_draft(self, name: str, seconds: float) -> None:
+    def observe_draft(self, name: str, seconds: float, width: int = 1) -> None:
+        """One draft forward of ``width`` tokens per row took ``seconds``."""
         if name not in self.draft_s:
             return
-        ratio, w = seconds / self.draft_s[name], self._weight(f"draft:{name}")
+        calibrated = self.draft(name, width) / self.draft_scale.get(name, 1.0)
+        if calibrated == float("inf"):
+            return
+        ratio, w = seconds / calibrated, self._weight(f"draft:{name}")
         self.draft_scale[name] = (1 - w) * self.draft_scale.get(name, 1.0) + w * ratio
+
+    def observe_drafting(self, name: str, seconds: float, tokens: int) -> None:
+        """A model drafter's whole proposal: ``tokens`` tokens (per row, the most any row
+        drafted) in ``seconds`` of draft forwards. Against its one-token step this is what
+        two-level drafting makes of a drafted token's cost (1: one forward per token)."""
+        step = self.draft(name)
+        if tokens <= 0 or step == float("inf"):
+            return
+        w, old = self._weight(f"ratio:{name}"), self.draft_token_ratio.get(name, 1.0)
+        self.draft_token_ratio[name] = (1 - w) * old + w * seconds / tokens / step
 
     def best_k(self, acceptance: float | list[float], drafter: str = "model") -> int:
         """The k with the most expected tokens per second when every row drafts with the model
@@ -209,7 +257,7 @@ def planned(
         # never costs less than that
         base = cost.plain_forward()
         seconds = (max(base, cost.verify(width)) if width else base) + sum(
-            s * cost.draft(m) for m, s in steps.items() if s
+            s * cost.draft_per_token(m) for m, s in steps.items() if s
         )
         return tokens / seconds, picks
 
@@ -225,6 +273,20 @@ def planned(
     if probe_row is None and best_rate < MARGIN * base_rate:
         return base_rate, base
     return best_rate, best
+
+
+def inner_plan(cost: CostModel, model: str, offers: Iterable[Proposal], head: int = 1) -> Proposal | None:
+    """Two-level drafting: which cheaper proposal (cut to how many tokens) the model drafter
+    ``model`` should check in its next forward, beside the ``head`` tokens it must feed anyway
+    (None: a plain forward). The choice with the most expected draft tokens per second of
+    draft forward: a forward over ``head + m`` tokens gives the draft's own token plus each of
+    the m proposed tokens it agrees with, while it agrees (``Proposal.expected``)."""
+    best, pick = 1.0 / cost.draft(model, head), None
+    for p in offers:
+        for m in range(1, len(p.tokens) + 1):
+            if (rate := p.expected(m) / cost.draft(model, head + m)) > best:
+                best, pick = rate, p.cut(m)
+    return pick
 
 
 def best_batch(costs: dict[int, CostModel], rates: dict[str, float], within: float = 0.95) -> int:
@@ -260,13 +322,17 @@ def calibrate(
     time_draft: Callable[[], float] | dict[str, Callable[[], float]] | None = None,
     points: Iterable[int] | None = None,
     repeats: int = 3,
+    time_widths: dict[str, Callable[[int], float]] | None = None,
+    widths: Iterable[int] = (),
 ) -> None:
     """Fill ``cost`` from timing callbacks: ``time_verify(k)`` and each model drafter's
-    ``time_draft()`` (a dict name -> callback, or one callback for "model") return seconds.
+    ``time_draft()`` (a dict name -> callback, or one callback for "model") return seconds;
+    ``time_widths[name](w)``: a draft forward of ``w`` tokens per row, at each of ``widths``
+    (a drafter that drafts in two levels).
 
     The minimum of a few repeats is the least disturbed by other load; verify times are
-    made non-decreasing in k (a longer verify never costs less). ``points``: the k measured
-    (default every k up to max_k).
+    made non-decreasing in k (a longer verify never costs less), and so are draft widths.
+    ``points``: the k measured (default every k up to max_k).
     """
     best = 0.0
     for k in points if points is not None else range(cost.max_k + 1):
@@ -277,11 +343,20 @@ def calibrate(
         time_draft = {"model": time_draft}
     for name, fn in (time_draft or {}).items():
         cost.draft_s[name] = min(fn() for _ in range(repeats))
+    cost.draft_width_s = {}
+    for name, fn in (time_widths or {}).items():
+        if name in cost.draft_s and widths:
+            best, shape = cost.draft_s[name], {}
+            for w in sorted(widths):
+                best = shape[w] = max(best, min(fn(w) for _ in range(repeats)))
+            cost.draft_width_s[name] = shape
     cost.verify_scale = 1.0
     cost.width_ratio = {}
     cost.draft_scale = {}
+    cost.draft_token_ratio = {}
     cost.seen = {}
     cost.plain_forward_s = None
+    cost.plain_samples = []
 
 
 class AcceptanceTracker:

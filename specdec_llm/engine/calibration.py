@@ -86,8 +86,11 @@ class Calibration:
             return t.seconds
 
         steps = {d.name: step for d in dec.drafters if (step := d.time_step(rows, ids)) is not None}
+        # a drafter that drafts in two levels: its forward over w tokens (its own and w - 1 to check)
+        forwards = {d.name: d.time_forward(rows, ids) for d in dec.drafters if getattr(d, "levels", 1) > 1}
         time_verify(0), [fn() for fn in steps.values()]  # warm up
         # every k for small batches; wide batches at a few (drafting seldom pays there, and each
         # point costs a forward of rows * (k + 1) tokens): the others are interpolated
         points = range(dec.max_k + 1) if rows <= 4 else sorted({0, 1, 2, 4, dec.max_k})
-        calibrate(cost, time_verify, steps, points=[p for p in points if p <= dec.max_k])
+        widths = range(2, dec.max_k + 1) if rows <= 4 else sorted({2, 4})
+        calibrate(cost, time_verify, steps, [p for p in points if p <= dec.max_k], time_widths=forwards, widths=widths)

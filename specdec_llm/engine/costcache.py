@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FILE = "costs.json"
+FORMAT = 2  # what an entry holds (2: draft forwards over several tokens, for two-level drafting)
 
 
 def weights_fingerprint(model: PreTrainedModel) -> str:
@@ -61,6 +62,7 @@ def decoder_key(dec: SpeculativeDecoder) -> str:
         f"target {weights_fingerprint(target)}",
         f"vocab {dec.vocab_size}",
         f"max_k {dec.max_k}",
+        f"costs {FORMAT}",
     ]
     for d in dec.drafters:
         model = getattr(d, "model", None)

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import hf
-from .autok import AcceptanceTracker, Timer
+from .autok import AcceptanceTracker, Timer, inner_plan
 from .protocol import Proposal
 from .ragged import RaggedCache
-from .sampling import probs, sample
+from .sampling import accept_greedy, accept_sampled, probs, sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -69,6 +69,20 @@ class FreeDrafter:
     def continuation(self, row: Row, k: int) -> tuple[list[int], list[Hashable]]:
         raise NotImplementedError
 
+    def follow(self, row: Row, drafts: list[int], k: int) -> tuple[list[int], list[Hashable]]:
+        """At most ``k`` tokens to follow ``row.seq + drafts``: ``drafts`` are a model
+        drafter's own tokens of this iteration, whose forwards check these (two-level
+        drafting). A drafter that reads only ``row.seq`` offers nothing past them."""
+        return self.continuation(row, k) if not drafts else ([], [])
+
+    def offer(self, row: Row, k: int, drafts: list[int] | None = None) -> Proposal | None:
+        """A proposal of at most ``k`` tokens after ``row.seq`` (and ``drafts``), or None."""
+        tokens, feats = self.follow(row, drafts or [], k)
+        if not tokens:
+            return None
+        feats = [(row.req.greedy, f) for f in feats]
+        return Proposal(self.name, tokens, None, [self.acceptance.rate(f) for f in feats], feats)
+
     def session(self, batch: Batch) -> FreeDrafter:
         return self
 
@@ -98,14 +112,7 @@ class FreeDrafter:
         pass
 
     def propose(self, rows: list[Row], ks: dict[int, int]) -> dict[int, Proposal]:
-        out: dict[int, Proposal] = {}
-        for b, k in ks.items():
-            row = rows[b]
-            tokens, feats = self.continuation(row, k)
-            if tokens:
-                feats = [(row.req.greedy, f) for f in feats]
-                out[b] = Proposal(self.name, tokens, None, [self.acceptance.rate(f) for f in feats], feats)
-        return out
+        return {b: p for b, k in ks.items() if (p := self.offer(rows[b], k)) is not None}
 
     def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:
         self.acceptance.update(prop.features, n)
@@ -158,11 +165,16 @@ class Lookup(FreeDrafter):
         self.max_n, self.min_n = max_n, min_n
 
     def continuation(self, row: Row, k: int) -> tuple[list[int], list[Any]]:
+        return self.follow(row, [], k)
+
+    def follow(self, row: Row, drafts: list[int], k: int) -> tuple[list[int], list[Any]]:
+        """Matches are looked up in ``row.seq`` (the index covers it); the n-gram to match may
+        end in ``drafts``, and what followed the match may run into them."""
         index = row.state.get(self.name)
         if index is None:
             index = row.state[self.name] = _RowNgrams(self.max_n)
-        seq = row.seq
-        index.update(seq)
+        index.update(row.seq)
+        seq = row.seq + drafts if drafts else row.seq
         for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
             e = index.last.get(tuple(seq[-n:]))
             if e is not None:
@@ -258,7 +270,11 @@ class Suffix(FreeDrafter):
         self.min_prob = min_prob
 
     def continuation(self, row: Row, k: int) -> tuple[list[int], list[Any]]:
-        return self.index.walk(row.req.scope, row.seq, k, self.min_prob)
+        return self.follow(row, [], k)
+
+    def follow(self, row: Row, drafts: list[int], k: int) -> tuple[list[int], list[Any]]:
+        seq = row.seq[-max(self.index.orders) :] + drafts if drafts else row.seq
+        return self.index.walk(row.req.scope, seq, k, self.min_prob)
 
     def finish(self, row: Row) -> None:
         self.index.add(row.req.scope, row.seq)
@@ -266,11 +282,23 @@ class Suffix(FreeDrafter):
 
 class ModelDrafter:
     """A draft model with its own KV cache (a distilled draft, a smaller model of the same
-    family). It drafts k tokens in k forwards for every row that chose it; its per-row
-    acceptance is tracked (geometric model), starting from a running estimate over past rows."""
+    family). It drafts k tokens for every row that chose it; its per-row acceptance is
+    tracked (geometric model), starting from a running estimate over past rows.
+
+    Two levels (``levels = 2``): the draft speculates too. A draft forward feeds, after the
+    row's last token, a cheaper proposal of the free drafters the row may use (prompt lookup,
+    the suffix index: ``FreeDrafter.follow`` over the row and the drafts so far) and keeps
+    the longest prefix the draft itself would have produced, plus its own next token: one
+    forward, several draft tokens. The rule one level down is the target's: greedy, the
+    draft's argmax; sampled, a one-hot proposal accepted with the draft's probability of it,
+    else the draft's residual sampled (``sampling.accept_sampled``), so every draft token
+    follows the draft's own distribution, as the target's rejection rule requires. How much
+    to check per forward is planned from the measured cost of a draft forward over w tokens
+    (``autok.inner_plan``); none is a plain one-token step."""
 
     free, shared = False, False
     features: tuple[int, ...] = ()
+    levels = 2  # its sessions check cheaper proposals (calibration times its forward at several widths)
     row_state: type[ModelRow]  # what a row keeps in row.state[name] (set below the class)
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, name: str = "model", prior: float = 0.5):
@@ -296,18 +324,24 @@ class ModelDrafter:
 
     def time_step(self, rows: int, ids: list[int]) -> Callable[[], float]:
         """A timing callback for calibration: one draft step of ``rows`` rows on ``ids``."""
+        forward = self.time_forward(rows, ids)
+        return lambda: forward(1)
+
+    def time_forward(self, rows: int, ids: list[int]) -> Callable[[int], float]:
+        """A timing callback for calibration: a draft forward of ``w`` tokens per row (two
+        levels: the row's last token and w - 1 to check), all their logits kept."""
         cache = RaggedCache(self.model, rows)
         cache.forward([ids] * rows, 1)
         width = cache.width
 
-        def step() -> float:
+        def forward(w: int) -> float:
             with Timer() as t:
-                cache.forward([ids[:1]] * rows, 1)
+                cache.forward([ids[:w]] * rows, w)
                 hf.sync(self.model)
             cache.crop(width)
             return t.seconds
 
-        return step
+        return forward
 
 
 @dataclass
@@ -327,7 +361,13 @@ class ModelSession:
         self.d, self.batch = drafter, batch
         self.cache = RaggedCache(drafter.model)
         self.joining: list[RaggedCache] = []
-        self.columns: list[int] = []  # the cache column fed at each draft step of this iteration
+        self.columns: list[int] = []  # (one level) the cache column fed at each draft step of this iteration
+        # per drafting row of this iteration: the cache columns of what it fed first (its last
+        # token, or the tokens it was behind) and of each draft token it fed after (d_0, d_1, ...)
+        self.head_cols: dict[int, list[int]] = {}
+        self.draft_cols: dict[int, list[int]] = {}
+        # the free drafters whose proposals a forward may check (two levels)
+        self.inner = [d for d in batch.dec.drafters if isinstance(d, FreeDrafter)] if drafter.levels > 1 else []
 
     def add(self, row: Row) -> None:
         """A fixed k > 0 drafts at once: prefill now; an auto row's cache is filled the first
@@ -376,29 +416,69 @@ class ModelSession:
                 self.cache.fill_row(b, prefill(self.d.model, r.seq, r.stats, "draft_time_s"))
                 r.state[self.d.name].dlen = len(r.seq) - 1
 
+    def check(self, row: Row, drafts: list[int], left: int, head: int, rows: int) -> list[int]:
+        """The cheaper proposal this row's next draft forward checks (at most ``left - 1``
+        tokens: the forward adds the draft's own), beside its ``head`` pending tokens, in a
+        forward of ``rows`` rows: the plan's choice from measured costs, or for a seeded
+        sampled row, whose text must not depend on timings, the first free drafter's whole
+        proposal."""
+        inner = [d for d in self.inner if d.name in row.drafters]
+        if left < 2 or not inner:
+            return []
+        seeded = row.req.seed is not None and not row.req.greedy
+        offers = (p for d in inner if (p := d.offer(row, left - 1, drafts)) is not None)
+        if seeded:
+            return next((p.tokens for p in offers), [])
+        pick = inner_plan(self.batch.dec.costs[rows], self.d.name, offers, head)
+        return pick.tokens if pick is not None else []
+
     def propose(self, rows: list[Row], ks: dict[int, int]) -> dict[int, Proposal]:
+        """Draft forwards until every row has its ``ks[b]`` tokens. Each forward feeds a row its
+        pending token(s) and the cheaper proposal it checks (``check``); the row keeps the
+        proposal's prefix the draft agrees with plus the draft's own next token, and the
+        columns of the proposal's other tokens leave the cache at once."""
         self.merge()
         ks = {b: k for b, k in ks.items() if k > 0}
         if not ks:
             return {}
         self.catch_up(rows, ks)
-        name = self.d.name
+        name, costs = self.d.name, self.batch.dec.costs
         drafts: dict[int, list[int]] = {b: [] for b in ks}
         qs: dict[int, list[torch.Tensor]] = {b: [] for b in ks}
-        self.columns = []
-        for j in range(max(ks.values())):
+        self.head_cols, self.draft_cols = {b: [] for b in ks}, {b: [] for b in ks}
+        spent, steady = 0.0, True
+        while left := {b: ks[b] - len(drafts[b]) for b in ks if len(drafts[b]) < ks[b]}:
             inputs: list[list[int]] = [[] for _ in rows]
-            for b, k in ks.items():
-                if k > j:
-                    st = rows[b].state[name]
-                    inputs[b] = rows[b].seq[st.dlen :] if j == 0 else drafts[b][-1:]
+            checked: dict[int, list[int]] = {}
+            for b, n in left.items():
+                st = rows[b].state[name]
+                head = rows[b].seq[st.dlen :] if not drafts[b] else drafts[b][-1:]
+                checked[b] = self.check(rows[b], drafts[b], n, len(head), len(left))
+                inputs[b] = head + checked[b]
+                steady = steady and len(head) == 1
+            keep = 1 + max(len(c) for c in checked.values())
             with Timer() as t:
-                logits = self.cache.forward(inputs, 1)[:, -1, : self.d.vocab_size]
+                logits = self.cache.forward(inputs, keep)[..., : self.d.vocab_size]
                 hf.sync(self.d.model)
-            self.columns.append(self.cache.width - 1)
-            for b in ks:
-                rows[b].state[name].dlen += len(inputs[b])
-            self.record(rows, inputs, logits, t.seconds, drafts, qs, steady=j > 0)
+            spent += t.seconds
+            fed = sum(len(x) for x in inputs)
+            if all(len(x) - len(checked[b]) == 1 for b, x in enumerate(inputs) if x):  # no catch-up in it
+                costs[len(left)].observe_draft(name, t.seconds, max(len(x) for x in inputs))
+            for b in left:
+                r, m, w = rows[b], len(checked[b]), self.cache.width
+                r.stats.draft_forwards += 1
+                r.stats.draft_time_s += t.seconds * len(inputs[b]) / fed
+                a, nxt, q = accept_checked(r, checked[b], logits[b, keep - 1 - m :])
+                cols = list(range(w - len(inputs[b]), w))
+                self.cache.drop(b, cols[len(cols) - m + a :])  # the checked tokens the draft disagreed with
+                (self.draft_cols[b] if drafts[b] else self.head_cols[b]).extend(cols[: len(cols) - m])
+                self.draft_cols[b].extend(cols[len(cols) - m : len(cols) - m + a])
+                r.state[name].dlen += len(inputs[b]) - m + a
+                drafts[b] += checked[b][:a] + [nxt]
+                qs[b] += q
+            self.cache.trim()
+        if steady:
+            costs[len(rows)].observe_drafting(name, spent, max(ks.values()))
         return self.proposals(rows, ks, drafts, qs)
 
     def record(
@@ -411,8 +491,9 @@ class ModelSession:
         qs: dict[int, list[torch.Tensor]],
         steady: bool,
     ) -> None:
-        """One draft step's token for every row that fed it, and its share of the step's time;
-        a ``steady`` (one-token) step's time is the draft cost the plan reads."""
+        """One one-token draft step's token for every row that fed it (a drafter drafting in
+        one level: eagle.py), and its share of the step's time; a ``steady`` (one-token)
+        step's time is the draft cost the plan reads."""
         fed = sum(len(x) for x in inputs)
         for b in drafts:
             if inputs[b]:
@@ -437,13 +518,14 @@ class ModelSession:
         return out
 
     def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:
-        """The draft keeps the drafts it was fed (d_0..d_{k-2}, at steps 1..k-1) that were accepted."""
+        """The draft keeps the drafts it was fed (d_0..d_{k-2}) that were accepted."""
         k = len(prop.tokens)
         st = row.state[self.d.name]
         st.tracker.update(k, n)
-        if k > 1 and n < k - 1:
-            self.cache.drop(b, [self.columns[j] for j in range(n + 1, k)])
-            st.dlen -= k - 1 - n
+        dropped = self.draft_cols[b][n:]
+        if dropped:
+            self.cache.drop(b, dropped)
+            st.dlen -= len(dropped)
 
 
 class SelfDrafter(ModelDrafter):
@@ -483,11 +565,24 @@ class SelfSession(ModelSession):
     def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:
         """Everything this iteration fed (the last token, then the drafts) leaves the cache:
         the next catch-up copies the accepted positions from the target."""
-        k = len(prop.tokens)
         st = row.state[self.d.name]
-        st.tracker.update(k, n)
-        self.cache.drop(b, self.columns[:k])
+        st.tracker.update(len(prop.tokens), n)
+        self.cache.drop(b, self.head_cols[b] + self.draft_cols[b])
         st.dlen = len(row.seq) - 1  # row.seq is not yet advanced
+
+
+def accept_checked(row: Row, checked: list[int], logits: torch.Tensor) -> tuple[int, int, list[torch.Tensor]]:
+    """Two levels, one level down: ``logits`` [m + 1, V] are the draft's at its last token
+    and after each of the ``m`` ``checked`` tokens. Returns how many checked tokens the draft
+    keeps, its own next token, and (sampled rows) the draft's distribution at each kept
+    position and the next one: what the target's rejection rule needs of these tokens."""
+    req = row.req
+    if req.greedy:
+        a, nxt = accept_greedy(checked, logits)
+        return a, nxt, []
+    q = probs(logits, req.temperature, req.top_k, req.top_p)
+    a, nxt = accept_sampled(checked, None, q, row.gen)
+    return a, nxt, list(q[: a + 1])
 
 
 def pick(row: Row, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:

@@ -65,6 +65,7 @@ class EagleDrafter(ModelDrafter):
     calibrated step cost, the batch's plan chooses it per row like any model)."""
 
     row_state = _EagleRow
+    levels = 1  # its inputs are features as well as tokens: it drafts one token per forward
 
     def __init__(self, draft: FeatureDraft, vocab_size: int, name: str = "eagle", prior: float = 0.5):
         super().__init__(draft.model, vocab_size, name, prior)

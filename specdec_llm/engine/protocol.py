@@ -7,7 +7,8 @@ row's own state lives in ``row.state[drafter.name]``. One iteration::
 
     free drafters      session.propose(rows, ks)  before the plan (their proposals cost no forward)
     the plan           which drafter and k per row (autok.plan: measured costs, drafter.rate(row))
-    model drafters     session.propose(rows, ks)  for the rows that chose them (k draft steps)
+    model drafters     session.propose(rows, ks)  for the rows that chose them (draft forwards,
+                                                  each checking the free drafters' proposals: two levels)
     the target         verifies every row's [last token] + proposal in one forward
     each row           session.commit(b, row, proposal, n): n tokens accepted, roll back the rest
                        session.shadow(row, offer, emitted): a free proposal that was not verified
@@ -15,7 +16,9 @@ row's own state lives in ``row.state[drafter.name]``. One iteration::
 A new drafting method is one class with these methods plus one ``register_drafter`` call
 (``registry.py``); the decoder, the pairs, the CLI and LangChain learn its name from there.
 Most drafters subclass ``drafters.FreeDrafter`` (write ``continuation(row, k)``: tokens from
-token ids, no model) or ``drafters.ModelDrafter`` (a draft model with its own KV cache).
+token ids, no model; ``follow(row, drafts, k)`` as well, and a model drafter's forwards check
+its proposals after their own drafts too) or ``drafters.ModelDrafter`` (a draft model with
+its own KV cache, ``levels = 2``: calibration also times its forward over several tokens).
 ``examples/custom_drafter.py`` adds one from outside the package.
 
 Exactness is the loop's, not the drafter's: whatever a drafter proposes, the target's

@@ -109,12 +109,16 @@ class RaggedCache:
             layer.view(len(index), self.width)
         self.valid = self.valid[torch.tensor(index, dtype=torch.long)]
 
-    def tidy(self) -> None:
-        """Crop columns no row uses from the end; squeeze holes out when they dominate."""
+    def trim(self) -> None:
+        """Crop columns no row uses from the end (the other columns keep their indices)."""
         used = self.valid.any(0).nonzero()
         end = int(used[-1]) + 1 if len(used) else 0
         if end < self.width:
             self.crop(end)
+
+    def tidy(self) -> None:
+        """Crop columns no row uses from the end; squeeze holes out when they dominate."""
+        self.trim()
         longest = int(self.valid.sum(1).max()) if self.rows else 0
         if self.width > 32 and self.width > 2 * longest:
             self.compact()
