@@ -344,11 +344,11 @@ def calibrate(
     for name, fn in (time_draft or {}).items():
         cost.draft_s[name] = min(fn() for _ in range(repeats))
     cost.draft_width_s = {}
-    for name, fn in (time_widths or {}).items():
+    for name, forward in (time_widths or {}).items():
         if name in cost.draft_s and widths:
             best, shape = cost.draft_s[name], {}
             for w in sorted(widths):
-                best = shape[w] = max(best, min(fn(w) for _ in range(repeats)))
+                best = shape[w] = max(best, min(forward(w) for _ in range(repeats)))
             cost.draft_width_s[name] = shape
     cost.verify_scale = 1.0
     cost.width_ratio = {}

@@ -87,7 +87,11 @@ class Calibration:
 
         steps = {d.name: step for d in dec.drafters if (step := d.time_step(rows, ids)) is not None}
         # a drafter that drafts in two levels: its forward over w tokens (its own and w - 1 to check)
-        forwards = {d.name: d.time_forward(rows, ids) for d in dec.drafters if getattr(d, "levels", 1) > 1}
+        forwards = {
+            d.name: timer(rows, ids)
+            for d in dec.drafters
+            if getattr(d, "levels", 1) > 1 and (timer := getattr(d, "time_forward", None))
+        }
         time_verify(0), [fn() for fn in steps.values()]  # warm up
         # every k for small batches; wide batches at a few (drafting seldom pays there, and each
         # point costs a forward of rows * (k + 1) tokens): the others are interpolated
