@@ -361,7 +361,6 @@ class ModelSession:
         self.d, self.batch = drafter, batch
         self.cache = RaggedCache(drafter.model)
         self.joining: list[RaggedCache] = []
-        self.columns: list[int] = []  # (one level) the cache column fed at each draft step of this iteration
         # per drafting row of this iteration: the cache columns of what it fed first (its last
         # token, or the tokens it was behind) and of each draft token it fed after (d_0, d_1, ...)
         self.head_cols: dict[int, list[int]] = {}
@@ -429,8 +428,8 @@ class ModelSession:
         offers = (p for d in inner if (p := d.offer(row, left - 1, drafts)) is not None)
         if seeded:
             return next((p.tokens for p in offers), [])
-        pick = inner_plan(self.batch.dec.costs[rows], self.d.name, offers, head)
-        return pick.tokens if pick is not None else []
+        best = inner_plan(self.batch.dec.costs[rows], self.d.name, offers, head)
+        return best.tokens if best is not None else []
 
     def propose(self, rows: list[Row], ks: dict[int, int]) -> dict[int, Proposal]:
         """Draft forwards until every row has its ``ks[b]`` tokens. Each forward feeds a row its
@@ -480,32 +479,6 @@ class ModelSession:
         if steady:
             costs[len(rows)].observe_drafting(name, spent, max(ks.values()))
         return self.proposals(rows, ks, drafts, qs)
-
-    def record(
-        self,
-        rows: list[Row],
-        inputs: list[list[int]],
-        logits: torch.Tensor,
-        seconds: float,
-        drafts: dict[int, list[int]],
-        qs: dict[int, list[torch.Tensor]],
-        steady: bool,
-    ) -> None:
-        """One one-token draft step's token for every row that fed it (a drafter drafting in
-        one level: eagle.py), and its share of the step's time; a ``steady`` (one-token)
-        step's time is the draft cost the plan reads."""
-        fed = sum(len(x) for x in inputs)
-        for b in drafts:
-            if inputs[b]:
-                r = rows[b]
-                r.stats.draft_forwards += 1
-                r.stats.draft_time_s += seconds * len(inputs[b]) / fed
-                tok, q = pick(r, logits[b])
-                drafts[b].append(tok)
-                if q is not None:
-                    qs[b].append(q)
-        if steady:
-            self.batch.dec.costs[sum(1 for x in inputs if x)].observe_draft(self.d.name, seconds)
 
     def proposals(
         self, rows: list[Row], ks: dict[int, int], drafts: dict[int, list[int]], qs: dict[int, list[torch.Tensor]]

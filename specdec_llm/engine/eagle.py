@@ -30,7 +30,7 @@ import torch
 
 from . import hf
 from .autok import Timer
-from .drafters import ModelDrafter, ModelRow, ModelSession
+from .drafters import ModelDrafter, ModelRow, ModelSession, pick
 from .protocol import Proposal
 from .ragged import RaggedCache
 
@@ -109,6 +109,7 @@ class _EagleSession(ModelSession):
     def __init__(self, drafter: EagleDrafter, batch: Batch):
         super().__init__(drafter, batch)
         self.cache = RaggedCache(drafter.model, 0, OWN)
+        self.columns: list[int] = []  # the cache column fed at each draft step of this iteration
 
     def add(self, row: Row) -> None:
         self.d.tracker(row)
@@ -157,6 +158,31 @@ class _EagleSession(ModelSession):
             own.update({b: h[b] for b in ks if inputs[b]})
             self.record(rows, inputs, logits, t.seconds, drafts, qs, steady=j > 0)
         return self.proposals(rows, ks, drafts, qs)
+
+    def record(
+        self,
+        rows: list[Row],
+        inputs: list[list[int]],
+        logits: torch.Tensor,
+        seconds: float,
+        drafts: dict[int, list[int]],
+        qs: dict[int, list[torch.Tensor]],
+        steady: bool,
+    ) -> None:
+        """One draft step's token for every row that fed it, and its share of the step's time;
+        a ``steady`` (one-token) step's time is the draft cost the plan reads."""
+        fed = sum(len(x) for x in inputs)
+        for b in drafts:
+            if inputs[b]:
+                r = rows[b]
+                r.stats.draft_forwards += 1
+                r.stats.draft_time_s += seconds * len(inputs[b]) / fed
+                tok, q = pick(r, logits[b])
+                drafts[b].append(tok)
+                if q is not None:
+                    qs[b].append(q)
+        if steady:
+            self.batch.dec.costs[sum(1 for x in inputs if x)].observe_draft(self.d.name, seconds)
 
     def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:
         """Drafted pairs (steps 2..k) leave the cache whatever was accepted: the accepted
