@@ -60,6 +60,8 @@ class SpeculativeDecoder:
     (choose per iteration from measured costs) or a fixed integer. A seeded sampling request
     never uses the timing-driven schedule (the same seed must give the same text whatever
     the machine's timings): it uses ``default_k`` when that is an integer, else ``seeded_k``.
+    ``target_file``: the file the target was loaded from, for a drafter that runs it another
+    way (``llamacpp``: llama.cpp on the target's GGUF).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class SpeculativeDecoder:
         kernel_cache: Path | None = None,
         cost_cache: Path | str | None = None,
         compile_draft: bool = False,
+        target_file: str | None = None,
     ) -> None:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.kernels: dict[str, Any] = {}  # the matmul kernel chosen per weight shape and row count (CPU)
@@ -90,8 +93,10 @@ class SpeculativeDecoder:
         self.vocab_size = vocab_size or min(sizes)
         if drafters is None:
             drafters = ["model"] if draft is not None else []
+        self.context_length = context_length or getattr(target.config, "max_position_embeddings", None) or 2048
         names = [d for d in drafters if isinstance(d, str)]
-        built = iter(registry.build(names, DraftContext(draft, self.vocab_size, tokenizer)))
+        context = DraftContext(draft, self.vocab_size, tokenizer, target_file, self.context_length)
+        built = iter(registry.build(names, context))
         self.drafters: list[Drafter] = [next(built) if isinstance(d, str) else d for d in drafters]
         # the target layers whose outputs a feature-level drafter reads (eagle.py): every
         # target forward returns them (a pair has one draft, so at most one such drafter)
@@ -102,7 +107,6 @@ class SpeculativeDecoder:
             if tokenizer is not None and tokenizer.eos_token_id is not None:
                 eos_token_ids.append(tokenizer.eos_token_id)
         self.eos_token_ids = set(eos_token_ids)
-        self.context_length = context_length or getattr(target.config, "max_position_embeddings", None) or 2048
         self.max_k = max_k if self.drafters else 0
         self.default_k, self.seeded_k = default_k, seeded_k
         if cost_cache is None and kernel_cache is not None:

@@ -365,8 +365,6 @@ class ModelSession:
         # token, or the tokens it was behind) and of each draft token it fed after (d_0, d_1, ...)
         self.head_cols: dict[int, list[int]] = {}
         self.draft_cols: dict[int, list[int]] = {}
-        # the free drafters whose proposals a forward may check (two levels)
-        self.inner = [d for d in batch.dec.drafters if isinstance(d, FreeDrafter)] if drafter.levels > 1 else []
 
     def add(self, row: Row) -> None:
         """A fixed k > 0 drafts at once: prefill now; an auto row's cache is filled the first
@@ -416,20 +414,7 @@ class ModelSession:
                 r.state[self.d.name].dlen = len(r.seq) - 1
 
     def check(self, row: Row, drafts: list[int], left: int, head: int, rows: int) -> list[int]:
-        """The cheaper proposal this row's next draft forward checks (at most ``left - 1``
-        tokens: the forward adds the draft's own), beside its ``head`` pending tokens, in a
-        forward of ``rows`` rows: the plan's choice from measured costs, or for a seeded
-        sampled row, whose text must not depend on timings, the first free drafter's whole
-        proposal."""
-        inner = [d for d in self.inner if d.name in row.drafters]
-        if left < 2 or not inner:
-            return []
-        seeded = row.req.seed is not None and not row.req.greedy
-        offers = (p for d in inner if (p := d.offer(row, left - 1, drafts)) is not None)
-        if seeded:
-            return next((p.tokens for p in offers), [])
-        best = inner_plan(self.batch.dec.costs[rows], self.d.name, offers, head)
-        return best.tokens if best is not None else []
+        return to_check(self.batch, self.d.name, row, drafts, left, head, rows) if self.d.levels > 1 else []
 
     def propose(self, rows: list[Row], ks: dict[int, int]) -> dict[int, Proposal]:
         """Draft forwards until every row has its ``ks[b]`` tokens. Each forward feeds a row its
@@ -542,6 +527,23 @@ class SelfSession(ModelSession):
         st.tracker.update(len(prop.tokens), n)
         self.cache.drop(b, self.head_cols[b] + self.draft_cols[b])
         st.dlen = len(row.seq) - 1  # row.seq is not yet advanced
+
+
+def to_check(batch: Batch, name: str, row: Row, drafts: list[int], left: int, head: int, rows: int) -> list[int]:
+    """Two levels: the cheaper proposal the model drafter ``name``'s next forward for ``row``
+    checks (at most ``left - 1`` tokens: the forward adds the draft's own), beside the
+    ``head`` tokens it feeds anyway, in a forward of ``rows`` rows. The free drafters the row
+    may use offer what follows ``row.seq + drafts``; the plan picks from measured costs
+    (``autok.inner_plan``), or for a seeded sampled row, whose text must not depend on
+    timings, the first offer whole."""
+    inner = [d for d in batch.dec.drafters if isinstance(d, FreeDrafter) and d.name in row.drafters]
+    if left < 2 or not inner:
+        return []
+    offers = (p for d in inner if (p := d.offer(row, left - 1, drafts)) is not None)
+    if row.req.seed is not None and not row.req.greedy:
+        return next((p.tokens for p in offers), [])
+    best = inner_plan(batch.dec.costs[rows], name, offers, head)
+    return best.tokens if best is not None else []
 
 
 def accept_checked(row: Row, checked: list[int], logits: torch.Tensor) -> tuple[int, int, list[torch.Tensor]]:

@@ -129,3 +129,5 @@ class DraftContext:
     draft: Any  # the pair's draft: a causal LM, a feature-level draft (eagle.py), or None
     vocab_size: int  # the vocabulary target and draft share
     tokenizer: Any = None  # the pair's tokenizer (None when the decoder has none)
+    target_file: str | None = None  # the file the target was loaded from, if one (a GGUF: llamacpp.py)
+    context_length: int = 2048  # the longest sequence the decoder serves

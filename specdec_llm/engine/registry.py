@@ -145,6 +145,20 @@ def _eagle(c: DraftContext) -> Drafter:
     return EagleDrafter(c.draft, c.vocab_size)
 
 
+def _llamacpp(c: DraftContext) -> Drafter:
+    """llama.cpp decoding the target's own GGUF file (llamacpp.py; optional package)."""
+    if not (c.target_file or "").endswith(".gguf"):
+        raise ValueError("drafter 'llamacpp' needs the pair's target as a GGUF file; drop 'llamacpp' from drafters")
+    try:
+        from .llamacpp import LlamaCppDrafter
+
+        return LlamaCppDrafter(str(c.target_file), c.vocab_size, c.context_length)
+    except ImportError as e:
+        raise ValueError(
+            f"drafter 'llamacpp' needs llama-cpp-python ({e}): pip install llama-cpp-python, or drop 'llamacpp' from drafters"
+        ) from None
+
+
 register_drafter("lookup", lambda c: Lookup(), default=True)
 register_drafter("suffix", lambda c: Suffix(), default=True)
 register_drafter(
@@ -157,6 +171,7 @@ register_drafter(
     default=True,
     needs='draft = "quantized:int4" (or int8, fp8)',
 )
+register_drafter("llamacpp", _llamacpp, needs="the pair's target as a GGUF file and llama-cpp-python installed")
 register_drafter(
     "eagle",
     _eagle,

@@ -14,7 +14,7 @@ from ..engine.ragged import unservable
 from ..settings import get_settings
 from .drafts import REFERENCE, fingerprint, load_draft_dir, quantized_draft, shared_draft
 from .eagle_draft import load_eagle_dir
-from .gguf import resolve
+from .gguf import local_ref, resolve
 from .spec import CHAT_TEMPLATES, CHAT_TURN_ENDS, DRAFT_META, PairError, PairSpec, draft_dir, get_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,6 +90,7 @@ class Pair:
             default_k=self.spec.k,
             kernel_cache=get_settings().cache_dir / "kernels.json",
             compile_draft=self.spec.compile_draft,
+            target_file=local_ref(self.spec.target) if self.spec.target.endswith(".gguf") else None,
         )
 
 

@@ -1,0 +1,86 @@
+"""The ``llamacpp`` drafter (engine/llamacpp.py): llama.cpp decoding the target's own GGUF as
+the draft. Its refusals need nothing installed; its decoding needs the optional
+``llama-cpp-python`` (skipped where it is not installed): on the real SmolLM2 pair, greedy
+outputs identical to target-only decoding, one row and a batch, each row's llama.cpp context
+holding a prefix of the row after every step, and the contexts reused."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from conftest import tiny_llama
+
+from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
+from specdec_llm.engine.decoder import Batch
+
+PROMPTS = [
+    "Explain what a KV cache is, in three sentences.",
+    "Write a Python function that reverses a string, then test it on 'hello'.",
+    "List the planets of the solar system in order.",
+]
+
+
+def test_the_llamacpp_drafter_needs_a_gguf_target():
+    with pytest.raises(ValueError, match="needs the pair's target as a GGUF file; drop 'llamacpp'"):
+        SpeculativeDecoder(tiny_llama(0), drafters=["lookup", "llamacpp"])
+
+
+@pytest.fixture(scope="module")
+def q4():
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (optional: pip install llama-cpp-python)")
+    from specdec_llm.pairs import load_pair
+
+    return load_pair("smollm2-135m-q4")
+
+
+def decoders(pair):
+    from specdec_llm.pairs import local_ref
+
+    dec = SpeculativeDecoder(
+        pair.target,
+        pair.draft,
+        pair.tokenizer,
+        drafters=["llamacpp", "lookup", "suffix"],  # a fixed k drafts with llama.cpp, checking the others
+        vocab_size=pair.vocab_size,
+        default_k=5,
+        target_file=local_ref(pair.spec.target),
+    )
+    plain = SpeculativeDecoder(pair.target, None, pair.tokenizer, drafters=[], vocab_size=pair.vocab_size)
+    return dec, plain
+
+
+def check_contexts(batch) -> None:
+    for row in batch.rows:
+        st = row.state["llamacpp"]
+        if st.context is not None:
+            held = st.context.tokens
+            assert held[: st.dlen] == row.seq[: st.dlen] and st.dlen < len(row.seq)
+
+
+def test_greedy_with_llamacpp_drafting_is_identical_to_the_target(q4):
+    dec, plain = decoders(q4)
+    for prompt in PROMPTS[:2]:
+        ids = dec.encode(GenerationRequest(prompt=prompt, chat=True))
+        batch = Batch(dec)
+        row = batch.add(GenerationRequest(prompt=ids, max_new_tokens=40))
+        while batch.rows:
+            batch.step()
+            check_contexts(batch)
+        reference = plain.generate(GenerationRequest(prompt=ids, max_new_tokens=40, k=0))
+        assert row.result.token_ids == reference.token_ids
+        assert row.result.stats.drafter_tokens["llamacpp"]["accepted"] > 10
+    assert len(dec.drafter("llamacpp").pool) >= 1  # the finished rows' contexts went back to the pool
+
+
+def test_a_batch_drafting_with_llamacpp_keeps_every_row_identical(q4):
+    dec, plain = decoders(q4)
+    requests = [GenerationRequest(prompt=p, chat=True, max_new_tokens=24 + 8 * i) for i, p in enumerate(PROMPTS)]
+    results = dec.generate_many(requests, max_batch=2)  # the third row joins when the first leaves
+    for req, res in zip(requests, results):
+        ids = dec.encode(req)
+        assert (
+            res.token_ids
+            == plain.generate(GenerationRequest(prompt=ids, max_new_tokens=req.max_new_tokens, k=0)).token_ids
+        )
