@@ -78,6 +78,7 @@ def main() -> None:
     pair = load_pair(args.pair)
     n = args.max_new_tokens
 
+    gguf = local_ref(pair.spec.target)
     ref_dec = pair.decoder()  # prepares the weights (kernels measured on this machine) for every method
     eos = set(ref_dec.eos_token_ids)
 
@@ -89,6 +90,7 @@ def main() -> None:
             drafters=drafters,
             vocab_size=pair.vocab_size,
             compile_draft=compile_draft,
+            target_file=gguf if gguf.endswith(".gguf") else None,
         )
         for drafter in d.drafters:
             if not drafter.free:
@@ -131,9 +133,10 @@ def main() -> None:
     if pair.spec.quantized:  # its one-token step compiled (engine/compiled.py), where measured faster
         builders["engine quantized compiled"] = lambda: engine(["quantized"], compile_draft=True)
         builders["engine default compiled (" + "+".join(names) + ")"] = lambda: engine(names, compile_draft=True)
-    gguf = local_ref(pair.spec.target)
     if gguf.endswith(".gguf") and importlib.util.find_spec("llama_cpp") is not None:
         builders[LLAMA_CPP] = lambda: llama_cpp(gguf, n, eos)
+        if "llamacpp" not in names:  # llama.cpp as the draft, with the free drafters
+            builders["engine lookup+suffix+llamacpp"] = lambda: engine(["lookup", "suffix", "llamacpp"])
     if args.methods:
         keep = {m.strip() for m in args.methods.split(",")} | {BASE}
         builders = {m: f for m, f in builders.items() if m in keep or m.split(" (")[0] in keep}

@@ -26,6 +26,16 @@ def test_the_llamacpp_drafter_needs_a_gguf_target():
         SpeculativeDecoder(tiny_llama(0), drafters=["lookup", "llamacpp"])
 
 
+def test_a_pair_listing_llamacpp_without_its_package_is_refused_by_name(monkeypatch):
+    import sys
+
+    from specdec_llm.pairs import PairError, load_pair
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as where it is not installed
+    with pytest.raises(PairError, match=r"smollm2-135m-llamacpp.*pip install llama-cpp-python"):
+        load_pair("smollm2-135m-llamacpp").decoder()
+
+
 @pytest.fixture(scope="module")
 def q4():
     if importlib.util.find_spec("llama_cpp") is None:

@@ -81,17 +81,20 @@ class Pair:
     draft_info: dict = field(default_factory=dict)
 
     def decoder(self) -> SpeculativeDecoder:
-        return SpeculativeDecoder(
-            self.target,
-            self.draft,
-            self.tokenizer,
-            drafters=self.spec.drafter_names(),
-            vocab_size=self.vocab_size,
-            default_k=self.spec.k,
-            kernel_cache=get_settings().cache_dir / "kernels.json",
-            compile_draft=self.spec.compile_draft,
-            target_file=local_ref(self.spec.target) if self.spec.target.endswith(".gguf") else None,
-        )
+        try:
+            return SpeculativeDecoder(
+                self.target,
+                self.draft,
+                self.tokenizer,
+                drafters=self.spec.drafter_names(),
+                vocab_size=self.vocab_size,
+                default_k=self.spec.k,
+                kernel_cache=get_settings().cache_dir / "kernels.json",
+                compile_draft=self.spec.compile_draft,
+                target_file=local_ref(self.spec.target) if self.spec.target.endswith(".gguf") else None,
+            )
+        except ValueError as e:  # a drafter this pair lists cannot run here (llamacpp without its package)
+            raise PairError(f"pair {self.spec.name!r}: {e}") from None
 
 
 def check_vocab(target_ref: str, tok_t, draft_ref: str, tok_d, vt: int, vd: int) -> int:
