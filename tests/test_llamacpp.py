@@ -32,14 +32,14 @@ def test_a_pair_listing_llamacpp_without_its_package_is_refused_by_name(monkeypa
     from specdec_llm.pairs import PairError, load_pair
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as where it is not installed
-    with pytest.raises(PairError, match=r"smollm2-135m-llamacpp.*pip install llama-cpp-python"):
+    with pytest.raises(PairError, match=r"smollm2-135m-llamacpp.*specdec-llm\[llamacpp\]"):
         load_pair("smollm2-135m-llamacpp").decoder()
 
 
 @pytest.fixture(scope="module")
 def q4():
     if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is not installed (optional: pip install llama-cpp-python)")
+        pytest.skip("llama-cpp-python is not installed (optional: pip install specdec-llm[llamacpp])")
     from specdec_llm.pairs import load_pair
 
     return load_pair("smollm2-135m-q4")

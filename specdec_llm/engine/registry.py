@@ -155,7 +155,7 @@ def _llamacpp(c: DraftContext) -> Drafter:
         return LlamaCppDrafter(str(c.target_file), c.vocab_size, c.context_length)
     except ImportError as e:
         raise ValueError(
-            f"drafter 'llamacpp' needs llama-cpp-python ({e}): pip install llama-cpp-python, or drop 'llamacpp' from drafters"
+            f"drafter 'llamacpp' needs llama-cpp-python ({e}): pip install 'specdec-llm[llamacpp]' (llama-cpp-python), or drop 'llamacpp' from drafters"
         ) from None
 
 
