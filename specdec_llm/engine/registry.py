@@ -171,7 +171,6 @@ register_drafter(
     default=True,
     needs='draft = "quantized:int4" (or int8, fp8)',
 )
-register_drafter("llamacpp", _llamacpp, needs="the pair's target as a GGUF file and llama-cpp-python installed")
 register_drafter(
     "eagle",
     _eagle,
@@ -179,3 +178,4 @@ register_drafter(
     default=True,
     needs="an EAGLE draft directory (specdec-llm distill --kind eagle); set draft = ... or drop 'eagle'",
 )
+register_drafter("llamacpp", _llamacpp, needs="the pair's target as a GGUF file and llama-cpp-python installed")
