@@ -162,6 +162,7 @@ class LlamaCppSession:
     def propose(self, rows: list[Row], ks: dict[int, int]) -> dict[int, Proposal]:
         out: dict[int, Proposal] = {}
         name, costs = self.d.name, self.batch.dec.costs
+        spent, steady = 0.0, True  # (rows draft one after the other: the batch's drafting is their sum)
         for b, k in ks.items():
             r, st = rows[b], rows[b].state[name]
             if k <= 0 or len(r.seq) + k > self.d.n_ctx:
@@ -171,8 +172,8 @@ class LlamaCppSession:
             ctx: Context = st.context
             same = next((i for i, (a, t) in enumerate(zip(ctx.tokens, r.seq)) if a != t), len(ctx.tokens))
             ctx.truncate(min(same, len(r.seq) - 1))  # what it holds of the row (the last token is fed)
-            head, drafts, qs, spent = r.seq[len(ctx.tokens) :], list[int](), list[Any](), 0.0
-            steady = len(head) == 1
+            head, drafts, qs = r.seq[len(ctx.tokens) :], list[int](), list[Any]()
+            steady = steady and len(head) == 1
             while len(drafts) < k:
                 checked = to_check(self.batch, name, r, drafts, k - len(drafts), len(head), 1)
                 with Timer() as t:
@@ -188,9 +189,9 @@ class LlamaCppSession:
                 qs += q
                 head = [nxt]
             st.dlen, st.used = len(ctx.tokens), True
-            if steady:
-                costs[len(rows)].observe_drafting(name, spent, k)
             out[b] = Proposal(name, drafts, qs or None, [st.tracker.rate] * k, [None] * k)
+        if out and steady:
+            costs[len(rows)].observe_drafting(name, spent, max(len(p.tokens) for p in out.values()))
         return out
 
     def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:
