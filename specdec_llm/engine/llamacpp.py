@@ -127,10 +127,6 @@ class LlamaCppDrafter(ModelDrafter):
 
         return forward
 
-    def time_step(self, rows: int, ids: list[int]) -> Callable[[], float]:
-        forward = self.time_forward(rows, ids)
-        return lambda: forward(1)
-
 
 class LlamaCppSession:
     """Its state is in each row (``row.state[name]``: the row's context and how many of the
