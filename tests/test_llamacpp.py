@@ -94,3 +94,37 @@ def test_a_batch_drafting_with_llamacpp_keeps_every_row_identical(q4):
             res.token_ids
             == plain.generate(GenerationRequest(prompt=ids, max_new_tokens=req.max_new_tokens, k=0)).token_ids
         )
+
+
+CRASH = "import os, signal, sys\nos.kill(os.getpid(), signal.SIGSEGV)\n"
+
+
+@pytest.mark.parametrize(
+    ("code", "match"),
+    [
+        (
+            CRASH,
+            r"llama.cpp crashed decoding .*x.gguf on this CPU \(SIGSEGV\): rebuild llama-cpp-python .*AMX_INT8=OFF",
+        ),
+        ("raise SystemExit('no such model')", r"llama.cpp could not decode .*x.gguf: no such model"),
+    ],
+)
+def test_a_llamacpp_that_cannot_decode_here_is_refused_not_crashed(monkeypatch, tmp_path, code, match):
+    """The probe runs llama.cpp in a child process: a crash (as its AMX kernels crash on some
+    virtual machines) or an error there is an error here, with the fix, and this process lives."""
+    from specdec_llm.engine import llamacpp
+
+    monkeypatch.setattr(llamacpp, "PROBE", code)
+    with pytest.raises(ValueError, match=match):
+        llamacpp.probe(str(tmp_path / "x.gguf"))
+    assert str(tmp_path / "x.gguf") not in llamacpp.probed  # (a file refused is probed again next time)
+
+
+def test_a_pair_whose_llamacpp_crashes_is_refused_at_load(q4, monkeypatch):
+    from specdec_llm.engine import llamacpp
+    from specdec_llm.pairs import PairError, load_pair
+
+    monkeypatch.setattr(llamacpp, "PROBE", CRASH)
+    monkeypatch.setattr(llamacpp, "probed", set())
+    with pytest.raises(PairError, match=r"smollm2-135m-llamacpp.*crashed decoding .* \(SIGSEGV\)"):
+        load_pair("smollm2-135m-llamacpp").decoder()

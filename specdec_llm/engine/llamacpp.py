@@ -17,6 +17,9 @@ the other (a context per row): this drafter is for small batches, as speculation
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +36,37 @@ if TYPE_CHECKING:
 
 MAX_CONTEXT = 4096  # tokens per context (its memory is allocated up front)
 CHUNK = 512  # tokens per decode call
+
+# a child process decodes a few tokens with llama.cpp before this process does (``probe``)
+PROBE = """import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+llm.eval([llm.token_bos()] * 4)
+"""
+FIX = (
+    "rebuild llama-cpp-python without the kernels that crash; on a CPU with AMX: "
+    "CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+    "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF' "
+    "pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python (docs/pairs.md), "
+    "or drop 'llamacpp' from drafters"
+)
+probed: set[str] = set()  # the files llama.cpp decoded in a child process
+
+
+def probe(path: str) -> None:
+    """Decode with llama.cpp in a child process first (``PROBE`` run on ``path``), once per
+    file and process: a build of llama.cpp can crash on a CPU it detects wrongly (its AMX kernels on
+    some virtual machines), and a crash here would kill the worker with no word; refused at
+    load instead, with the fix."""
+    if path in probed:
+        return
+    r = subprocess.run([sys.executable, "-c", PROBE, path], capture_output=True, text=True, timeout=600)
+    if r.returncode < 0:
+        raise ValueError(f"llama.cpp crashed decoding {path} on this CPU ({signal.Signals(-r.returncode).name}): {FIX}")
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise ValueError(f"llama.cpp could not decode {path}: {last}")
+    probed.add(path)
 
 
 class Context:
@@ -96,6 +130,7 @@ class LlamaCppDrafter(ModelDrafter):
         self.path, self.n_ctx = path, min(context_length, MAX_CONTEXT)
         self.pool: list[Context] = []
         self.pool.append(self.context())  # a missing package or a file llama.cpp cannot read fails at load
+        probe(path)  # and so does a llama.cpp that crashes decoding on this CPU
         self.timing: Context | None = None  # calibration's
 
     def context(self) -> Context:
