@@ -235,6 +235,34 @@ def test_cost_model_chooses_k_from_acceptance_and_costs():
     assert cost.verify(0) == pytest.approx(3 * times[0], rel=0.05)
 
 
+def test_a_few_disturbed_iterations_cannot_stop_drafting():
+    """A drafter the plan stops using is not observed again until a probe: a few draft
+    forwards or verifications another process slowed down (10x, even in a row) must not move
+    the costs that decide k at all; the machine's own lasting change of speed is followed."""
+    from specdec_llm.engine.autok import WINDOW, CostModel, calibrate
+
+    cost = CostModel(max_k=8)
+    times = {0: 0.0386, 1: 0.045, 2: 0.050, 4: 0.0657, 8: 0.0771}
+    calibrate(cost, lambda k: times[k], lambda: 0.0061, points=sorted(times), repeats=1)
+    for _ in range(WINDOW):
+        cost.observe_verify(4, times[4])
+        cost.observe_draft("model", 0.0061)
+        cost.observe_drafting("model", 4 * 0.0061, 4)
+    k, costs = cost.best_k(0.9), (cost.draft("model"), cost.draft_per_token("model"), cost.verify(4))
+    assert k >= 2
+    for _ in range(WINDOW // 2):  # disturbed, in a row
+        cost.observe_verify(4, 10 * times[4])
+        cost.observe_draft("model", 10 * 0.0061)
+        cost.observe_drafting("model", 40 * 0.0061, 4)
+        assert (cost.draft("model"), cost.draft_per_token("model"), cost.verify(4)) == costs
+        assert cost.best_k(0.9) == k
+    for _ in range(WINDOW):  # the draft itself got 10x slower (and stays so): followed
+        cost.observe_draft("model", 10 * 0.0061)
+        cost.observe_drafting("model", 40 * 0.0061, 4)
+    assert cost.draft("model") == pytest.approx(10 * 0.0061)
+    assert cost.best_k(0.9) == 0
+
+
 def test_auto_k_settles_at_zero_with_a_useless_draft(target):
     dec = SpeculativeDecoder(target, tiny_llama(7, layers=1))
     dec.generate(GenerationRequest(prompt=[1, 2, 3], max_new_tokens=40))  # first request: learns a ~ 0

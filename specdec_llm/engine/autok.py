@@ -21,11 +21,11 @@ from .types import expected_tokens_per_iteration
 if TYPE_CHECKING:
     from .protocol import Proposal
 
-EMA = 0.2  # weight of a new timing sample
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the acceptance prior
-# the target-only forward behind a reported speedup is the median of this many latest plain
-# forwards: a few iterations another process slowed down (or sped up) do not move it at all
-PLAIN_WINDOW = 9
+# every live timing figure (a scale, a ratio, the target-only forward behind a reported
+# speedup) is the median of this many latest observations: a few iterations another process
+# slowed down (or sped up) do not move it at all, and lasting load moves it within a few
+WINDOW = 9
 MARGIN = 1.1  # k > 0 only when it promises at least 10% more tokens/s than k = 0
 
 
@@ -52,9 +52,11 @@ class CostModel:
 
     A calibration measures the shape (verify time at every k, made non-decreasing in k, and
     each model drafter's step); live iterations only rescale it (observed / predicted: the
-    mean of the first ``1 / EMA`` observations, then an EMA), so load on a shared machine
-    moves every k's cost together, no stale point can mislead, and a calibration (or a cached
-    figure) measured under other load is corrected from the first iteration on.
+    median of the latest ``WINDOW`` observations), so load on a shared machine moves every
+    k's cost together, no stale point can mislead, a calibration (or a cached figure)
+    measured under other load is corrected from the first iterations on, and a few disturbed
+    iterations cannot stop drafting (a drafter the plan stops using is not observed again
+    until a probe).
     Free drafters (prompt lookup, suffix index) cost no forward: only their verification.
     """
 
@@ -70,18 +72,19 @@ class CostModel:
     # tokens per row (its own token plus a cheaper drafter's proposal to check), at calibration
     draft_width_s: dict[str, dict[int, float]] = field(default_factory=dict)
     # per model drafter: observed seconds per drafted token / its one-token step (two-level
-    # drafting drafts several tokens per forward: below 1); an EMA, absent until observed
+    # drafting drafts several tokens per forward: below 1); absent until observed
     draft_token_ratio: dict[str, float] = field(default_factory=dict)
     # what a plain (k = 0) iteration costs besides its forward (accepting, streaming text...):
-    # an EMA over observed k = 0 iterations; None until one was seen (or loaded)
+    # as observed k = 0 iterations measured it; None until one was seen (or loaded)
     plain_overhead_s: float | None = None
     # seconds of a k = 0 forward as k = 0 iterations measured it (the median of the latest
-    # PLAIN_WINDOW; None until one is seen): the target-only step itself, not the calibrated
+    # WINDOW; None until one is seen): the target-only step itself, not the calibrated
     # shape at a scale that drafting iterations of other widths moved (their errors are not
     # the k = 0 point's)
     plain_forward_s: float | None = None
     plain_samples: list[float] = field(default_factory=list)
-    seen: dict[str, int] = field(default_factory=dict)  # live observations per scale since calibration
+    # the latest WINDOW live observations behind each figure above, since calibration
+    samples: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def calibrated(self) -> bool:
@@ -99,11 +102,8 @@ class CostModel:
 
     def observe_plain(self, seconds: float, forward_s: float) -> None:
         """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward."""
-        w = self._weight("plain")
-        old = self.plain_overhead_s
-        extra = max(0.0, seconds - forward_s)
-        self.plain_overhead_s = extra if old is None else (1 - w) * old + w * extra
-        self.plain_samples = [*self.plain_samples, forward_s][-PLAIN_WINDOW:]
+        self.plain_overhead_s = self._observe("plain", max(0.0, seconds - forward_s))
+        self.plain_samples = [*self.plain_samples, forward_s][-WINDOW:]
         self.plain_forward_s = statistics.median(self.plain_samples)
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,7 +131,7 @@ class CostModel:
         self.plain_overhead_s = data.get("plain_overhead_s")
         self.plain_forward_s = data.get("plain_forward_s")
         self.plain_samples = [] if self.plain_forward_s is None else [self.plain_forward_s]
-        self.verify_scale, self.draft_scale, self.seen, self.width_ratio = 1.0, {}, {}, {}
+        self.verify_scale, self.draft_scale, self.samples, self.width_ratio = 1.0, {}, {}, {}
 
     def _calibrated_verify(self, k: int) -> float:
         return interpolate(self.verify_s, k)
@@ -158,18 +158,18 @@ class CostModel:
         two-level drafting was observed to make of it (``draft_token_ratio``, 1 until seen)."""
         return self.draft(name) * self.draft_token_ratio.get(name, 1.0)
 
-    def _weight(self, scale: str) -> float:
-        n = self.seen[scale] = self.seen.get(scale, 0) + 1
-        return max(EMA, 1.0 / n)
+    def _observe(self, figure: str, x: float) -> float:
+        """The median of the latest ``WINDOW`` observations of ``figure``, ``x`` the newest."""
+        latest = self.samples[figure] = [*self.samples.get(figure, []), x][-WINDOW:]
+        return statistics.median(latest)
 
     def observe_verify(self, k: int, seconds: float) -> None:
         if not self.calibrated:
             return
-        ratio, w = seconds / self._calibrated_verify(k), self._weight("verify")
-        self.verify_scale = (1 - w) * self.verify_scale + w * ratio
+        ratio = seconds / self._calibrated_verify(k)
+        self.verify_scale = self._observe("verify", ratio)
         if k > 0:  # what is left once the common scale moved: this width's own error
-            w, old = self._weight(f"verify:{k}"), self.width_ratio.get(k, 1.0)
-            self.width_ratio[k] = (1 - w) * old + w * ratio / self.verify_scale
+            self.width_ratio[k] = self._observe(f"verify:{k}", ratio / self.verify_scale)
 
     def observe_draft(self, name: str, seconds: float, width: int = 1) -> None:
         """One draft forward of ``width`` tokens per row took ``seconds``."""
@@ -178,8 +178,7 @@ class CostModel:
         calibrated = self.draft(name, width) / self.draft_scale.get(name, 1.0)
         if calibrated == float("inf"):
             return
-        ratio, w = seconds / calibrated, self._weight(f"draft:{name}")
-        self.draft_scale[name] = (1 - w) * self.draft_scale.get(name, 1.0) + w * ratio
+        self.draft_scale[name] = self._observe(f"draft:{name}", seconds / calibrated)
 
     def observe_drafting(self, name: str, seconds: float, tokens: int) -> None:
         """A model drafter's whole proposal: ``tokens`` tokens (per row, the most any row
@@ -188,8 +187,7 @@ class CostModel:
         step = self.draft(name)
         if tokens <= 0 or step == float("inf"):
             return
-        w, old = self._weight(f"ratio:{name}"), self.draft_token_ratio.get(name, 1.0)
-        self.draft_token_ratio[name] = (1 - w) * old + w * seconds / tokens / step
+        self.draft_token_ratio[name] = self._observe(f"ratio:{name}", seconds / tokens / step)
 
     def best_k(self, acceptance: float | list[float], drafter: str = "model") -> int:
         """The k with the most expected tokens per second when every row drafts with the model
@@ -354,7 +352,7 @@ def calibrate(
     cost.width_ratio = {}
     cost.draft_scale = {}
     cost.draft_token_ratio = {}
-    cost.seen = {}
+    cost.samples = {}
     cost.plain_forward_s = None
     cost.plain_samples = []
 

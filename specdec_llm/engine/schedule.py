@@ -49,7 +49,7 @@ class PlainIterations:
         run = self.drafting_runs[bucket] = self.drafting_runs.get(bucket, 0) + 1 if drafted else 0
         if not (drafted and may_force):
             return chosen
-        if run > (PLAIN_EVERY if cost.seen.get("plain") else PLAIN_FIRST):
+        if run > (PLAIN_EVERY if cost.samples.get("plain") else PLAIN_FIRST):
             self.plain_left[bucket], self.drafting_runs[bucket] = PLAIN_RUN, 0
         if self.plain_left.get(bucket, 0) > 0:
             self.plain_left[bucket] -= 1
