@@ -82,8 +82,8 @@ class CostModel:
     # shape at a scale that drafting iterations of other widths moved (their errors are not
     # the k = 0 point's)
     plain_forward_s: float | None = None
-    plain_samples: list[float] = field(default_factory=list)
-    # the latest WINDOW live observations behind each figure above, since calibration
+    # the latest WINDOW live observations behind each figure above, since calibration (the
+    # plain forward's seeded with a cached figure)
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     @property
@@ -103,8 +103,7 @@ class CostModel:
     def observe_plain(self, seconds: float, forward_s: float) -> None:
         """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward."""
         self.plain_overhead_s = self._observe("plain", max(0.0, seconds - forward_s))
-        self.plain_samples = [*self.plain_samples, forward_s][-WINDOW:]
-        self.plain_forward_s = statistics.median(self.plain_samples)
+        self.plain_forward_s = self._observe("plain forward", forward_s)
 
     def to_dict(self) -> dict[str, Any]:
         """The costs as measured now (live scales folded in), for the on-disk cache."""
@@ -130,8 +129,8 @@ class CostModel:
         self.draft_token_ratio = {n: float(v) for n, v in data.get("draft_token_ratio", {}).items()}
         self.plain_overhead_s = data.get("plain_overhead_s")
         self.plain_forward_s = data.get("plain_forward_s")
-        self.plain_samples = [] if self.plain_forward_s is None else [self.plain_forward_s]
-        self.verify_scale, self.draft_scale, self.samples, self.width_ratio = 1.0, {}, {}, {}
+        self.verify_scale, self.draft_scale, self.width_ratio = 1.0, {}, {}
+        self.samples = {} if self.plain_forward_s is None else {"plain forward": [self.plain_forward_s]}
 
     def _calibrated_verify(self, k: int) -> float:
         return interpolate(self.verify_s, k)
@@ -354,7 +353,6 @@ def calibrate(
     cost.draft_token_ratio = {}
     cost.samples = {}
     cost.plain_forward_s = None
-    cost.plain_samples = []
 
 
 class AcceptanceTracker:
