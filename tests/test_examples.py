@@ -83,6 +83,7 @@ def test_bulk_documents_job_and_export(run_example, tmp_path):
     results = [json.loads(line) for line in (docs / "results.jsonl").read_text().splitlines()]
     assert [r["id"] for r in results] == ["kv-cache", "speculative", "tokenizers", "quantization", "batching"]
     assert all(r["status"] == "ok" and r["output_tokens"] > 0 for r in results)
+    assert all(0 < r["time_to_first_token_s"] <= r["wall_time_s"] for r in results)  # stats a user sees per row
     assert results[1]["metadata"]["topic"] == "speculative decoding"
     assert sorted(p.name for p in docs.glob("*.md")) == sorted(f"{r['id']}.md" for r in results)
     assert (docs / "speculative.md").read_text().startswith("# speculative decoding\n")

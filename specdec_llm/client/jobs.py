@@ -41,6 +41,7 @@ RESULT_FIELDS = (
     "acceptance_rate",
     "mean_accepted_length",
     "wall_time_s",
+    "time_to_first_token_s",
     "metadata",
 )
 
