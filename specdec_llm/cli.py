@@ -33,9 +33,12 @@ err = Console(stderr=True)
 
 @app.callback()
 def _quiet() -> None:
-    """Keep stderr for our own messages: no per-tensor progress bars from transformers.
-    It reads these when it loads (not imported here: it takes seconds); if it is loaded
-    already, it is told directly."""
+    """Before every command: the ``SPECDEC_*`` variables read (one that cannot be read is one
+    ``error:`` line and exit 2, whatever the command). Keep stderr for our own messages: no
+    per-tensor progress bars from transformers. It reads these when it loads (not imported
+    here: it takes seconds); if it is loaded already, it is told directly."""
+    with user_errors():
+        get_settings()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if "transformers" in sys.modules:

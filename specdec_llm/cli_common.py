@@ -9,7 +9,6 @@ Every failure a person can fix prints one line, ``error: ...``, on stderr and ex
 
 from __future__ import annotations
 
-import re
 import sys
 from contextlib import contextmanager
 from typing import Annotated
@@ -54,9 +53,15 @@ def parse_k(value: str | None) -> int | str | None:
         fail(f"k: {value!r} is not a number; use an integer >= 0 or 'auto'")
 
 
-def check_device(device: str | None) -> str | None:
-    if device is not None and not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):
-        fail(f"device: {device!r} unknown; use cpu, cuda or cuda:N (one worker per GPU)")
+def check_device(device: str | None, field: str = "device") -> str | None:
+    """``device`` when this machine's torch can run it (None stays None: the pair's device);
+    else one line naming ``field`` and the devices there are (``engine.devices``)."""
+    if device is not None:
+        from .engine.devices import device_problem
+
+        why = device_problem(device)
+        if why:
+            fail(f"{field}: {why}")
     return device
 
 

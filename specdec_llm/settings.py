@@ -1,4 +1,7 @@
-"""One place for configuration: ``SPECDEC_*`` environment variables (pydantic-settings)."""
+"""One place for configuration: ``SPECDEC_*`` environment variables (pydantic-settings).
+
+A variable that cannot be read is a ``SettingsError`` naming it, its value and what it takes
+(one line; the CLI prints it and exits 2), never pydantic's ``ValidationError``."""
 
 from __future__ import annotations
 
@@ -6,9 +9,16 @@ from functools import lru_cache
 from pathlib import Path
 
 import platformdirs
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .errors import SpecDecError
+
 APP = "specdec-llm"
+
+
+class SettingsError(SpecDecError, ValueError):
+    """A ``SPECDEC_*`` variable that cannot be read; the message names it and the fix."""
 
 
 class Settings(BaseSettings):
@@ -20,7 +30,7 @@ class Settings(BaseSettings):
     default_pair: str = "smollm2-135m-q4"  # the fastest built-in pair (README: figures)
     device: str | None = None  # overrides every pair's device, e.g. "cuda:0"
     dtype: str | None = None  # overrides every pair's dtype, e.g. "bfloat16"
-    threads: int | None = None  # torch intra-op threads (CPU)
+    threads: int | None = Field(None, ge=1)  # torch intra-op threads (CPU)
 
     # Store and queue (used by the store / workers)
     data_dir: Path = Path(platformdirs.user_data_dir(APP))
@@ -33,11 +43,11 @@ class Settings(BaseSettings):
     # time, prefork pool; "auto" = the size with the most tokens/s on this machine, from its
     # measured costs); an idle worker waits max_wait_ms for a burst to start together.
     max_batch: int | str = "auto"
-    max_wait_ms: float = 20.0
+    max_wait_ms: float = Field(20.0, ge=0)
     # Leases: a worker renews the heartbeat of each row it runs every lease_heartbeat_s; a
     # running row without a heartbeat for lease_timeout_s lost its worker and is requeued.
-    lease_heartbeat_s: float = 10.0
-    lease_timeout_s: float = 60.0
+    lease_heartbeat_s: float = Field(10.0, gt=0)
+    lease_timeout_s: float = Field(60.0, gt=0)
 
     @property
     def effective_database_url(self) -> str:
@@ -46,9 +56,34 @@ class Settings(BaseSettings):
         return f"sqlite:///{self.data_dir / 'specdec.db'}"
 
 
+# what a variable takes, for its error (the others take any text)
+TAKES = {
+    "threads": "a whole number >= 1 (torch's CPU threads), or unset it for torch's default",
+    "max_wait_ms": "a number of milliseconds >= 0",
+    "lease_heartbeat_s": "a number of seconds > 0",
+    "lease_timeout_s": "a number of seconds > 0",
+}
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    return Settings()
+    """The settings (read once; ``reload_settings`` reads them again); a ``SettingsError``
+    naming the first variable that cannot be read."""
+    try:
+        return Settings()
+    except ValidationError as e:
+        raise SettingsError(unreadable(e)) from None
+
+
+def unreadable(error: ValidationError) -> str:
+    """One line: the first variable pydantic refused, its value, why, and what it takes."""
+    first = error.errors()[0]
+    field = str(first["loc"][0]) if first["loc"] else "?"
+    why = first["msg"][0].lower() + first["msg"][1:]
+    more = error.error_count() - 1
+    return f"SPECDEC_{field.upper()}={first.get('input')!r}: {why}; set it to {TAKES.get(field, 'a valid value')}" + (
+        f" ({more} more SPECDEC_* variable{'s' if more > 1 else ''} refused too)" if more else ""
+    )
 
 
 def reload_settings() -> Settings:

@@ -406,3 +406,128 @@ def test_langchain_models_check_generation_parameters_at_construction(pairs_file
                 model(pair="tiny", backend="local", **kwargs)
             assert isinstance(e.value, SpecDecError) and str(e.value).startswith(fragment), (model, kwargs, e.value)
         assert model(pair="tiny", backend="local", temperature=0.7, top_p=0.9, k=4).temperature == 0.7
+
+
+# -- issue 45, item 3 and the smaller ones: settings, the pairs file and devices are one line ----------
+def beyond_this_machine() -> str:
+    """A CUDA device this machine does not have (cuda:0 where torch has no CUDA)."""
+    import torch
+
+    return f"cuda:{torch.cuda.device_count()}"
+
+
+def fresh_settings(mp, **variables) -> None:
+    """``variables`` set for the next command, the cached settings dropped (reading them may
+    fail: the command says so)."""
+    from specdec_llm.settings import get_settings
+
+    for k, v in variables.items():
+        mp.setenv(k, v)
+    get_settings.cache_clear()
+
+
+@pytest.fixture
+def settings_env():
+    """Environment for the settings of one test (its own monkeypatch: the other fixtures'
+    variables stay theirs), the settings read again afterwards."""
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+    reload_settings()
+
+
+@pytest.mark.parametrize(
+    "variables, fragment",
+    [
+        ({"SPECDEC_THREADS": "abc"}, "SPECDEC_THREADS='abc': input should be a valid integer"),
+        ({"SPECDEC_THREADS": "-2"}, "SPECDEC_THREADS='-2': input should be greater than or equal to 1"),
+        ({"SPECDEC_THREADS": "0"}, "set it to a whole number >= 1 (torch's CPU threads), or unset it"),
+        ({"SPECDEC_LEASE_TIMEOUT_S": "abc"}, "SPECDEC_LEASE_TIMEOUT_S='abc': input should be a valid number"),
+        ({"SPECDEC_LEASE_HEARTBEAT_S": "0"}, "SPECDEC_LEASE_HEARTBEAT_S='0'"),
+        ({"SPECDEC_MAX_WAIT_MS": "-1"}, "set it to a number of milliseconds >= 0"),
+    ],
+)
+@pytest.mark.parametrize("command", [["jobs"], ["status", "x"], ["generate", "hi", "--pair", "tiny"], ["worker"]])
+def test_a_setting_that_cannot_be_read_is_one_line_for_every_command(
+    embedded, settings_env, variables, fragment, command
+):
+    fresh_settings(settings_env, **variables)
+    one_line_exit_2(CliRunner().invoke(main_cli(), command), fragment)
+
+
+def test_a_setting_that_cannot_be_read_is_a_spec_dec_error_in_python(settings_env):
+    from specdec_llm.errors import SpecDecError
+    from specdec_llm.settings import SettingsError, get_settings
+
+    fresh_settings(settings_env, SPECDEC_THREADS="abc")
+    with pytest.raises(SettingsError, match="SPECDEC_THREADS") as e:
+        get_settings()
+    assert isinstance(e.value, SpecDecError) and isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["pairs", "list"], ["generate", "hi"], ["worker"], ["submit", "IN"], ["run", "IN"], ["pairs", "show", "tiny"]],
+)
+def test_invalid_toml_in_the_pairs_file_is_one_line_for_every_command(embedded, pairs_file, tmp_path, command):
+    pairs_file.write_text('[pairs.tiny\ntarget = "a"\n')
+    rows = tmp_path / "in.jsonl"
+    rows.write_text('{"prompt": "hi"}\n')
+    args = [str(rows) if a == "IN" else a for a in command]
+    one_line_exit_2(CliRunner().invoke(main_cli(), args), f"{pairs_file}: not valid TOML (Expected ']'")
+    assert not (embedded / "specdec.db").exists()  # nothing enqueued
+
+
+def test_a_config_file_variable_naming_a_missing_file_is_an_error(tmp_path, settings_env):
+    from specdec_llm.pairs import PairError, registry
+
+    missing = tmp_path / "nope" / "pairs.toml"
+    fresh_settings(settings_env, SPECDEC_CONFIG_FILE=str(missing))
+    with pytest.raises(PairError, match=f"SPECDEC_CONFIG_FILE: {missing} does not exist; point it at your pairs"):
+        registry()
+    one_line_exit_2(CliRunner().invoke(main_cli(), ["pairs", "list"]), f"SPECDEC_CONFIG_FILE: {missing}")
+    fresh_settings(settings_env, SPECDEC_CONFIG_FILE=str(tmp_path))
+    with pytest.raises(PairError, match="is not a file"):
+        registry()
+    settings_env.delenv("SPECDEC_CONFIG_FILE")
+    reload_settings()
+    assert "smollm2-135m" in registry()  # the default path: missing is fine (the built-in pairs)
+
+
+def test_the_one_device_check():
+    from specdec_llm.engine.devices import device_problem
+
+    assert device_problem("cpu") is None
+    assert device_problem("banana") == "'banana' unknown: not a device; use cpu, cuda, cuda:N or mps"
+    assert "cuda:N" in device_problem("cuda:x")
+    why = device_problem(beyond_this_machine())
+    assert why and ("no CUDA device" in why or "use one of them" in why), why
+
+
+@pytest.mark.parametrize("device", ["banana", "beyond"])
+def test_a_device_this_machine_lacks_is_one_line_before_anything_runs(
+    embedded, pairs_file, tmp_path, settings_env, device
+):
+    device = beyond_this_machine() if device == "beyond" else device
+    rows = tmp_path / "in.jsonl"
+    rows.write_text('{"prompt": "hi"}\n')
+    cli = main_cli()
+    # an option
+    one_line_exit_2(CliRunner().invoke(cli, ["worker", "--pair", "tiny", "--device", device]), f"device: '{device}'")
+    one_line_exit_2(CliRunner().invoke(cli, ["run", str(rows), "--pair", "tiny", "--device", device]), "device: ")
+    assert not (embedded / "specdec.db").exists()  # nothing enqueued
+    # the pairs file's key, naming the file and the pair
+    text = pairs_file.read_text()
+    pairs_file.write_text(text.replace("[pairs.tiny]\n", f'[pairs.tiny]\ndevice = "{device}"\n'))
+    for command in (["generate", "hi", "--pair", "tiny"], ["worker", "--pair", "tiny"]):
+        r = CliRunner().invoke(cli, command)
+        one_line_exit_2(r, f"{pairs_file}: pair 'tiny': device '{device}'")
+        assert "specdec worker:" not in r.output  # before Celery starts
+    pairs_file.write_text(text)
+    # SPECDEC_DEVICE
+    fresh_settings(settings_env, SPECDEC_DEVICE=device)
+    for command in (["generate", "hi", "--pair", "tiny"], ["worker", "--pair", "tiny"]):
+        one_line_exit_2(CliRunner().invoke(cli, command), f"SPECDEC_DEVICE: '{device}'")
+    from specdec_llm.pairs import PairError, load_pair
+
+    with pytest.raises(PairError, match="SPECDEC_DEVICE"):  # LangChain's local mode and every other loader
+        load_pair("tiny")

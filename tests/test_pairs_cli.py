@@ -56,6 +56,68 @@ def test_bad_user_file_names_the_key(tmp_path, monkeypatch):
         reload_settings()
 
 
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        # a string "false" is truthy: it must never reach from_pretrained as trust_remote_code
+        (
+            'trust_remote_code = "false"',
+            "trust_remote_code must be true or false (a TOML boolean, without quotes), not 'false' (a string)",
+        ),
+        (
+            'compile_draft = "yes"',
+            "compile_draft must be true or false (a TOML boolean, without quotes), not 'yes' (a string)",
+        ),
+        ("k = true", 'k must be an integer or "auto", not True (a boolean)'),
+        ("k = 2.5", 'k must be an integer or "auto", not 2.5 (a float)'),
+        ('k = "4"', "k must be an integer or \"auto\", not '4' (a string)"),
+        ("draft_vocab = true", "draft_vocab must be an integer, not True (a boolean)"),
+        ('draft_vocab = "32768"', "draft_vocab must be an integer, not '32768' (a string)"),
+        ("draft = 3", "draft must be a string, not 3 (an integer)"),
+        ("dtype = 16", "dtype must be a string, not 16 (an integer)"),
+        ("device = 0", "device must be a string, not 0 (an integer)"),
+        (
+            'drafters = "lookup"',
+            'drafters must be a list of strings, e.g. ["lookup", "suffix"], not \'lookup\' (a string)',
+        ),
+        ("drafters = [1]", "drafters must be a list of strings"),
+        ("chat_template = 1", "chat_template must be a string, not 1 (an integer)"),
+        ("description = false", "description must be a string, not False (a boolean)"),
+        ("description = { a = 1 }", "description must be a string, not {'a': 1} (a table)"),
+    ],
+)
+def test_every_key_of_a_pair_is_type_checked(tmp_path, monkeypatch, line, message):
+    from specdec_llm.settings import reload_settings
+
+    path = tmp_path / "pairs.toml"
+    path.write_text(f'[pairs.x]\ntarget = "a"\n{line}\n')
+    monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(path))
+    reload_settings()
+    try:
+        with pytest.raises(PairError) as e:
+            registry()
+        assert str(e.value).startswith(f"{path}: pair 'x': {message}"), str(e.value)
+        path.write_text("[pairs.x]\ntarget = 7\n")
+        with pytest.raises(PairError, match=r"pair 'x': target must be a string, not 7"):
+            registry()
+    finally:
+        monkeypatch.delenv("SPECDEC_CONFIG_FILE")
+        reload_settings()
+
+
+def test_every_pair_key_has_a_type_and_the_right_types_pass(tmp_path):
+    from specdec_llm.pairs.spec import KEY_TYPES, read_toml
+
+    assert set(KEY_TYPES) == set(PairSpec.__dataclass_fields__) - {"name", "source"}  # a new key needs its type
+    text = (
+        '[pairs.x]\ntarget = "a"\ndraft = "quantized:int4"\ndtype = "float32"\ndevice = "cpu"\nk = 4\n'
+        'drafters = ["lookup", "quantized"]\ntrust_remote_code = false\ncompile_draft = true\n'
+        'chat_template = "gemma"\ndraft_vocab = 32768\ndescription = "d"\n'
+    )
+    spec = read_toml(text, "f.toml")["x"]
+    assert spec.trust_remote_code is False and spec.compile_draft is True and spec.k == 4
+
+
 def test_tiny_pair_generates_text(pairs_file):
     pair = load_pair("tiny")
     res = pair.decoder().generate(GenerationRequest(prompt="The quick brown", max_new_tokens=12, k=2))

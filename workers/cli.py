@@ -75,7 +75,7 @@ def worker(
     --max-batch B > 1 decodes up to B requests as one batch: one process (Celery's threads
     pool, B task threads, at most B messages reserved) holding the pair once."""
     from specdec_llm import client, store
-    from specdec_llm.pairs import get_spec
+    from specdec_llm.pairs import check_pair_device, get_spec
     from specdec_llm.settings import get_settings
 
     with user_errors():
@@ -86,7 +86,12 @@ def worker(
         fail("max-wait-ms: use 0 or more")
     if metrics_port is not None and not 0 < metrics_port < 65536:
         fail(f"metrics-port: {metrics_port} is not a TCP port; use 1-65535")
-    device = check_device(device) or spec.device
+    if device is None:  # the pair's (or SPECDEC_DEVICE's): this machine must have it too
+        with user_errors():
+            check_pair_device(spec)
+        device = spec.device
+    else:
+        check_device(device)
     with user_errors():  # before Celery starts or the pair loads
         client.check_broker_url()
         price = store.price_for(price_per_hour or None, device)  # the flag, else SPECDEC_PRICE_PER_HOUR

@@ -35,6 +35,7 @@ from .gguf import GGUF_INT4, cached_gguf_blocks, gguf_blocks, local_ref, resolve
 from .loading import (
     DTYPES,
     Pair,
+    check_pair_device,
     check_vocab,
     load_model,
     load_pair,
@@ -79,6 +80,7 @@ __all__ = [
     "SubsetHead",
     "build_eagle",
     "cached_gguf_blocks",
+    "check_pair_device",
     "check_vocab",
     "default_feature_layers",
     "draft_dir",

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..engine import SpeculativeDecoder
+from ..engine.devices import device_problem
 from ..engine.ragged import unservable
 from ..settings import get_settings
 from .drafts import REFERENCE, fingerprint, load_draft_dir, quantized_draft, shared_draft
@@ -123,8 +124,23 @@ def _stop_at_turn_end(target, tokenizer, token: str | None) -> None:
         target.generation_config.eos_token_id = [*ids, end]
 
 
+def check_pair_device(spec: PairSpec) -> None:
+    """A PairError, before anything loads, when this machine cannot run the pair's device,
+    naming where the device was set: ``SPECDEC_DEVICE``, or the pair's ``device`` key."""
+    why = device_problem(spec.device)
+    if why is None:
+        return
+    if get_settings().device:
+        raise PairError(f"SPECDEC_DEVICE: {why} (or unset SPECDEC_DEVICE to use each pair's own device)")
+    where = "the built-in pairs" if spec.source == "builtin" else spec.source
+    raise PairError(
+        f"{where}: pair {spec.name!r}: device {why} (the pair's `device` key; or SPECDEC_DEVICE=cpu for every pair)"
+    )
+
+
 def load_pair(name_or_spec: str | PairSpec) -> Pair:
     spec = get_spec(name_or_spec) if isinstance(name_or_spec, str) else name_or_spec
+    check_pair_device(spec)
     if spec.dtype not in DTYPES:
         raise PairError(f"pair {spec.name}: dtype {spec.dtype!r} unknown; use one of {', '.join(DTYPES)}")
     target = load_model(spec.target, spec.dtype, spec.device, spec.trust_remote_code, pair=spec.name)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..engine import RequestError
 from ..errors import SpecDecError
-from ..settings import get_settings
+from ..settings import Settings, get_settings
 
 DRAFT_META = "specdec_draft.json"
 SHARED_TENSORS = ["model.embed_tokens", "model.norm", "lm_head", "model.rotary_emb"]
@@ -71,47 +71,105 @@ class PairSpec:
             raise RequestError("drafter", f"unknown drafter {drafter!r} for pair {self.name}; use one of: {known}")
 
 
+# every key a pair may set and the TOML type it must have: checked before any value is used
+# (a string "false" is truthy: it must not reach from_pretrained as trust_remote_code)
+KEY_TYPES = {
+    "target": "string",
+    "draft": "string",
+    "dtype": "string",
+    "device": "string",
+    "k": 'integer or "auto"',
+    "drafters": "list of strings",
+    "trust_remote_code": "boolean",
+    "compile_draft": "boolean",
+    "chat_template": "string",
+    "draft_vocab": "integer",
+    "description": "string",
+}
+WORDS = {  # each type as the error says it
+    "string": "a string",
+    "boolean": "true or false (a TOML boolean, without quotes)",
+    "integer": "an integer",
+    'integer or "auto"': 'an integer or "auto"',
+    "list of strings": 'a list of strings, e.g. ["lookup", "suffix"]',
+}
+
+
+def has_type(value, kind: str) -> bool:
+    """Whether a TOML value is of ``kind`` (a value of ``KEY_TYPES``); a boolean is no integer."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    return {
+        "string": isinstance(value, str),
+        "boolean": isinstance(value, bool),
+        "integer": is_int,
+        'integer or "auto"': is_int or value == "auto",
+        "list of strings": isinstance(value, list) and all(isinstance(v, str) for v in value),
+    }[kind]
+
+
+def toml_type(value) -> str:
+    """A value's TOML type with its article ("a string", "an integer"), for errors."""
+    for kind, types in (
+        ("a boolean", bool),
+        ("an integer", int),
+        ("a float", float),
+        ("a string", str),
+        ("an array", list),
+        ("a table", dict),
+    ):
+        if isinstance(value, types):
+            return kind
+    return f"a {type(value).__name__}"
+
+
 def read_toml(text: str, source: str) -> dict[str, PairSpec]:
     """The pairs of one TOML text (``source`` names it in errors), every key checked."""
-    data = tomllib.loads(text).get("pairs", {})
+    try:
+        data = tomllib.loads(text).get("pairs", {})
+    except tomllib.TOMLDecodeError as e:
+        raise PairError(f"{source}: not valid TOML ({e}); fix that line (docs/pairs.md shows the format)") from None
+    if not isinstance(data, dict):
+        raise PairError(f"{source}: 'pairs' must be a table of pairs, e.g. [pairs.my-pair] (docs/pairs.md)")
     known = set(PairSpec.__dataclass_fields__) - {"name", "source"}
     out = {}
     for name, fields in data.items():
+        if not isinstance(fields, dict):
+            raise PairError(
+                f"{source}: pair {name!r} must be a table ([pairs.{name}] with target = ...), not {fields!r}"
+            )
         unknown = set(fields) - known
         if unknown:
             raise PairError(f"{source}: pair {name!r} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
         if "target" not in fields:
             raise PairError(f"{source}: pair {name!r} needs a 'target' (model dir, hub id or .gguf file)")
+        for key, value in fields.items():
+            kind = KEY_TYPES.get(key)
+            if kind and not has_type(value, kind):
+                raise PairError(
+                    f"{source}: pair {name!r}: {key} must be {WORDS[kind]}, not {value!r} ({toml_type(value)})"
+                )
         k = fields.get("k", "auto")
-        if k != "auto" and not (isinstance(k, int) and k >= 0):
+        if k != "auto" and k < 0:
             raise PairError(f'{source}: pair {name!r}: k must be "auto" or an integer >= 0, not {k!r}')
         draft = fields.get("draft")
         quantized = isinstance(draft, str) and draft.startswith(QUANTIZED)
         if quantized:
             quantization_scheme(draft, f"{source}: pair {name!r}")
-        compile_draft = fields.get("compile_draft", False)
-        if not isinstance(compile_draft, bool) or (compile_draft and not quantized):
+        if fields.get("compile_draft", False) and not quantized:
             raise PairError(
                 f"{source}: pair {name!r}: compile_draft must be true or false, and needs "
                 f'draft = "quantized:int4" (it compiles the quantized draft\'s step)'
             )
         draft_vocab = fields.get("draft_vocab")
-        if draft_vocab is not None and not (isinstance(draft_vocab, int) and draft_vocab > 0 and quantized):
+        if draft_vocab is not None and not (draft_vocab > 0 and quantized):
             raise PairError(
                 f"{source}: pair {name!r}: draft_vocab must be a positive number of tokens, e.g. 32768, "
                 f'and needs draft = "quantized:int4" (it narrows the quantized draft\'s head)'
-            )
-        if not isinstance(fields.get("chat_template", ""), str):
-            raise PairError(
-                f"{source}: pair {name!r}: chat_template must be a Jinja template or one of {sorted(CHAT_TEMPLATES)}"
             )
         drafters = fields.get("drafters")
         if drafters is not None:
             from ..engine import registry as drafter_registry
 
-            if not isinstance(drafters, list) or not all(isinstance(d, str) for d in drafters):
-                known_drafters = drafter_registry.known()
-                raise PairError(f"{source}: pair {name!r}: drafters must be a list of names, e.g. {known_drafters}")
             why = drafter_registry.check(drafters, draft_kind(draft))
             if why:
                 raise PairError(f"{source}: pair {name!r}: {why}")
@@ -122,6 +180,13 @@ def read_toml(text: str, source: str) -> dict[str, PairSpec]:
 def registry() -> dict[str, PairSpec]:
     settings = get_settings()
     pairs = read_toml(resources.files("specdec_llm").joinpath("builtin_pairs.toml").read_text(), "builtin")
+    if "config_file" in settings.model_fields_set and not settings.config_file.is_file():  # named, so meant
+        raise PairError(
+            f"SPECDEC_CONFIG_FILE: {settings.config_file} "
+            + ("is not a file" if settings.config_file.exists() else "does not exist")
+            + "; point it at your pairs file, or unset it to use the default "
+            + str(Settings.model_fields["config_file"].default)
+        )
     if settings.config_file.is_file():
         pairs.update(read_toml(settings.config_file.read_text(), str(settings.config_file)))
     for spec in pairs.values():
