@@ -36,8 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tiny_pair(folder: Path) -> Path:
-    """A 2-layer random Llama target and a 1-layer draft with a small byte-level BPE; a pairs file."""
+def tiny_pair(folder: Path, ctx: int = 512) -> Path:
+    """A 2-layer random Llama target and a 1-layer draft with a small byte-level BPE (a context
+    of ``ctx`` tokens); a pairs file."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -60,7 +61,7 @@ def tiny_pair(folder: Path) -> Path:
             num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
-            max_position_embeddings=512,
+            max_position_embeddings=ctx,
             bos_token_id=None,
             eos_token_id=None,
             pad_token_id=0,

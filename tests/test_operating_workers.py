@@ -16,12 +16,12 @@ import time
 
 import pytest
 from conftest import tiny_llama, tiny_tokenizer
-from fleet import make_fleet
+from fleet import Fleet, make_fleet
 from helpers import unavailable, wait_for
 from typer.testing import CliRunner
 
 from specdec_llm import client, store
-from specdec_llm.store import admin
+from specdec_llm.store import admin, jobs
 from specdec_llm.store.testing import postgres_available, sqlite_url, temporary_postgres
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ def long_pairs(tmp_path_factory):
 
 
 STEP_S = 0.05  # s each row's step takes at least in the fleet's worker: 0.1 s per iteration of 2 rows
-# (a model's pace on a GPU, where an iteration outlasts the cancel poll: cancels.MIN_POLL_S)
+# (a model's pace on a GPU, where an iteration outlasts a broadcast's delivery and one store read)
 PACED_STEPS = f"""
 import time as _time
 import workers.cancels as _cancels
@@ -197,3 +197,74 @@ def test_a_worker_started_with_events_sends_task_events(fleet, use, tmp_path):
     assert {"task-received", "task-started", "task-succeeded"} <= types, types
     received = next(e for e in seen if e["type"] == "task-received")
     assert received["name"] == "specdec.generate" and job["job_id"] in received["args"]
+
+
+def test_a_cancel_whose_broadcast_was_missed_is_found_by_the_lease_heartbeat(fleet, use, tmp_path):
+    """The store is the record: a cancel written with no broadcast (one the worker missed)
+    still stops the running row, found by the lease heartbeat (every second here)."""
+    use(fleet)
+    job = client.submit(prompts(tmp_path / "m.jsonl", "The quick brown fox"), "tiny", {"max_new_tokens": 8000, "k": 0})
+    wait_for(lambda: client.job_counts(job["job_id"])["running"] == 1, 120)
+    jobs.cancel(job["job_id"], now=True)  # the store only: no broadcast
+    wait_for(lambda: client.job_counts(job["job_id"])["cancelled"] == 1, 30)
+    [row] = client.results(job["job_id"])
+    assert row["finish_reason"] == "cancelled" and "partial text is kept" in row["error"]
+
+
+def embedded(folder, pairs) -> Fleet:
+    """Workers on the embedded broker (no server) and SQLite in ``folder``, with a 30 s lease
+    heartbeat: only a broadcast can stop a row within seconds."""
+    url = sqlite_url(folder)
+    store.ensure_schema(url)
+    env = {
+        "SPECDEC_DATABASE_URL": url,
+        "SPECDEC_DATA_DIR": str(folder / "data"),
+        "SPECDEC_CONFIG_FILE": str(pairs),
+        "SPECDEC_THREADS": "1",
+        "SPECDEC_LEASE_HEARTBEAT_S": "30",
+    }
+    return Fleet(folder, env)
+
+
+def test_cancel_now_over_the_embedded_broker(long_pairs, use, tmp_path):
+    """The embedded broker broadcasts too (kombu's filesystem fanout): the row stops within two
+    iterations (paced as ``fleet``'s), long before the lease heartbeat (30 s) could find the flag."""
+    f = embedded(tmp_path, long_pairs)
+    (tmp_path / "paced_steps.py").write_text(PACED_STEPS)
+    paced = {"SPECDEC_CELERY_CONFIG": "paced_steps", "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    f.start_worker("embedded", args=("--max-batch", "2", "--max-wait-ms", "100"), **paced)
+    try:
+        use(f)
+        job = client.submit(
+            prompts(tmp_path / "e.jsonl", "The quick brown fox"), "tiny", {"max_new_tokens": 8000, "k": 0}
+        )
+        wait_for(lambda: client.job_counts(job["job_id"])["running"] == 1, 120)
+        time.sleep(1.0)
+        r = cli("cancel", job["job_id"], "--now")
+        assert r.exit_code == 0, r.output
+        asked = time.monotonic()
+        wait_for(lambda: client.job_counts(job["job_id"])["cancelled"] == 1, 20)
+        assert time.monotonic() - asked < 10
+        [row] = client.results(job["job_id"])
+        late = int(re.search(r"(\d+) iterations after the cancel was written", row["error"]).group(1))
+        print(f"cancel --now (embedded broker): the row stopped {late} iterations after the cancel was written")
+        assert late <= 2, row["error"]
+    finally:
+        f.stop()
+
+
+@pytest.mark.parametrize("max_batch", ["2", "1"])  # the threads pool, and a prefork pool child
+def test_a_worker_stopped_cleanly_says_so_with_every_row_it_did(long_pairs, use, tmp_path, max_batch):
+    """``workers`` right after a clean stop: "stopped", not "live", and the rows it recorded
+    (4, all within one heartbeat: its last beat had counted none of them)."""
+    f = embedded(tmp_path, long_pairs)
+    worker = f.start_worker("stops", args=("--max-batch", max_batch))
+    use(f)
+    path = prompts(tmp_path / "s.jsonl", *(f"over the lazy dog {i}" for i in range(4)))
+    job = client.submit(path, "tiny", {"max_new_tokens": 4, "k": 0})["job_id"]
+    client.wait(job, workers=[worker], timeout_s=120)
+    assert client.stop_local_worker(worker, timeout=30) == 0
+    [w] = admin.list_workers(stale_after_s=60)
+    assert (w["stopped"], w["stale"], w["rows_done"], w["output_tokens"]) == (True, False, 4, 16), w
+    table = cli("workers")
+    assert table.exit_code == 0 and "stopped" in table.stdout and "live" not in table.stdout, table.output

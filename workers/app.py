@@ -1,11 +1,12 @@
 """The worker's Celery app: the project's Celery configuration (``specdec_llm.client.broker``,
-shared with the client that sends), the task (``tasks.py``) and the lease heartbeat
-(``leases.LeaseStep``). ``celery -A workers.app worker`` works too."""
+shared with the client that sends), the task (``tasks.py``), the lease heartbeat
+(``leases.LeaseStep``) and the remote-control command that announces a ``cancel --now``
+(``protocol.CANCEL_COMMAND``: ``cancels.on_cancel``). ``celery -A workers.app worker`` works too."""
 
 from __future__ import annotations
 
 from specdec_llm.client.broker import broker_display, celery_config, config_key, is_embedded
-from specdec_llm.client.protocol import TASK, queue_name
+from specdec_llm.client.protocol import CANCEL_COMMAND, TASK, queue_name
 from specdec_llm.settings import get_settings
 
 __all__ = ["TASK", "broker_display", "get_app", "is_embedded", "queue_name"]
@@ -18,9 +19,14 @@ def get_app():
     key = config_key()
     if key not in _apps:
         from celery import Celery
+        from celery.worker.control import control_command
 
         from . import tasks  # noqa: F401  (registers the task on every app)
+        from .cancels import on_cancel
         from .leases import LeaseStep
+
+        # Celery's remote control: the main process of every worker runs it on a broadcast
+        control_command(name=CANCEL_COMMAND, args=[("job_id", str)], signature="<job_id>")(on_cancel)
 
         app = Celery("specdec", set_as_current=False)
         app.conf.update(celery_config(get_settings()))

@@ -6,6 +6,8 @@ serves, its batch size, the rows it has recorded and their output tokens, and it
 over the last minute (``meter``, fed by the task). A worker that stops writing is shown
 stale after the lease timeout. Started by ``runtime`` for a configured worker only
 (``specdec-llm worker``), from a daemon thread: a failed write is logged and tried again.
+A clean stop (``stop``, at the process's shutdown) writes the final counts and clears the
+heartbeat: ``workers`` shows it stopped at once, with every row it recorded.
 """
 
 from __future__ import annotations
@@ -63,18 +65,39 @@ def beat(rt) -> None:
     )
 
 
+_stopping = threading.Event()  # set by ``stop``: no beat after it
+_writing = threading.Lock()  # a beat and the stop never overlap (the stop is the last write)
+_started = False
+
+
 def start(rt) -> threading.Thread:
-    """Beat now, then every ``SPECDEC_LEASE_HEARTBEAT_S``, until the process ends."""
+    """Beat now, then every ``SPECDEC_LEASE_HEARTBEAT_S``, until ``stop`` or the process ends."""
+    global _started
+    _started = True
 
     def loop() -> None:
         interval = get_settings().lease_heartbeat_s
-        while True:
+        while not _stopping.is_set():
             try:
-                beat(rt)
+                with _writing:
+                    if not _stopping.is_set():
+                        beat(rt)
             except Exception as e:  # noqa: BLE001 - the store is away: the next beat tries again
                 log.warning("worker heartbeat failed (%s: %s); the next one tries again", type(e).__name__, e)
-            time.sleep(interval)
+            _stopping.wait(interval)
 
     thread = threading.Thread(target=loop, name="specdec-heartbeat", daemon=True)
     thread.start()
     return thread
+
+
+def stop(rt) -> None:
+    """This process stops cleanly: no more beats; its final counts, marked stopped (when it beat)."""
+    _stopping.set()
+    if not _started:
+        return
+    with _writing:
+        try:
+            admin.worker_stopped(rt.worker, rows_done=meter.rows, output_tokens=meter.tokens)
+        except Exception as e:  # noqa: BLE001 - the store is away: `workers` shows it stale later
+            log.warning("could not mark this worker stopped (%s: %s)", type(e).__name__, e)

@@ -9,6 +9,9 @@
   worker dies (SIGKILL, OOM killer, lost host) its rows' heartbeats stop, and after
   ``SPECDEC_LEASE_TIMEOUT_S`` any other worker (or a waiting ``run``) puts them back on
   the queue, exactly once (one atomic UPDATE picks each: ``client.reclaim_and_enqueue``).
+- The same transaction that renews the held rows reads their jobs' cancel flags
+  (``jobs.renew_leases``): a ``cancel --now`` whose broadcast this worker missed is announced
+  to its processes here (``cancels.announce``), within one heartbeat.
 - A late duplicate of the message (Redis redelivers an unacknowledged message after its
   visibility timeout; a message requeued by ``task_reject_on_worker_lost`` when a pool
   child died) finds the row finished (no-op) or running under another worker's live lease
@@ -26,6 +29,8 @@ from specdec_llm.client.jobs import reclaim_and_enqueue
 from specdec_llm.client.protocol import TASK
 from specdec_llm.settings import get_settings
 from specdec_llm.store import jobs
+
+from . import cancels
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +67,8 @@ class LeaseStep(bootsteps.StartStopStep):
 
     def beat(self, c) -> None:
         try:
-            jobs.renew(held_request_ids(TASK), c.hostname)
+            if jobs.renew_leases(held_request_ids(TASK), c.hostname):  # a held row's job was cancelled --now
+                cancels.announce()
             reclaim_and_enqueue()
         except Exception as e:  # noqa: BLE001 - the database or broker is away: the next beat tries again
             log.warning("lease heartbeat failed (%s: %s); the next one tries again", type(e).__name__, e)

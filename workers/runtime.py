@@ -21,7 +21,8 @@ for its Future, whatever the pool:
 A process started another way (``celery -A workers.app worker``) loads the pair of its
 first task instead (under a lock: task threads wait for the one load), and writes no
 heartbeat. A configured worker's process writes one (``heartbeat``: ``specdec-llm workers``)
-from the moment its pair is loaded.
+from the moment its pair is loaded, and its last one when it stops cleanly (a pool child at
+its exit, the threads pool's process after its warm shutdown): stopped, with its final counts.
 
 The pair, its decoder and its server come from the project's one cache of loaded pairs
 (``specdec_llm.loaded``), as in LangChain's local mode.
@@ -36,7 +37,7 @@ import signal
 import threading
 from dataclasses import dataclass
 
-from celery.signals import celeryd_after_setup, worker_process_init, worker_process_shutdown
+from celery.signals import celeryd_after_setup, worker_process_init, worker_process_shutdown, worker_shutdown
 
 from specdec_llm import loaded as loaded_pairs
 from specdec_llm import store
@@ -262,6 +263,16 @@ def _load_after_fork(**_) -> None:
 @worker_process_shutdown.connect
 def _metrics_process_exit(pid=None, **_) -> None:
     metrics.process_exit(pid)
+    if _runtime is not None:  # a prefork pool child that beat: it stops cleanly
+        heartbeat.stop(_runtime)
+
+
+@worker_shutdown.connect
+def _stopped(**_) -> None:
+    """The worker's warm shutdown is over: the threads pool's process (the one that beat)
+    says it stopped (``specdec-llm workers``)."""
+    if _runtime is not None and _options is not None and _options.pool == "threads":
+        heartbeat.stop(_runtime)
 
 
 @celeryd_after_setup.connect

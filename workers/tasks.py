@@ -16,13 +16,15 @@ messages, parameters) is read from the store, so a message is a few ids, not dat
 - Transient faults (database or broker unreachable) retry with exponential backoff and
   jitter; a failure writing the result retries the write alone, carrying the result in
   the message, so a GPU never generates the same row twice for a database hiccup.
-- The row is taken under a lease (``workers.leases``): the worker's heartbeat keeps it;
+- The row is taken and read in one store transaction (``store.jobs.start``), under a lease
+  (``workers.leases``): the worker's heartbeat keeps it;
   a row whose worker dies goes back to the queue by itself. A duplicate message for a
   row running under another worker's live lease is left alone.
 - A row whose deliveries keep dying mid-generation (OOM-killed worker) fails after
   ``MAX_ATTEMPTS`` instead of killing workers forever.
-- ``cancel JOB --now``: the row's stop check (``cancels``) ends it at its next iteration as
-  cancelled, its partial text kept (``store.jobs.end_cancelled``); the batch's other rows go on.
+- ``cancel JOB --now``: the row's stop check (``cancels``: told by a broadcast, or by the
+  job's flag read with the row) ends it at its next iteration as cancelled, its partial text
+  kept (``store.jobs.end_cancelled``); the batch's other rows go on.
 - A row whose params hold ``"_stream": true`` (LangChain ``.stream``) publishes its text
   delta by delta while it is generated (``specdec_llm.client.streams``: ``StreamWriter``
   here, ``follow_stream`` in the caller).
@@ -100,30 +102,31 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
         self.app.send_task(TASK, **task_message(request_id, pair, enqueued_at=enqueued_at))
         return {"request_id": request_id, "status": "forwarded"}
     if result is None:
-        row = store.get_request(request_id)
-        if row is None:
-            log.warning("request %s is not in the store; nothing to do", request_id)
-            return {"request_id": request_id, "status": "missing"}
-        if row["status"] in FINISHED:
-            return _finished(row)
-        if row["status"] == "running" and row["attempts"] >= MAX_ATTEMPTS:
-            error = (
-                f"gave up after {row['attempts']} attempts that ended without a result "
-                "(the worker died each time: out of memory?)"
-            )
-            store.mark_request(request_id, "failed", error=error)
-            return {"request_id": request_id, "status": "failed", "error": error}
         try:
             rt = runtime.get(pair)
         except Exception as e:  # noqa: BLE001 - not the row's fault: put it back, stop this worker
             runtime.stop_worker(runtime.load_error_text(pair, e))
             raise Reject(f"pair {pair} unavailable here", requeue=True) from None
         owner = self.request.hostname or f"{rt.worker['host']}:{rt.worker['pid']}"
-        if not jobs.take(request_id, owner, lease_timeout_s=get_settings().lease_timeout_s, worker=rt.worker):
-            row = store.get_request(request_id)  # cancelled or done meanwhile, or another worker's live lease
-            if row["status"] == "running":
-                return {"request_id": request_id, "status": "running elsewhere", "duplicate": True}
-            return _finished(row)
+        lease_timeout_s = get_settings().lease_timeout_s
+        # take the row and read it (and its job's cancel flag) in one transaction
+        row = jobs.start(
+            request_id, owner, lease_timeout_s=lease_timeout_s, max_attempts=MAX_ATTEMPTS, worker=rt.worker
+        )
+        if row is None:
+            log.warning("request %s is not in the store; nothing to do", request_id)
+            return {"request_id": request_id, "status": "missing"}
+        if not row["taken"]:
+            if row["status"] in FINISHED:  # a redelivered message, or cancelled meanwhile
+                return _finished(row)
+            if row["attempts"] >= MAX_ATTEMPTS:  # running, its worker lost every time
+                error = (
+                    f"gave up after {row['attempts']} attempts that ended without a result "
+                    "(the worker died each time: out of memory?)"
+                )
+                store.mark_request(request_id, "failed", error=error)
+                return {"request_id": request_id, "status": "failed", "error": error}
+            return {"request_id": request_id, "status": "running elsewhere", "duplicate": True}
         result, ended = _generate_row(self, row, rt, pair, clock)
         if ended is not None:
             return ended
@@ -163,7 +166,7 @@ def _generate_row(task: Task, row: dict, rt: runtime.Runtime, pair: str, clock: 
     step; the row's partial text is kept)."""
     request_id, job_id = row["id"], row.get("job_id")
     stream = StreamWriter(request_id) if (row.get("params") or {}).get("_stream") else None
-    stop = cancels.flags.watch(job_id) if job_id else None
+    stop = cancels.flags.watch(job_id, row.get("cancel_requested_at")) if job_id else None
     limit = soft_time_limit(task)
     try:
         req = build_request(row, rt.loaded.tokenizer)

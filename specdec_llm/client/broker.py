@@ -26,6 +26,7 @@ lowercase names (operations: TLS, Sentinel; tests: a short visibility timeout).
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
 from contextlib import contextmanager
@@ -34,7 +35,7 @@ from datetime import timedelta
 from specdec_llm.errors import SpecDecError
 from specdec_llm.settings import Settings, get_settings
 
-from .protocol import queue_name
+from .protocol import CANCEL_COMMAND, queue_name
 
 SOFT_TIME_LIMIT = 3600  # s: the task is told (SoftTimeLimitExceeded) and fails its row
 TIME_LIMIT = SOFT_TIME_LIMIT + 300  # s: the pool kills the process running it
@@ -43,6 +44,7 @@ CONFIG_ENV = "SPECDEC_CELERY_CONFIG"
 URL_FIELDS = ("transport", "hostname", "port", "userid", "password", "virtual_host")  # kombu's, not a query's
 
 _apps: dict[tuple, object] = {}
+log = logging.getLogger(__name__)
 
 
 class QueueError(SpecDecError, RuntimeError):
@@ -135,7 +137,9 @@ def celery_config(settings: Settings) -> dict:
                 "polling_interval": 0.002,  # s between looks at an empty queue folder (a listdir: cheap)
             },
             result_backend=settings.result_backend or f"file://{results}",
-            worker_enable_remote_control=False,  # no broadcast over files: fewer folders to poll
+            # remote control on: a `cancel --now` broadcast reaches the workers through the
+            # control folder's fanout table (each worker also polls its pidbox queue's files)
+            worker_enable_remote_control=True,
         )
     else:
         check_broker_url(settings)
@@ -198,6 +202,20 @@ def check_broker() -> None:
     """Raise ``QueueError`` quickly when the broker cannot be reached."""
     with reaching(), get_app().connection_for_write() as conn:
         conn.ensure_connection(max_retries=1, interval_start=0.2, interval_step=0.2, timeout=3)
+
+
+def broadcast_cancel(job_id: str) -> bool:
+    """Tell every worker that ``job_id`` was cancelled ``--now`` (Celery's remote control:
+    ``CANCEL_COMMAND`` broadcast, no reply awaited); False when the broker cannot be reached.
+    The store holds the cancel either way: a worker that misses this finds it at its next
+    lease heartbeat, and at the start of each row."""
+    try:
+        check_broker()  # (a broadcast to a broker that is away would retry for as long as it is away)
+        get_app().control.broadcast(CANCEL_COMMAND, arguments={"job_id": job_id})
+        return True
+    except Exception as e:  # noqa: BLE001 - the store has the cancel: workers find it by themselves
+        log.warning("could not broadcast the cancel of job %s (%s); workers find it in the store", job_id, e)
+        return False
 
 
 def live_workers(pair: str, timeout: float = 1.0) -> list[str]:

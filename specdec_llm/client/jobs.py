@@ -22,7 +22,7 @@ from specdec_llm.store import jobs
 from specdec_llm.store.jobs import job_requests
 
 from . import rows as R
-from .broker import QueueError, check_broker_url, get_app, queue_size, reaching
+from .broker import QueueError, broadcast_cancel, check_broker_url, get_app, queue_size, reaching
 from .local import log_tail
 from .protocol import FINISHED, MAX_ATTEMPTS, TASK, task_message
 
@@ -258,6 +258,8 @@ def cancel(job_id: str, *, now: bool = False) -> dict:
     (``stopping``: running rows told to stop)."""
     get_job(job_id)
     cancelled = jobs.cancel(job_id, now=now)
+    if now:  # the store holds the flag; the broadcast tells the workers to read it now
+        broadcast_cancel(job_id)
     return {"job_id": job_id, "cancelled": cancelled, "stopping": jobs.counts(job_id)["running"] if now else 0}
 
 

@@ -133,7 +133,8 @@ def workers_cmd(
     """The live workers from their heartbeats, stale ones marked.
 
     Host, pid, pair, device, dtype, max batch, rows done, tokens/s (last minute), last seen; a
-    worker silent for the lease timeout (SPECDEC_LEASE_TIMEOUT_S) is stale."""
+    worker silent for the lease timeout (SPECDEC_LEASE_TIMEOUT_S) is stale; one that stopped
+    cleanly says so."""
     from rich.text import Text
 
     from specdec_llm.settings import get_settings
@@ -173,7 +174,7 @@ def workers_cmd(
             w["rows_done"],
             _rate(w["tokens_per_s"]),
             ago(w["last_seen_s"]),
-            Text("stale", style="bold red") if w["stale"] else "live",
+            "stopped" if w.get("stopped") else Text("stale", style="bold red") if w["stale"] else "live",
         ]
         for w in rows
     ]

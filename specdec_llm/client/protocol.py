@@ -9,6 +9,9 @@ the worker defines the task: ``workers/tasks.py``).
   the row (prompt, parameters) from the store.
 - ``MAX_ATTEMPTS``: deliveries of a row that died mid-generation (its worker lost) before
   the row is given up as failed (the task and the lease step both count them).
+- ``CANCEL_COMMAND``: the remote-control command (Celery's ``app.control.broadcast``) that
+  tells every worker a job was cancelled ``--now`` (argument ``job_id``; the store holds the
+  flag, the workers read it when told: ``workers/cancels.py``).
 - ``FINISHED``: the row states a delivery of the task leaves alone (a redelivered message is
   a no-op). The task returns a JSON dict ``{"request_id", "status", ...}``: a ``FINISHED``
   status, or "forwarded" (sent on to its pair's queue), "missing" (no such row) or "running
@@ -20,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 TASK = "specdec.generate"
+CANCEL_COMMAND = "specdec_cancel"
 MAX_ATTEMPTS = 3
 FINISHED = ("ok", "failed", "cancelled")
 

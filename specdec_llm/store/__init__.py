@@ -33,7 +33,9 @@ function takes ``url=`` to use another database. Times are naive UTC (``utcnow()
 
 ``jobs`` (leases and job-wide operations, set-based)
     take(request_id, owner, *, lease_timeout_s, worker=None) -> bool   # start a row under a lease
+    start(request_id, owner, *, lease_timeout_s, max_attempts, worker=None) -> dict | None  # take + read, one transaction
     renew(request_ids, owner) -> int;  reclaim(lease_timeout_s, *, max_attempts=None) -> [{"id", "pair"}]
+    renew_leases(request_ids, owner) -> {job: when}   # renew + the held rows' jobs' cancel flags
     counts(job_id, *, lease_timeout_s=None) -> {status: n, "lost", "requeued"}
     requeue(job_id, *, lease_timeout_s, cancelled=False) -> [{"id", "pair"}]
     cancel(job_id, *, now=False) -> int;  refused_count(job_id)
@@ -44,7 +46,8 @@ function takes ``url=`` to use another database. Times are naive UTC (``utcnow()
 ``admin`` (operating: ``specdec-llm jobs | workers | prune``)
     list_jobs(*, state, name, since, limit=20) -> [dict]   # newest first, rows by state, tokens/s
     heartbeat_worker(worker, *, pair, dtype, max_batch, rows_done, output_tokens, tokens_per_s)
-    list_workers(*, stale_after_s, since=None) -> [dict]   # by heartbeat; stale ones marked
+    worker_stopped(worker, *, rows_done, output_tokens)    # a clean stop: its last counts, no heartbeat
+    list_workers(*, stale_after_s, since=None) -> [dict]   # by heartbeat; stale and stopped ones marked
     prune_plan(cutoff, *, job_id=None) -> {"jobs", "rows", "unfinished"}
     prune(cutoff, *, job_id=None, batch_rows=5000) -> {"jobs", "rows", "outputs", "telemetry"}
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, delete, func, inspect, select
+from sqlalchemy import ColumnElement, and_, delete, func, inspect, or_, select, update
 from sqlalchemy.orm import Session
 
 from .db import StoreError, check_schema, get_engine, session_scope
@@ -145,15 +145,32 @@ def heartbeat_worker(
         s.execute(stmt.on_conflict_do_update(index_elements=list(key), set_=beat))
 
 
+def worker_stopped(worker: dict[str, Any], *, rows_done: int, output_tokens: int, url: str | None = None) -> None:
+    """A worker process that beat (``heartbeat_worker``) stops cleanly: its last counts, seen
+    now, and no heartbeat any more, so ``list_workers`` shows it stopped (not live, and
+    never stale)."""
+    now = utcnow()
+    with writing(url) as s:
+        s.execute(
+            update(Worker)
+            .filter_by(**worker_key(worker))
+            .values(
+                rows_done=rows_done, output_tokens=output_tokens, tokens_per_s=None, heartbeat_at=None, last_seen_at=now
+            )
+        )
+
+
 def list_workers(
     *, stale_after_s: float, since: datetime | None = None, url: str | None = None
 ) -> list[dict[str, Any]]:
-    """Workers with a heartbeat (at or after ``since``), latest heartbeat first; ``stale``:
-    none for ``stale_after_s`` seconds. Each: host, pid, pair, device, dtype, max_batch,
-    rows_done, output_tokens, tokens_per_s, started_at, last_seen (its latest heartbeat),
-    last_seen_s (seconds ago), stale."""
+    """Workers with a heartbeat, or stopped cleanly after beating (``worker_stopped``: its
+    pair is known, its heartbeat cleared), last seen at or after ``since``, latest first.
+    Each: host, pid, pair, device, dtype, max_batch, rows_done, output_tokens, tokens_per_s,
+    started_at, last_seen (its latest heartbeat, or when it stopped), last_seen_s (seconds
+    ago), ``stopped``, and ``stale`` (not stopped, no heartbeat for ``stale_after_s`` s)."""
     check_schema(url)
     W = Worker
+    last_seen = func.coalesce(W.heartbeat_at, W.last_seen_at)
     q = select(
         W.host,
         W.pid,
@@ -165,16 +182,18 @@ def list_workers(
         W.output_tokens,
         W.tokens_per_s,
         W.started_at,
-        W.heartbeat_at.label("last_seen"),
-    ).where(W.heartbeat_at.is_not(None))
+        last_seen.label("last_seen"),
+        W.heartbeat_at.is_(None).label("stopped"),
+    ).where(or_(W.heartbeat_at.is_not(None), W.pair.is_not(None)))  # (only heartbeats write the pair)
     if since is not None:
-        q = q.where(W.heartbeat_at >= since)
+        q = q.where(or_(W.heartbeat_at >= since, and_(W.heartbeat_at.is_(None), W.last_seen_at >= since)))
     with session_scope(url) as s:
-        rows = [dict(r) for r in s.execute(q.order_by(W.heartbeat_at.desc(), W.id.desc())).mappings()]
+        rows = [dict(r) for r in s.execute(q.order_by(last_seen.desc(), W.id.desc())).mappings()]
     now = utcnow()
     for r in rows:
+        r["stopped"] = bool(r["stopped"])
         r["last_seen_s"] = max(0.0, (now - r["last_seen"]).total_seconds())
-        r["stale"] = r["last_seen_s"] > stale_after_s
+        r["stale"] = not r["stopped"] and r["last_seen_s"] > stale_after_s
     return rows
 
 

@@ -13,8 +13,13 @@ Job-wide: ``counts`` (by state, plus lost and requeued rows), ``requeue`` (retry
 ``cancel``, each one UPDATE over the job's rows; ``job_requests``, every row of a job
 (with its output and key telemetry) as plain dicts, in input order.
 
+A task's first visit, ``start``, takes its row and reads it (with its job's cancel flag) in
+one transaction; the lease heartbeat, ``renew_leases``, renews the held rows and reads their
+jobs' cancel flags in one.
+
 ``cancel(job, now=True)`` also sets the job's cancel flag (``jobs.cancel_requested_at``):
-workers poll it (``cancel_times``, one query for every job they are running) and end
+workers, told by a broadcast (or finding it at ``start`` or ``renew_leases``), read it
+(``cancel_times``, one query for every job they are running) and end
 each running row at its next iteration as cancelled, its partial text kept
 (``end_cancelled``: an output, no telemetry, so reports count finished rows only). A retry
 clears the flag; ``retry --cancelled`` drops those partial outputs before the rows run again.
@@ -98,6 +103,98 @@ def renew(request_ids: Iterable[str], owner: str, *, url: str | None = None) -> 
             .returning(Request.id)
         )
         return len(result.all())
+
+
+def start(
+    request_id: str,
+    owner: str,
+    *,
+    lease_timeout_s: float,
+    max_attempts: int,
+    worker: dict[str, Any] | None = None,
+    url: str | None = None,
+) -> dict[str, Any] | None:
+    """A task's first store visit for its row, in one transaction: ``take`` it (from "queued",
+    or from "running" when the lease is ``owner``'s own or expired, and fewer than
+    ``max_attempts`` attempts were made), then read it. None when there is no such row, else
+    a dict: ``taken`` (whether ``owner`` holds it now), ``id``, ``job_id``, ``status``,
+    ``error``, ``attempts``, ``category``, ``prompt``, ``messages``, ``params``, ``output``
+    (text, token_ids, finish_reason, prompt_tokens, output_tokens; None without one) and
+    ``cancel_requested_at``, the job's cancel flag (``cancel --now``; None when not set)."""
+    with writing(url) as s:
+        now = utcnow()
+        takeable = or_(
+            Request.status == "queued",
+            and_(
+                Request.status == "running",
+                Request.attempts < max_attempts,
+                or_(
+                    Request.lease_owner.is_(None),
+                    Request.lease_owner == owner,
+                    _beat() < now - timedelta(seconds=lease_timeout_s),
+                ),
+            ),
+        )
+        values: dict[str, Any] = dict(
+            status="running",
+            error=None,
+            attempts=Request.attempts + 1,
+            lease_owner=owner,
+            heartbeat_at=now,
+            started_at=func.coalesce(Request.started_at, now),
+        )
+        if worker:
+            values["worker_id"] = worker_row_id(s, worker)
+        taken = s.execute(
+            update(Request).where(Request.id == request_id, takeable).values(**values).returning(Request.job_id)
+        ).first()
+        if taken is not None and taken.job_id:
+            row_changed(s, taken.job_id)
+        row = s.execute(
+            select(Request, Output, Job.cancel_requested_at)
+            .outerjoin(Output, Output.request_id == Request.id)
+            .outerjoin(Job, Job.id == Request.job_id)
+            .where(Request.id == request_id)
+        ).first()
+        if row is None:
+            return None
+        req, out, cancel_requested_at = row
+        output = None
+        if out is not None:
+            output = {
+                k: getattr(out, k) for k in ("text", "token_ids", "finish_reason", "prompt_tokens", "output_tokens")
+            }
+        fields = ("id", "job_id", "status", "error", "attempts", "category", "prompt", "messages", "params")
+        return {
+            "taken": taken is not None,
+            **{k: getattr(req, k) for k in fields},
+            "output": output,
+            "cancel_requested_at": cancel_requested_at,
+        }
+
+
+def renew_leases(request_ids: Iterable[str], owner: str, *, url: str | None = None) -> dict[str, datetime]:
+    """``renew``, and in the same transaction the cancel flags (``cancel --now``) of the jobs
+    of the rows ``owner`` still holds: ``{job id: when its flag was written}`` (empty when
+    none). A worker that missed a cancel's broadcast learns of it here."""
+    request_ids = list(request_ids)
+    if not request_ids:
+        return {}
+    found: dict[str, datetime] = {}
+    with writing(url) as s:
+        held = s.execute(
+            update(Request)
+            .where(Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == owner)
+            .values(heartbeat_at=utcnow())
+            .returning(Request.job_id)
+        ).all()
+        job_ids = sorted({r.job_id for r in held if r.job_id})
+        for chunk in chunks(job_ids):
+            rows = s.execute(
+                select(Job.id, Job.cancel_requested_at).where(Job.id.in_(chunk), Job.cancel_requested_at.is_not(None))
+            )
+            found.update((job_id, when) for job_id, when in rows if when is not None)
+    return found
 
 
 def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str | None = None) -> list[dict[str, Any]]:
