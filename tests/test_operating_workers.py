@@ -268,3 +268,45 @@ def test_a_worker_stopped_cleanly_says_so_with_every_row_it_did(long_pairs, use,
     assert (w["stopped"], w["stale"], w["rows_done"], w["output_tokens"]) == (True, False, 4, 16), w
     table = cli("workers")
     assert table.exit_code == 0 and "stopped" in table.stdout and "live" not in table.stdout, table.output
+
+
+def test_metrics_host_binds_the_metrics_server_there(long_pairs, tmp_path):
+    """``worker --metrics-host 127.0.0.1``: /metrics answers on the loopback address only (the
+    default, 0.0.0.0, is every interface); an address it cannot bind is one line and exit 2."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    from helpers import free_port
+
+    f = embedded(tmp_path, long_pairs)
+    port = free_port()
+    worker = f.start_worker("metrics", args=("--metrics-port", str(port), "--metrics-host", "127.0.0.1"))
+    try:
+
+        def scraped() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(scraped, 120, poll=0.5)
+        assert f"Prometheus metrics on http://127.0.0.1:{port}/metrics" in worker.log_path.read_text()
+        others = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)} - {"127.0.0.1"}
+        for address in [a for a in others if not a.startswith("127.")][:1]:  # another interface: nothing there
+            with pytest.raises(OSError), socket.create_connection((address, port), timeout=2):
+                pass
+    finally:
+        f.stop()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")} | f.env
+    bad = subprocess.run(
+        [sys.executable, "-m", "specdec_llm", "worker", "--pair", "tiny", "--metrics-port", str(port)]
+        + ["--metrics-host", "203.0.113.250"],  # (TEST-NET-3: an address no interface here has)
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: metrics-host/metrics-port:"), bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -41,9 +41,17 @@ MetricsPortOpt = Annotated[
     int | None,
     typer.Option(
         "--metrics-port",
-        help="Serve Prometheus metrics of every pool process on http://0.0.0.0:PORT/metrics "
-        "(prometheus_client multiprocess mode; folder: PROMETHEUS_MULTIPROC_DIR or a "
-        "temporary one)",
+        help="Serve Prometheus metrics of every pool process on http://HOST:PORT/metrics "
+        "(HOST: --metrics-host; prometheus_client multiprocess mode; folder: "
+        "PROMETHEUS_MULTIPROC_DIR or a temporary one)",
+    ),
+]
+MetricsHostOpt = Annotated[
+    str,
+    typer.Option(
+        "--metrics-host",
+        help="The address the metrics server binds: 0.0.0.0 (every interface, what a Prometheus "
+        "server elsewhere scrapes), 127.0.0.1 (this machine only), or one interface's address",
     ),
 ]
 EventsOpt = Annotated[
@@ -67,6 +75,7 @@ def worker(
     max_batch: MaxBatchOpt = None,
     max_wait_ms: MaxWaitOpt = None,
     metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "0.0.0.0",
     events: EventsOpt = False,
     loglevel: str = "INFO",
 ) -> None:
@@ -106,6 +115,7 @@ def worker(
             max_batch=max_batch,
             max_wait_ms=max_wait_ms,
             metrics_port=metrics_port,
+            metrics_host=metrics_host,
             events=events,
             loglevel=loglevel,
         )
@@ -130,6 +140,7 @@ def start_worker(
     metrics_port: int | None,
     loglevel: str,
     events: bool = False,
+    metrics_host: str = "0.0.0.0",
 ) -> int:
     """Run a Celery worker for ``pair`` on ``device`` until it stops; its exit status.
 
@@ -162,11 +173,12 @@ def start_worker(
         from . import metrics
 
         try:
-            folder = metrics.serve(metrics_port, pair, queue_name(pair))
+            folder = metrics.serve(metrics_port, pair, queue_name(pair), addr=metrics_host)
         except OSError as e:
-            fail(f"metrics-port: cannot serve on port {metrics_port}: {e.strerror or e}")
+            fail(f"metrics-host/metrics-port: cannot serve on {metrics_host} port {metrics_port}: {e.strerror or e}")
+        shown = f"[{metrics_host}]" if ":" in metrics_host else metrics_host
         print(
-            f"specdec worker: Prometheus metrics on http://0.0.0.0:{metrics_port}/metrics "
+            f"specdec worker: Prometheus metrics on http://{shown}:{metrics_port}/metrics "
             f"(multiprocess folder {folder})",
             file=sys.stderr,
         )
