@@ -239,6 +239,47 @@ def test_bad_input_raises_before_any_work(local):
     assert ls["ls_provider"] == "specdec" and ls["ls_model_name"] == "tiny" and ls["ls_stop"] == ["x"]
 
 
+def twenty_with_two_bad() -> list[str]:
+    """20 prompts: a NUL character in prompt 7 (no store keeps it), prompt 12 over the tiny
+    target's context (512)."""
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(20)]
+    prompts[7] = "a NUL \x00 here"
+    prompts[12] = " ".join(f"zq{i}" for i in range(400))
+    return prompts
+
+
+def assert_fail_alone(llm: SpecDecLLM, over_context: type[Exception]) -> None:
+    """Issue 45, item 2: one bad prompt fails alone in batch, abatch and generate."""
+    prompts = twenty_with_two_bad()
+    good = [i for i in range(20) if i not in (7, 12)]
+    expected = [engine_text(prompts[i], max_new_tokens=llm.max_new_tokens) for i in good]
+    out = llm.batch(prompts, return_exceptions=True)
+    assert isinstance(out[7], RequestError) and "NUL" in str(out[7]), out[7]
+    assert isinstance(out[12], over_context) and "context is 512" in str(out[12]), out[12]
+    assert [out[i] for i in good] == expected  # every other prompt its own text
+    assert asyncio.run(llm.abatch(prompts, return_exceptions=True))[:7] == out[:7]
+    parts = llm.batch(prompts, config={"max_concurrency": 8}, return_exceptions=True)
+    assert isinstance(parts[7], RequestError) and isinstance(parts[12], over_context)
+    assert [parts[i] for i in good] == expected
+    named = r"prompt 7 of 20: 'a NUL \\x00 here'; 1 other prompt failed too; 18 generated"
+    with pytest.raises(RequestError, match=named):  # the error names the bad prompt
+        llm.batch(prompts)
+    with pytest.raises(RequestError, match=named):
+        llm.generate(prompts)
+    with pytest.raises(over_context, match=r"context is 512.*prompt 0 of 2: 'zq0 zq1"):
+        llm.generate([prompts[12], PROMPTS[0]])
+    with pytest.raises(RequestError, match="NUL") as one:  # one prompt: its own error, as it was
+        llm.invoke(prompts[7])
+    assert "of 1" not in str(one.value)
+
+
+def test_one_bad_prompt_fails_alone_in_process(local):
+    assert_fail_alone(SpecDecLLM(pair="tiny", max_new_tokens=4, job_name="lc-alone"), RequestError)
+    rows = client.job_requests(job_id("lc-alone", "tiny"), outputs=False)
+    assert {r["status"] for r in rows} == {"ok", "failed"}  # the row over the context failed, recorded
+    assert all("context is 512" in r["error"] for r in rows if r["status"] == "failed")
+
+
 # -- remote mode: a real worker -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lc_pairs(tiny_pair_dir, tmp_path_factory) -> Path:
@@ -382,6 +423,14 @@ def test_remote_chat_model(remote):
     for chunk in chat.stream(messages):
         full = chunk if full is None else full + chunk
     assert full.content == msg.content and full.usage_metadata == msg.usage_metadata
+
+
+def test_remote_one_bad_prompt_fails_alone(remote, monkeypatch):
+    calls = []
+    real = client.enqueue
+    monkeypatch.setattr(client, "enqueue", lambda ids, pair, **kw: calls.append(list(ids)) or real(ids, pair, **kw))
+    assert_fail_alone(SpecDecLLM(pair="tiny", max_new_tokens=4, job_name="lc-alone"), GenerationFailed)
+    assert len(calls[0]) == 19  # one submission of every prompt but the one no store keeps
 
 
 def test_remote_errors_are_raised_not_waited_out(remote, use, monkeypatch):

@@ -2,8 +2,10 @@
 
 A ``Backend`` runs a resolved ``Call``: ``generate(items, call)`` returns one result per item
 (plain dicts: ``text``, ``token_ids``, ``finish_reason``, ``stats``, ``request_id``,
-``job_id``); ``stream(item, call, cancel)`` yields ``("text", delta)``... then
-``("result", result)``. Two implementations: ``local.LocalBackend`` (the engine in this
+``job_id``), or in its place the error of that item alone (``PROMPT_ERRORS``: a prompt over
+the context, one the worker failed), so one bad prompt never fails the others; an error of
+the whole call (its timeout, the broker, the pair, the store) is raised.
+``stream(item, call, cancel)`` yields ``("text", delta)``... then ``("result", result)``. Two implementations: ``local.LocalBackend`` (the engine in this
 process) and ``remote.RemoteBackend`` (rows in the store, messages to the worker pool).
 """
 
@@ -31,6 +33,10 @@ class BrokerUnavailable(SpecDecError, ConnectionError):
 
 class GenerationFailed(SpecDecError, RuntimeError):
     """The worker failed the row (e.g. a prompt longer than the context)."""
+
+
+# the errors of one prompt alone: a call's other prompts still run
+PROMPT_ERRORS = (RequestError, GenerationFailed)
 
 
 @dataclass
@@ -144,6 +150,6 @@ def mark(request_id: str, status: str, error: str) -> None:
 
 
 class Backend(Protocol):
-    def generate(self, items: list[Item], call: Call) -> list[dict]: ...
+    def generate(self, items: list[Item], call: Call) -> list[dict | Exception]: ...
 
     def stream(self, item: Item, call: Call, cancel: threading.Event) -> Iterator[tuple[str, Any]]: ...

@@ -268,11 +268,33 @@ class SpecDecBase(BaseModel):
         )
 
     # -- running a call: a list of results (plain dicts) --------------------------------------------
-    def _run(self, items: list[Item], call: Call) -> list[dict]:
-        for item in items:
-            item.check()
-        results = get_backend(call.backend).generate(items, call)
-        return [{**r, "text": clean(r["text"]), "pair": call.pair} for r in results]
+    def _run(self, items: list[Item], call: Call) -> list[dict | Exception]:
+        """A result per item, or in its place the error of that item alone: text no store
+        keeps is refused before any work, a prompt over the context fails its row, and the
+        other items run all the same (in one submission). An error of the whole call (its
+        timeout, the broker, the pair) is raised."""
+        outcomes: list[dict | Exception] = []
+        runs = []  # the items that passed their checks, by position
+        for i, item in enumerate(items):
+            try:
+                item.check()
+            except RequestError as e:
+                outcomes.append(e)
+            else:
+                outcomes.append({})
+                runs.append(i)
+        if runs:
+            results = get_backend(call.backend).generate([items[i] for i in runs], call)
+            for i, r in zip(runs, results, strict=True):
+                outcomes[i] = r if isinstance(r, Exception) else {**r, "text": clean(r["text"]), "pair": call.pair}
+        return outcomes
+
+    def _run_one(self, item: Item, call: Call) -> dict:
+        """One item's result; its error raised."""
+        [outcome] = self._run([item], call)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
     def _events(self, item: Item, call: Call, cancel: threading.Event) -> Iterator[tuple[str, Any]]:
         """("text", delta)... then ("result", result): one prompt, streamed."""

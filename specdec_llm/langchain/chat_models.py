@@ -82,8 +82,7 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         call = self._resolve(stop, kwargs, messages=True)
-        [result] = self._run([Item(messages=to_turns(messages))], call)
-        return self._chat_result(result)
+        return self._chat_result(self._run_one(Item(messages=to_turns(messages)), call))
 
     async def _agenerate(
         self,
@@ -93,9 +92,8 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         call = self._resolve(stop, kwargs, messages=True)
-        items = [Item(messages=to_turns(messages))]
-        [result] = await asyncio.to_thread(self._run, items, call)
-        return self._chat_result(result)
+        item = Item(messages=to_turns(messages))
+        return self._chat_result(await asyncio.to_thread(self._run_one, item, call))
 
     def _chat_result(self, result: dict) -> ChatResult:
         message = AIMessage(content=result["text"], **self._message_fields(result))

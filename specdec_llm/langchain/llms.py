@@ -8,9 +8,13 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseLLM, LangSmithParams
+from langchain_core.language_models import BaseLLM, LangSmithParams, LanguageModelInput
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables.config import get_config_list
 from pydantic import ConfigDict
+
+from specdec_llm.engine import RequestError
 
 from .backend import Call, Item
 from .base import SpecDecBase, aiter_in_thread, info, usage
@@ -33,7 +37,12 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._ls("llm", stop, kwargs)
 
-    def _result(self, results: list[dict]) -> LLMResult:
+    def _result(self, prompts: list[str], outcomes: list[dict | Exception]) -> LLMResult:
+        """The call's LLMResult; where a prompt failed, ``failed_prompt``'s error (the
+        others' results ride on it, for ``batch(..., return_exceptions=True)``)."""
+        if any(isinstance(o, Exception) for o in outcomes):
+            raise failed_prompt(prompts, outcomes)
+        results = [o for o in outcomes if isinstance(o, dict)]
         return LLMResult(
             generations=[[Generation(text=r["text"], generation_info=info(r))] for r in results],
             llm_output={"token_usage": usage(results), "model_name": results[0]["pair"] if results else self.pair},
@@ -61,7 +70,7 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
                 llm_output={"token_usage": tokens, "model_name": figures.get("pair") or self.pair},
             )
         call = self._resolve(stop, kwargs, messages=False)
-        return self._result(self._run([Item(prompt=p) for p in prompts], call))
+        return self._result(prompts, self._run([Item(prompt=p) for p in prompts], call))
 
     async def _agenerate(
         self,
@@ -72,7 +81,42 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
     ) -> LLMResult:
         call = self._resolve(stop, kwargs, messages=False)
         items = [Item(prompt=p) for p in prompts]
-        return self._result(await asyncio.to_thread(self._run, items, call))
+        return self._result(prompts, await asyncio.to_thread(self._run, items, call))
+
+    def batch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[str]:
+        """LangChain's ``batch``, all prompts in one submission, where a bad prompt fails
+        alone: with ``return_exceptions=True`` its place holds its error and every other
+        place its text (``BaseLLM.batch`` would put the one error in every place); without,
+        the error names the prompt."""
+        if not return_exceptions or split(config, len(inputs)):  # (split: BaseLLM.batch calls back here per part)
+            return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        try:
+            return super().batch(inputs, config, **kwargs)
+        except Exception as e:  # noqa: BLE001 - each prompt's outcome, as LangChain's return_exceptions
+            return per_prompt(e, len(inputs))
+
+    async def abatch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[str]:
+        """``batch``'s async twin: a bad prompt fails alone."""
+        if not return_exceptions or split(config, len(inputs)):
+            return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        try:
+            return await super().abatch(inputs, config, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            return per_prompt(e, len(inputs))
 
     def _chunks(self, prompt: str, call: Call, cancel: threading.Event) -> Iterator[GenerationChunk]:
         for kind, value in self._events(Item(prompt=prompt), call, cancel):
@@ -110,3 +154,55 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
             if run_manager and chunk.text:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
+
+
+def failed_prompt(prompts: list[str], outcomes: list[dict | Exception]) -> Exception:
+    """The error a call raises when some of its prompts failed: the first failed prompt's
+    own (its class, e.g. ``RequestError``), its message naming that prompt when the call had
+    several (which one, how it begins, how many others failed or were generated). Every
+    prompt's outcome rides on it as ``outcomes`` (for ``batch(..., return_exceptions=True)``)."""
+    failed = [i for i, o in enumerate(outcomes) if isinstance(o, Exception)]
+    first = outcomes[failed[0]]
+    assert isinstance(first, Exception)
+    error = first
+    if len(outcomes) > 1:
+        start = prompts[failed[0]]
+        others = len(failed) - 1
+        done = len(outcomes) - len(failed)
+        where = (
+            f"prompt {failed[0]} of {len(outcomes)}: {start[:40]!r}{'...' if len(start) > 40 else ''}"
+            + (f"; {others} other prompt{'s' if others > 1 else ''} failed too" if others else "")
+            + (f"; {done} generated: batch(..., return_exceptions=True) returns their text" if done else "")
+        )
+        error = reworded(first, where)
+    error.outcomes = outcomes  # type: ignore[attr-defined]
+    return error
+
+
+def reworded(error: Exception, where: str) -> Exception:
+    """``error`` again, the same class, with ``(where)`` after its message; where the class
+    cannot be rebuilt from a message, the original with ``where`` as a note."""
+    try:
+        if isinstance(error, RequestError):
+            again: Exception = RequestError(error.field, f"{str(error).removeprefix(error.field + ': ')} ({where})")
+        else:
+            again = type(error)(f"{error} ({where})")
+    except TypeError:
+        error.add_note(where)
+        return error
+    again.__cause__ = error.__cause__
+    return again
+
+
+def split(config: RunnableConfig | list[RunnableConfig] | None, count: int) -> bool:
+    """Whether ``BaseLLM.batch`` runs these inputs in parts (``max_concurrency``)."""
+    return get_config_list(config, count)[0].get("max_concurrency") is not None
+
+
+def per_prompt(error: Exception, count: int) -> list:
+    """``batch(..., return_exceptions=True)``'s answer to ``error``: each prompt's text or
+    its own error, from the ``outcomes`` on it; an error of the whole call in every place."""
+    outcomes = getattr(error, "outcomes", None)
+    if outcomes is None or len(outcomes) != count:
+        return [error] * count
+    return [o if isinstance(o, Exception) else o["text"] for o in outcomes]

@@ -17,16 +17,21 @@ from typing import Any
 from specdec_llm import store
 from specdec_llm.engine import RequestError
 
-from .backend import Call, Item, mark
+from .backend import PROMPT_ERRORS, Call, Item, mark
 
 
 class LocalBackend:
-    def generate(self, items: list[Item], call: Call) -> list[dict]:
+    def generate(self, items: list[Item], call: Call) -> list[dict | Exception]:
+        """A result per item, or the error of that item alone (its row failed); an error of
+        the whole call (the deadline, the pair) is raised and the rows not run are cancelled."""
         rows = self._rows(items, call)
-        out = []
+        out: list[dict | Exception] = []
         try:
             for row in rows:
-                out.append(self._finish(row, call, *self._submit(row, call)))
+                try:
+                    out.append(self._finish(row, call, *self._submit(row, call)))
+                except PROMPT_ERRORS as e:  # this prompt alone (over the context...): the others run
+                    out.append(e)
         except BaseException:
             for row in rows[len(out) + 1 :] if call.record else ():  # the rest of the batch will not run
                 mark(row["id"], "cancelled", "cancelled: an earlier prompt of the call failed")

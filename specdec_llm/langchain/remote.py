@@ -15,16 +15,21 @@ from typing import Any
 
 from specdec_llm import client, store
 
-from .backend import BrokerUnavailable, Call, GenerationFailed, GenerationTimeout, Item, clean, mark
+from .backend import PROMPT_ERRORS, BrokerUnavailable, Call, GenerationFailed, GenerationTimeout, Item, clean, mark
 
 
 class RemoteBackend:
-    def generate(self, items: list[Item], call: Call) -> list[dict]:
+    def generate(self, items: list[Item], call: Call) -> list[dict | Exception]:
+        """A result per item, or the error of that item alone (the worker failed its row);
+        the call's timeout or an unreachable broker is raised for the whole call."""
         sent = self._submit(items, call)
-        out = []
+        out: list[dict | Exception] = []
         try:
             for rid, result in sent:
-                out.append(self._wait(rid, result, call))
+                try:
+                    out.append(self._wait(rid, result, call))
+                except PROMPT_ERRORS as e:  # this prompt alone: the others' results still count
+                    out.append(e)
         except GenerationTimeout:
             self._cancel_queued([rid for rid, _ in sent])
             raise
