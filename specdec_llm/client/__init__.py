@@ -3,7 +3,8 @@
 It knows the task's name, the queues and the message (``protocol.py``) and sends by name:
 it imports no task code (``workers/``), and Celery only when it sends. Plain dicts in and out.
 
-- ``jobs.py``: submit a file as a job, enqueue rows, status, results, retry, cancel, wait;
+- ``jobs.py``: submit a file as a job, enqueue rows, status, results, retry, cancel, wait; hold a
+  job against ``prune`` while a command still uses it (``holding``);
 - ``rows.py`` / ``openai_batch.py``: input files -> rows -> store requests -> ``GenerationRequest``;
   OpenAI Batch lines in and out;
 - ``streams.py``: text from the worker to the caller while it generates (both ends use it);
@@ -29,11 +30,13 @@ from .broker import (
 )
 from .jobs import (
     FORMATS,
+    JOB_HOLD_S,
     PENDING,
     RESULT_FIELDS,
     cancel,
     enqueue,
     get_job,
+    holding,
     job_counts,
     job_requests,
     reclaim_and_enqueue,
@@ -54,6 +57,7 @@ from .streams import StreamWriter, follow_stream
 __all__ = [
     "FINISHED",
     "FORMATS",
+    "JOB_HOLD_S",
     "MAX_ATTEMPTS",
     "PENDING",
     "RESULT_FIELDS",
@@ -69,6 +73,7 @@ __all__ = [
     "enqueue",
     "follow_stream",
     "get_job",
+    "holding",
     "is_embedded",
     "job_counts",
     "job_requests",

@@ -12,7 +12,6 @@ failure a person can fix prints one line (``error: ...``) on stderr and exits 2
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -192,6 +191,13 @@ def cancel(
 
     with user_errors():
         r = client.cancel(job, now=now)
+    if r["finished"]:
+        c = client.job_counts(job)
+        print(
+            f"job {job} is already finished ({c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled): "
+            "nothing to cancel"
+        )
+        return
     line = f"job {job}: {r['cancelled']} rows cancelled"
     if now:
         line += f"; {r['stopping']} running rows stop at their next iteration (partial text kept)"
@@ -237,12 +243,13 @@ def run(
     with user_errors():  # the price (the flag, else SPECDEC_PRICE_PER_HOUR): now, not after the job
         store.price_for(price_per_hour or None, device or "cpu")
     t0 = time.time()
-    with user_errors():
-        sub = client.submit(file, pair, params, name=name)
+    with user_errors():  # held from its submission until its results file is written: no prune takes it meanwhile
+        sub = client.submit(file, pair, params, name=name, hold_s=client.JOB_HOLD_S)
         job = sub["job_id"]
-        _run_to_the_end(sub, pair, device=device, concurrency=concurrency, max_batch=max_batch)
-        _export(client.results(job), fmt, out, job=job)
-        st = client.status(job, price_per_hour=price_per_hour or None)
+        with client.holding(job):
+            _run_to_the_end(sub, pair, device=device, concurrency=concurrency, max_batch=max_batch)
+            _export(client.results(job), fmt, out, job=job)
+            st = client.status(job, price_per_hour=price_per_hour or None)
     _print_run_summary(st, out, wall=time.time() - t0)
 
 
@@ -355,11 +362,29 @@ def _check_output(fmt: str, out: Path) -> None:
         fail(f"format: {fmt!r} unknown; use --format {', '.join(FORMATS)}")
     if out.is_dir():
         fail(f"out: {out} is a folder; give a file name, e.g. --out {out / 'results.jsonl'}")
-    folder = out.parent
-    while not folder.exists() and folder != folder.parent:  # the nearest existing folder gets the new ones
-        folder = folder.parent
-    if not folder.is_dir() or not os.access(folder if not out.exists() else out, os.W_OK):
-        fail(f"out: cannot write {out} (permission denied or not a folder); choose another --out")
+    problem = _cannot_write(out)
+    if problem:
+        fail(f"out: cannot write {out} ({problem}); choose another --out, in a folder you can write")
+
+
+def _cannot_write(out: Path) -> str | None:
+    """Why ``out`` cannot be written, found by trying (permission bits do not say it for root,
+    nor for /proc or a read-only mount), changing nothing; None when it can be."""
+    import tempfile
+
+    try:
+        if out.exists():
+            open(out, "ab").close()  # opened for writing, not truncated
+            return None
+        folder = out.parent
+        while not folder.exists() and folder != folder.parent:  # the nearest existing folder gets the new ones
+            folder = folder.parent
+        if not folder.is_dir():
+            return f"{folder} is not a folder"
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".specdec-check-"):  # a file there (gone on close)
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
 
 
 def _export(items: list[dict], fmt: str, out: Path | None, job: str | None = None) -> None:

@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from specdec_llm import store
@@ -47,8 +50,12 @@ RESULT_FIELDS = (
 
 
 # -- submit -----------------------------------------------------------------------------------
-def submit(path: Path, pair: str, params: dict | None = None, *, name: str | None = None) -> dict:
+def submit(
+    path: Path, pair: str, params: dict | None = None, *, name: str | None = None, hold_s: float | None = None
+) -> dict:
     """Persist every row of ``path`` as a job for ``pair``, then enqueue the rows still to do.
+    ``hold_s``: the job is also held that long against ``prune``, from the same transaction
+    (``run`` does, then keeps it held with ``holding``).
 
     Raises ``InputError`` (unreadable file), ``RequestError`` (unknown pair, bad job-level
     parameters) or ``StoreError``; bad rows fail alone. Returns ``{"job_id", "rows",
@@ -72,6 +79,7 @@ def submit(path: Path, pair: str, params: dict | None = None, *, name: str | Non
         pair=pair,
         params=params,
         job_id=job_id,
+        hold_s=hold_s,
     )
     status = {r["id"]: r["status"] for r in job_requests(job_id, outputs=False)}
     pending = {rid for rid, st in status.items() if st in PENDING}  # new or lost
@@ -119,6 +127,40 @@ def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False, ch
 def _enqueue_job(job_id: str, request_ids: list[str], pair: str) -> None:
     with reaching(f"job {job_id} is saved but cannot be enqueued", f", then run `specdec-llm retry {job_id}`"):
         enqueue(request_ids, pair)
+
+
+# -- holding a job against prune -----------------------------------------------------------------
+JOB_HOLD_S = 120.0  # s: a hold not renewed ends after this (a `run` killed outright lets go of its job)
+
+
+@contextmanager
+def holding(job_id: str, *, hold_s: float = JOB_HOLD_S) -> Iterator[None]:
+    """Hold ``job_id`` against ``prune`` while the block runs (``store.hold_job``): a command
+    still using the job (``run``, until its results file is written) keeps it, whether or not
+    its rows are finished. Renewed from a thread every ``SPECDEC_LEASE_HEARTBEAT_S`` (at most a
+    third of ``hold_s``), released at the end; a store away for a moment is tried again at the
+    next renewal, and a process killed outright lets go when the hold ends (``hold_s``)."""
+    store.hold_job(job_id, hold_s)
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(min(get_settings().lease_heartbeat_s, hold_s / 3)):
+            try:
+                store.hold_job(job_id, hold_s)
+            except Exception as e:  # noqa: BLE001 - the store is away: the next renewal tries again
+                log.debug("job %s: renewing its hold: %s", job_id, e)
+
+    renewer = threading.Thread(target=renew, name=f"hold-{job_id}", daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        renewer.join()
+        try:
+            store.release_job(job_id)
+        except store.TRANSIENT_ERRORS as e:  # it ends by itself after hold_s
+            log.warning("job %s: cannot release its hold now (%s); it ends within %g s", job_id, e, hold_s)
 
 
 # -- reading a job -----------------------------------------------------------------------------
@@ -254,13 +296,16 @@ def retry(job_id: str, *, cancelled: bool = False) -> dict:
 def cancel(job_id: str, *, now: bool = False) -> dict:
     """Rows not started are cancelled, in one UPDATE (workers skip them); a row being
     generated finishes, unless ``now``: then its worker ends it at its next iteration as
-    cancelled, keeping its partial text. Returns ``{"job_id", "cancelled", "stopping"}``
-    (``stopping``: running rows told to stop)."""
-    get_job(job_id)
+    cancelled, keeping its partial text. Returns ``{"job_id", "cancelled", "stopping",
+    "finished"}`` (``stopping``: running rows told to stop; ``finished``: the job had no row
+    left to run, and nothing was changed)."""
+    if get_job(job_id)["status"] == "done":
+        return {"job_id": job_id, "cancelled": 0, "stopping": 0, "finished": True}
     cancelled = jobs.cancel(job_id, now=now)
     if now:  # the store holds the flag; the broadcast tells the workers to read it now
         broadcast_cancel(job_id)
-    return {"job_id": job_id, "cancelled": cancelled, "stopping": jobs.counts(job_id)["running"] if now else 0}
+    stopping = jobs.counts(job_id)["running"] if now else 0
+    return {"job_id": job_id, "cancelled": cancelled, "stopping": stopping, "finished": False}
 
 
 def reclaim_and_enqueue(max_attempts: int = MAX_ATTEMPTS) -> list[dict]:

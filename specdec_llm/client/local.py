@@ -1,5 +1,6 @@
 """Local worker processes: ``specdec-llm worker`` as a child of this one (``run``, the
-examples, tests), stopped warm, and the tail of its log when it stopped on its own."""
+examples, tests) that dies with it, stopped warm, and the tail of its log when it stopped on
+its own."""
 
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ def start_local_worker(
 ) -> subprocess.Popen:
     """``specdec-llm worker`` for ``pair`` as a child process with this environment; its
     output goes to ``log_path`` (default: ``<data_dir>/logs/worker-<pair>-<time>.log``).
-    ``max_batch`` > 1: one batching process (``--max-batch``; None: the settings' default)."""
+    ``max_batch`` > 1: one batching process (``--max-batch``; None: the settings' default).
+    It dies with this process (Linux: SIGTERM, a warm shutdown, when the thread that called
+    this dies, killed or not): a killed ``run`` leaves no worker behind."""
     if log_path is None:
         log_path = (
             get_settings().data_dir / "logs" / f"worker-{pair}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
         )
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable,
+        *_dying_with_this_process(),
         "-m",
         "specdec_llm",
         "worker",
@@ -51,6 +54,26 @@ def start_local_worker(
         )
     proc.log_path = log_path
     return proc
+
+
+# Run in the child before it becomes the worker (Linux): the kernel sends it SIGTERM when the
+# thread that started it dies, however it dies (SIGKILL included); a warm shutdown follows, as
+# stop_local_worker's. The setting survives exec. A parent already gone: the child stops here.
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(0)
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
+
+
+def _dying_with_this_process() -> list[str]:
+    """The start of a child's command line that stops the child when this process dies (the
+    parent's death signal, on Linux; elsewhere, plain ``python``)."""
+    if not sys.platform.startswith("linux"):
+        return [sys.executable]
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid())]
 
 
 def stop_local_worker(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:

@@ -214,9 +214,11 @@ def prune_cmd(
             client.get_job(job)  # an unknown job: one line, exit 2
         plan = admin.prune_plan(cutoff, job_id=job)
     when = f"created before {cutoff:%Y-%m-%d %H:%M} UTC"
-    kept = f" ({plan['unfinished']} older jobs still have rows to run: kept)" if plan["unfinished"] else ""
+    kept = [f"{plan['unfinished']} older jobs still have rows to run"] if plan["unfinished"] else []
+    kept += [f"{plan['held']} finished ones are still in use (a `run` writing its results)"] if plan["held"] else []
+    kept_note = f" ({', '.join(kept)}: kept)" if kept else ""
     if not plan["jobs"]:
-        print(f"nothing to prune: no finished {'job ' + job if job else 'job'} {when}{kept}")
+        print(f"nothing to prune: no finished {'job ' + job if job else 'job'} {when}{kept_note}")
         return
     if not yes:
         question = f"delete {plan['jobs']} finished jobs {when} and their {plan['rows']} rows (outputs, telemetry)?"
@@ -235,7 +237,7 @@ def prune_cmd(
         freed = admin.prune(cutoff, job_id=job, on_batch=progress)
     print(
         f"freed {freed['jobs']} jobs, {freed['rows']} rows, {freed['outputs']} outputs and "
-        f"{freed['telemetry']} telemetry rows{kept}"
+        f"{freed['telemetry']} telemetry rows{kept_note}"
     )
 
 
@@ -246,8 +248,10 @@ def _pause(seconds: float) -> None:  # (tests replace it)
 
 def watch_status(job: str, *, interval: float, as_json: bool, price_per_hour: Any = None) -> None:
     """``status JOB --watch``: a live view of the job (rows, tokens/s, acceptance, ETA),
-    looked at every ``interval`` s until no row is pending; ``--json``: one object per look.
-    Ctrl-C stops watching only: the job goes on (exit 0, and a line saying so)."""
+    looked at every ``interval`` s until no row is pending; not a terminal (a file, a pipe): a
+    plain line per look; ``--json``: one object per line and per look, nothing else on stdout
+    (the last line and Ctrl-C's go to stderr). Ctrl-C stops watching only: the job goes on
+    (exit 0, and a line saying so)."""
     from rich.console import Console
 
     from specdec_llm import client
@@ -257,13 +261,15 @@ def watch_status(job: str, *, interval: float, as_json: bool, price_per_hour: An
     with user_errors():  # an unknown job or an unusable store: one line, before any view
         st = client.status(job, price_per_hour=price_per_hour)
     console = Console()
+    watch = _watch_json if as_json else _watch_live if console.is_terminal else _watch_lines
+    said = sys.stderr if as_json else sys.stdout  # --json: stdout holds JSON lines only
     try:
-        st = (_watch_json if as_json else _watch_live)(st, console, interval, price_per_hour)
+        st = watch(st, console, interval, price_per_hour)
     except KeyboardInterrupt:
-        print(f"stopped watching; job {job} keeps running (`specdec-llm cancel {job}` stops it)")
+        print(f"stopped watching; job {job} keeps running (`specdec-llm cancel {job}` stops it)", file=said)
         return
     c = st["counts"]
-    print(f"job {job}: done: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled")
+    print(f"job {job}: done: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled", file=said)
 
 
 def _look(st: dict, interval: float, price_per_hour: Any) -> tuple[dict, str]:
@@ -295,6 +301,30 @@ def _watch_json(st: dict, console, interval: float, price_per_hour: Any) -> dict
         if not note:
             print(_json(st), flush=True)
     return st
+
+
+def _watch_lines(st: dict, console, interval: float, price_per_hour: Any) -> dict:
+    """Not a terminal (a file, a pipe): one plain line per look, written as it is seen."""
+    print(_line(st), flush=True)
+    while st["status"] != "done":
+        st, note = _look(st, interval, price_per_hour)
+        print(_line(st, note), flush=True)
+    return st
+
+
+def _line(st: dict, note: str = "") -> str:
+    """One look at a job as one plain line (``_view``'s content)."""
+    c, total = st["counts"], st["total"]
+    acc, eta = st["acceptance_rate"], "-" if st["eta_s"] is None else ago(st["eta_s"])
+    line = (
+        f"job {st['job_id']} {st['status']}: {c['ok'] + c['failed'] + c['cancelled']}/{total} rows "
+        f"({st['progress']:.0%}); {', '.join(f'{k} {v}' for k, v in c.items())}; {st['output_tokens']} tokens, "
+        f"{_rate(st['throughput_tokens_per_s'])} tok/s; acceptance {'-' if acc is None else f'{acc:.1%}'}; "
+        f"elapsed {ago(st['elapsed_s'])}, ETA {eta}"
+    )
+    if st["lost"] or st["requeued"]:
+        line += f"; {st['lost'] + st['requeued']} rows lost their worker: requeued on their own"
+    return f"{line} {note}" if note else line
 
 
 def _view(st: dict, note: str = ""):

@@ -9,8 +9,10 @@ Formats (by file suffix):
 - ``.csv``: a header with a ``prompt`` column; ``id`` and ``category`` columns are used,
   any other column becomes metadata;
 - anything else: plain text, one prompt per line.
-Blank lines are skipped. A bad row (invalid JSON, no prompt, bad parameters, a duplicate
-id) gets ``error`` set and fails alone; only an unreadable file fails the whole command.
+Blank lines are skipped. A bad row (invalid JSON, no prompt or an empty one, a message role
+other than system, user or assistant, bad parameters, a duplicate id) gets ``error`` set and
+fails alone; only an unreadable file fails the whole command. A row without an id gets its
+position ("3"), or "row-3" when another row of the file names "3" itself: ids never collide.
 
 A request row in the store: ``prompt`` or ``messages``, and ``params`` = the generation
 parameters (``GenerationRequest`` field names, job-level ones merged under the row's) plus
@@ -39,6 +41,7 @@ from . import openai_batch
 
 PARAMS = tuple(f.name for f in fields(GenerationRequest) if f.name != "prompt")
 ROW_KEYS = ("id", "prompt", "messages", "params", "metadata", "category")
+ROLES = ("system", "user", "assistant")  # a message's roles (as an OpenAI Batch line's, "developer" aside)
 
 
 class InputError(SpecDecError, ValueError):
@@ -92,13 +95,25 @@ def read_rows(path: Path) -> list[Row]:
             raise InputError(f"{path}: cannot read it ({e.strerror})") from None
     if not rows:
         raise InputError(f"{path}: no prompts in it")
+    given = {r.id for r in rows if r.id}
     seen: dict[str, int] = {}
     for r in rows:
-        r.id = r.id or str(r.index + 1)
+        r.id = r.id or _auto_id(r.index + 1, given)
         if r.id in seen and r.error is None:
             r.error = f"duplicate id {r.id!r}: line {seen[r.id]} already uses it"
         seen.setdefault(r.id, r.line)
     return rows
+
+
+def _auto_id(position: int, taken: set[str]) -> str:
+    """The id of a row that names none: its position ("3"), or "row-3" (then "row-3-2", ...)
+    when a row of the file names that id itself; added to ``taken``, so no two rows share one."""
+    auto, n = str(position), 1
+    while auto in taken:
+        n += 1
+        auto = f"row-{position}" if n == 2 else f"row-{position}-{n - 1}"
+    taken.add(auto)
+    return auto
 
 
 @dataclass
@@ -160,7 +175,9 @@ def _jsonl(lines) -> list[Row]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            row.prompt, row.error = line[:PREVIEW_CHARS], f"invalid JSON ({e.msg} at column {e.colno})"
+            # (some messages end in "at" already: "Invalid control character at")
+            where = f"{e.msg.removesuffix(' at')} at column {e.colno}"
+            row.prompt, row.error = line[:PREVIEW_CHARS], f"invalid JSON ({where})"
             continue
         except (ValueError, RecursionError) as e:  # an integer of over 4,300 digits; nesting too deep
             row.prompt, row.error = line[:PREVIEW_CHARS], f"invalid JSON ({type(e).__name__}: {str(e)[:120]})"
@@ -235,8 +252,15 @@ def _fill(row: Row, obj: dict) -> str | None:
         return 'needs exactly one of "prompt" (text) or "messages" (chat turns)'
     if row.prompt is not None and not isinstance(row.prompt, str):
         return f'"prompt" must be text, not {type(row.prompt).__name__}'
+    if row.prompt is not None and not row.prompt.strip():
+        return '"prompt" is empty; give the text to continue (or drop the row)'
     if row.messages is not None and not _valid_messages(row.messages):
         return '"messages" must be a non-empty list of {"role": text, "content": text}'
+    if row.messages is not None:
+        unknown_role = next((i for i, m in enumerate(row.messages) if m["role"] not in ROLES), None)
+        if unknown_role is not None:
+            role = row.messages[unknown_role]["role"]
+            return f"messages[{unknown_role}].role: {role!r} is not a chat role; use one of {', '.join(ROLES)}"
     params = obj.get("params") or {}
     if not isinstance(params, dict):
         return '"params" must be an object of generation parameters'

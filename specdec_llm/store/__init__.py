@@ -24,7 +24,8 @@ function takes ``url=`` to use another database. Times are naive UTC (``utcnow()
     upsert_worker(worker: dict) -> int          # keys of worker_info(device_name)
     worker_info(device_name) -> dict            # this process: host, pid, versions
     record_baseline(pair, *, device, dtype, tokens_per_s, source="calibration"|"shadow", samples=1) -> dict
-    create_job(requests, *, name, pair, params, job_id) -> {"job_id", "request_ids", "created"}
+    create_job(requests, *, name, pair, params, job_id, hold_s=None) -> {"job_id", "request_ids", "created"}
+    hold_job(job_id, hold_s) -> bool;  release_job(job_id)   # a job in use: prune leaves it
     mark_request(request_id, status, *, error, worker) -> bool   # queued/running/failed/cancelled
     record_result(request_id, result, *, worker, device, queue_wait_s, pair, job_id, price_per_hour,
                   dtype=None, category=None, finished_at=None) -> bool  # False: already recorded
@@ -89,9 +90,11 @@ from .record import (
     get_job,
     get_request,
     get_stats,
+    hold_job,
     mark_request,
     record_baseline,
     record_result,
+    release_job,
     upsert_pair,
     upsert_worker,
     worker_info,
@@ -112,11 +115,13 @@ __all__ = [
     "get_job",
     "get_request",
     "get_stats",
+    "hold_job",
     "mark_request",
     "mask_url",
     "price_for",
     "record_baseline",
     "record_result",
+    "release_job",
     "session_scope",
     "summary",
     "upgrade",

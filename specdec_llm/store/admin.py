@@ -8,7 +8,8 @@ Plain dicts out, naive UTC times, as everywhere in the store.
 - ``heartbeat_worker`` / ``list_workers``: a worker process writes what it serves and how it
   is doing every ``SPECDEC_LEASE_HEARTBEAT_S``; a worker whose heartbeat is older than
   ``stale_after_s`` (the lease timeout) is marked stale: it stopped, or cannot reach the store.
-- ``prune_plan`` / ``prune``: finished jobs created before a cutoff, deleted with their rows,
+- ``prune_plan`` / ``prune``: finished jobs created before a cutoff and held by no command
+  (``record.hold_job``: ``run`` holds its job until its results file is written), deleted with their rows,
   outputs and telemetry in transactions of at most ``PRUNE_BATCH`` rows each, then the emptied
   jobs ``_JOBS_PER_DELETE`` at a time, so workers and readers keep using the store (SQLite has
   one writer at a time) while it runs: 1,000,000 telemetry rows, half of them pruned, in
@@ -199,23 +200,30 @@ def list_workers(
 
 # -- prune -----------------------------------------------------------------------------------
 def _prunable(cutoff: datetime, job_id: str | None) -> list[Any]:
-    where = [Job.status == "done", Job.created_at < cutoff]
+    """Finished, created before ``cutoff`` (only ``job_id`` if given), and held by no command
+    now (``record.hold_job``: a ``run`` still exporting it). Evaluated at each use: a hold
+    written meanwhile counts."""
+    unheld = or_(Job.held_until.is_(None), Job.held_until <= utcnow())
+    where = [Job.status == "done", Job.created_at < cutoff, unheld]
     return [*where, Job.id == job_id] if job_id is not None else where
 
 
 def prune_plan(cutoff: datetime, *, job_id: str | None = None, url: str | None = None) -> dict[str, int]:
     """What ``prune`` would delete: ``jobs`` (finished, created before ``cutoff``; only
     ``job_id`` if given) and their ``rows``; ``unfinished``: older jobs kept because rows are
-    still queued or running. Reads only."""
+    still queued or running; ``held``: older finished jobs kept because a command still uses
+    them (``record.hold_job``). Reads only."""
     check_schema(url)
     with session_scope(url) as s:
         ids = s.scalars(select(Job.id).where(*_prunable(cutoff, job_id))).all()
         rows = 0
         for chunk in chunks(list(ids)):
             rows += s.scalar(select(func.count()).where(Request.job_id.in_(chunk))) or 0
-        older = [Job.status != "done", Job.created_at < cutoff] + ([Job.id == job_id] if job_id else [])
-        unfinished = s.scalar(select(func.count()).select_from(Job).where(*older)) or 0
-    return {"jobs": len(ids), "rows": rows, "unfinished": unfinished}
+        older = [Job.created_at < cutoff] + ([Job.id == job_id] if job_id else [])
+        unfinished = s.scalar(select(func.count()).select_from(Job).where(*older, Job.status != "done")) or 0
+        in_use = [*older, Job.status == "done", Job.held_until > utcnow()]
+        held = s.scalar(select(func.count()).select_from(Job).where(*in_use))
+    return {"jobs": len(ids), "rows": rows, "unfinished": unfinished, "held": held or 0}
 
 
 def prune(
@@ -236,12 +244,13 @@ def prune(
         raise ValueError("batch_rows: use at least 1")
     check_schema(url)
     freed = {"jobs": 0, "rows": 0, "outputs": 0, "telemetry": 0}
-    where = _prunable(cutoff, job_id)
     while True:
         with session_scope(url) as s:
+            where = _prunable(cutoff, job_id)
             jobs = list(s.scalars(select(Job.id).where(*where).order_by(Job.created_at, Job.id).limit(_JOBS_PER_LOOK)))
             if not jobs:
                 return freed
+            jobs = _claim(s, jobs, where)
             ids = list(s.scalars(select(Request.id).where(Request.job_id.in_(jobs)).limit(batch_rows)))
             for chunk in chunks(ids):
                 freed["telemetry"] += _deleted(s, Telemetry, Telemetry.request_id.in_(chunk))
@@ -249,11 +258,27 @@ def prune(
                 freed["rows"] += _deleted(s, Request, Request.id.in_(chunk))
         if not ids:  # these jobs hold no rows any more
             for group in chunks(jobs, _JOBS_PER_DELETE):
-                freed["jobs"] += _delete_emptied_jobs(url, group, where)
+                freed["jobs"] += _delete_emptied_jobs(url, group, _prunable(cutoff, job_id))
                 if on_batch is not None:
                     on_batch(dict(freed))
         elif on_batch is not None:
             on_batch(dict(freed))
+
+
+def _claim(session: Session, job_ids: list[str], where: list[Any]) -> list[str]:
+    """Of ``job_ids``, those still prunable (``where``: finished, no hold) when this
+    transaction writes, locked until it ends: the first write of the transaction (SQLite: its
+    write lock from here on; PostgreSQL: these rows' locks, and a row whose hold was written
+    meanwhile is read again and left out). A ``run`` holding one of them meanwhile waits for
+    this transaction, or this transaction leaves its job alone."""
+    claimed = session.execute(
+        update(Job)
+        .where(Job.id.in_(job_ids), *where)
+        .values(held_until=None)  # (an ended hold: nothing else changes)
+        .returning(Job.id)
+        .execution_options(synchronize_session=False)
+    )
+    return [str(job_id) for job_id in claimed.scalars()]
 
 
 def _delete_emptied_jobs(url: str | None, job_ids: list[str], where: list[Any]) -> int:

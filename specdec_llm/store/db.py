@@ -94,6 +94,11 @@ def sqlite_path(url: str) -> Path | None:
     u = make_url(url)
     if u.get_backend_name() != "sqlite" or not u.database or u.database == ":memory:":
         return None
+    if u.query.get("uri") == "true" and u.database.startswith("file:"):  # sqlite:///file:/path?mode=ro&uri=true
+        from urllib.parse import unquote, urlsplit
+
+        path = unquote(urlsplit(u.database).path)
+        return None if not path or path == ":memory:" else Path(path)
     return Path(u.database)
 
 

@@ -165,6 +165,9 @@ class Job(Base):
     finished_at: Mapped[datetime | None]
     # `cancel --now` (0006): workers end the job's running rows at their next iteration
     cancel_requested_at: Mapped[datetime | None]
+    # a command still using the job (`run`, until its results file is written) holds it until
+    # then, renewing the hold while it runs (0007): `prune` leaves a held job alone
+    held_until: Mapped[datetime | None]
 
 
 class Request(Base):

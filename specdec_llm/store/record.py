@@ -16,13 +16,14 @@ import os
 import socket
 import uuid
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import ColumnElement, case, func, select, update
 from sqlalchemy.orm import Session
 
+from .db import check_schema, session_scope
 from .models import (
     BASELINE_SOURCES,
     STATS_FIELDS,
@@ -214,19 +215,28 @@ def record_baseline(
 # --- jobs and requests ----------------------------------------------------------------
 
 
+def _status_counts(session: Session, job_id: str) -> dict[str, int]:
+    """``job_id``'s rows by status: one count over its rows (by index)."""
+    rows = session.execute(
+        select(Request.status, func.count()).where(Request.job_id == job_id).group_by(Request.status)
+    ).all()
+    return {str(status): int(n) for status, n in rows}
+
+
+def _job_state(counts: dict[str, int]) -> tuple[int, str, bool]:
+    """A job's rows by status -> (rows, job status: queued, running or done, started)."""
+    total = sum(counts.values())
+    pending = counts.get("queued", 0) + counts.get("running", 0)
+    started = total - counts.get("queued", 0) > 0
+    return total, "done" if total and not pending else ("running" if started else "queued"), started
+
+
 def refresh_job(session: Session, job_id: str) -> None:
     """Recount ``job_id``'s rows by state into its counters and status (queued, running,
     done; started/finished times), in ``session``'s transaction: one count over the job's
     rows, for job-wide changes (a row-by-row change calls ``row_changed``)."""
-    counts = dict(
-        session.execute(
-            select(Request.status, func.count()).where(Request.job_id == job_id).group_by(Request.status)
-        ).all()
-    )
-    total = sum(counts.values())
-    pending = counts.get("queued", 0) + counts.get("running", 0)
-    started = total - counts.get("queued", 0)
-    status = "done" if total and not pending else ("running" if started else "queued")
+    counts = _status_counts(session, job_id)
+    total, status, started = _job_state(counts)
     now = utcnow()
     session.execute(
         update(Job)
@@ -245,8 +255,8 @@ def refresh_job(session: Session, job_id: str) -> None:
 def row_changed(session: Session, job_id: str, *, started: bool = True) -> None:
     """After one row of a job changed: index lookups only, no count over the job's rows
     (one count per finished row made a 100k-row job quadratic). The job's counters are
-    recounted when its last pending row finishes (and by ``get_job``); meanwhile it is
-    marked running. ``started``: the row left the queue (running or finished)."""
+    recounted when its last pending row finishes (``get_job`` counts them when asked);
+    meanwhile it is marked running. ``started``: the row left the queue (running or finished)."""
     pending = session.scalar(
         select(Request.id).where(Request.job_id == job_id, Request.status.in_(("queued", "running"))).limit(1)
     )
@@ -261,9 +271,35 @@ def row_changed(session: Session, job_id: str, *, started: bool = True) -> None:
         )
 
 
-def _ensure_job(session: Session, job_id: str, **values: Any) -> None:
+def _ensure_job(session: Session, job_id: str, *, hold_s: float | None = None, **values: Any) -> None:
+    """The job's row, created if missing; ``hold_s``: held for that long from now (``hold_job``),
+    in this transaction: no ``prune`` deletes it between its submission and its hold."""
     stmt = dialect_insert(session, Job).values(id=job_id, created_at=utcnow(), status="queued", **values)
     session.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
+    if hold_s is None:
+        return
+    held = session.execute(
+        update(Job).where(Job.id == job_id).values(held_until=utcnow() + timedelta(seconds=hold_s)).returning(Job.id)
+    ).first()
+    if held is None:  # a prune deleted it after the insert found it (PostgreSQL): create it again
+        _ensure_job(session, job_id, hold_s=hold_s, **values)
+
+
+def hold_job(job_id: str, hold_s: float, *, url: str | None = None) -> bool:
+    """Hold ``job_id`` for ``hold_s`` seconds from now: ``prune`` leaves a held job alone. A
+    command still using a job (``run``: until its results file is written) holds it, renewing
+    the hold before it ends, and lets go with ``release_job``; one killed outright lets go when
+    its hold ends. False when there is no such job."""
+    with writing(url) as s:
+        until = utcnow() + timedelta(seconds=hold_s)
+        held = s.execute(update(Job).where(Job.id == job_id).values(held_until=until).returning(Job.id)).first()
+        return held is not None
+
+
+def release_job(job_id: str, *, url: str | None = None) -> None:
+    """End ``job_id``'s hold (``hold_job``): ``prune`` may delete it from now on, once finished."""
+    with writing(url) as s:
+        s.execute(update(Job).where(Job.id == job_id).values(held_until=None))
 
 
 def create_job(
@@ -273,6 +309,7 @@ def create_job(
     pair: str | None = None,
     params: dict[str, Any] | None = None,
     job_id: str | None = None,
+    hold_s: float | None = None,
     url: str | None = None,
 ) -> dict[str, Any]:
     """Create a job and one row per request, idempotently.
@@ -281,7 +318,8 @@ def create_job(
     (chat turns), and optionally ``params`` (dict), ``idempotency_key``, ``category``
     (a label the reports can group by) and ``id``. A request whose idempotency key (or
     id) already exists is not created again; its existing id is returned in its place.
-    Calling again with the same ``job_id`` adds only what is missing.
+    Calling again with the same ``job_id`` adds only what is missing. ``hold_s``: the job is
+    also held that long (``hold_job``), in the same transaction.
 
     Returns ``{"job_id", "request_ids" (input order), "created" (new rows)}``.
     """
@@ -303,7 +341,7 @@ def create_job(
         )
     with writing(url) as s:
         pair_id = _pair_id(s, pair) if pair else None
-        _ensure_job(s, job_id, name=name, pair_id=pair_id, params=params)
+        _ensure_job(s, job_id, hold_s=hold_s, name=name, pair_id=pair_id, params=params)
         now = utcnow()
         for r in rows:
             r.update(job_id=job_id, pair_id=pair_id, status="queued", attempts=0, created_at=now)
@@ -549,23 +587,25 @@ def get_stats(request_id: str, *, url: str | None = None) -> dict[str, Any]:
 
 
 def get_job(job_id: str, *, url: str | None = None) -> dict[str, Any] | None:
-    """A job's status and counts (recomputed now), as a dict; None if unknown."""
-    with writing(url) as s:
-        if s.get(Job, job_id) is None:
+    """A job's status and counts (counted from its rows now), as a dict; None if unknown.
+    Reads only: a read-only store serves it."""
+    check_schema(url)
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        if job is None:
             return None
-        refresh_job(s, job_id)
-        s.flush()
-        job = s.get(Job, job_id, populate_existing=True)
-        assert job is not None  # it was there a moment ago, in this transaction
-        return {
-            "id": job.id,
-            "name": job.name,
-            "status": job.status,
-            "n_requests": job.n_requests,
-            "n_ok": job.n_ok,
-            "n_failed": job.n_failed,
-            "params": job.params,
-            "created_at": job.created_at,
-            "started_at": job.started_at,
-            "finished_at": job.finished_at,
-        }
+        counts = _status_counts(s, job_id)
+    total, status, _ = _job_state(counts)
+    return {
+        "id": job.id,
+        "name": job.name,
+        "status": status,
+        "n_requests": total,
+        "n_ok": counts.get("ok", 0),
+        "n_failed": counts.get("failed", 0),
+        "params": job.params,
+        "created_at": job.created_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at if status == "done" else None,
+        "held_until": job.held_until,
+    }
