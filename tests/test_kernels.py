@@ -13,19 +13,38 @@ from conftest import tiny_llama
 from specdec_llm.engine import kernels
 
 
-def test_choose_keeps_few_copies_and_table_covers_every_row_count():
+def test_choose_keeps_one_copy_and_table_covers_every_row_count():
     P = len(kernels.POINTS)
     times = {"row": [1.0] * P, "col": [1.02] * P, "onednn": [5.0] * P}
     times["row"][4:] = [3.0] * (P - 4)  # row-major slows down from 5 rows
     times["onednn"][4:] = [2.0] * (P - 4)
-    times["col"][4:] = [2.05] * (P - 4)  # within 5% of oneDNN: no third copy needed? col is not kept yet
-    choice = kernels.choose(times)
-    assert choice[:4] == ["row"] * 4  # col is within 5% but row is first
-    assert set(choice[4:]) == {"onednn"}  # col was never chosen, so the faster one wins
-    times["col"][:4] = [0.98] * 4  # now col wins at 1 row, and stays within 5% later on
+    times["col"][4:] = [2.05] * (P - 4)  # within 3% of the fastest everywhere: the one kept
     assert kernels.choose(times) == ["col"] * P
+    times["col"][4:] = [6.0] * (P - 4)  # col falls far behind at many rows
+    times["onednn"][:4] = [1.5] * 4  # and oneDNN loses less at few rows than row-major at many
+    assert kernels.choose(times) == ["onednn"] * P
+    times["onednn"][4:] = [float("inf")] * (P - 4)  # a kernel not timed further (far behind) is never kept
+    assert kernels.choose(times) == ["row"] * P
     tab = kernels.table(["row"] * 4 + ["onednn"] * (P - 4))
     assert tab[1] == tab[4] == "row" and tab[5] == tab[64] == tab[kernels.TABLE - 1] == "onednn"
+
+
+def test_a_tuned_weight_is_held_once(tmp_path):
+    """Each Linear keeps one layout of its weight: the kernel's (its parameter takes a
+    row- or column-major one; oneDNN's packed copy replaces the row-major data)."""
+    model = tiny_llama(0)
+    before = sum(p.numel() for p in model.parameters())
+    for force in kernels.kinds(torch.float32):
+        m = copy.deepcopy(model)
+        kernels.tune(m, tmp_path / "k.json", force=force)
+        for lin in (x for x in m.modules() if getattr(x, "_kernels", None) is not None):
+            (kind,) = lin._kernel_weights
+            if kind == "onednn":
+                assert lin.weight.numel() == 0 or kernels.tied(lin, m)
+            else:
+                assert lin._kernel_weights[kind].data_ptr() == lin.weight.data_ptr()
+        if force != "onednn":
+            assert sum(p.numel() for p in m.parameters()) == before
 
 
 def test_tuned_forward_equals_plain_linear_and_the_cache_is_reused(tmp_path, monkeypatch):

@@ -169,7 +169,8 @@ def prepare(model: PreTrainedModel, kernel_cache: Path | None = None) -> dict[st
       SubsetHead) calls the matmul kernel measured fastest on this machine for its row
       count (kernels.py): one-token steps and k-token verifications each get theirs.
       ``kernel_cache``: a JSON file keeping those timings per machine. Returns the choice.
-    - A Llama-family model gets its lean forward (lean.py: q/k/v and gate/up fused, tuned too).
+    - A Llama-family model gets its lean forward first (lean.py: q/k/v and gate/up fused in
+      place of their own weights, tuned too).
     """
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(ATTENTION)
@@ -177,9 +178,8 @@ def prepare(model: PreTrainedModel, kernel_cache: Path | None = None) -> dict[st
         return {}
     from .kernels import tune
 
-    report = tune(model, kernel_cache)
-    runner(model, kernel_cache)  # after the kernels: its fused projections are tuned alike
-    return report
+    runner(model, kernel_cache)  # first: its fused projections replace the siblings, tuned with the same cache
+    return tune(model, kernel_cache)  # the other Linears (those tuned already are skipped)
 
 
 def sync(model: PreTrainedModel) -> None:

@@ -14,10 +14,12 @@ count, the layout and the CPU (measured on one 2-core Xeon without AMX, 60 cold
 | 9 | 72.8 | 58.5 | 44.1 |
 
 No layout wins everywhere, and another CPU (AMX, bf16 hardware) ranks them differently.
-So ``tune`` times each available kernel on the model's own weights (every matrix of a
-shape, so the weights come from memory, not cache) at ``POINTS`` row counts, keeps a copy
-of the weights for each kernel that wins somewhere, and makes every Linear call the
-winner for its row count. The timings are cached in a JSON file keyed by CPU model and
+So ``tune`` times each available kernel on the model's own weights (enough matrices of a
+shape to overflow the last-level cache several times, so the weights come from memory) at
+``POINTS`` row counts and gives every Linear of that shape the one kernel with the least time
+over all of them, relative to the fastest at each. One: each kernel kept would hold another
+copy of the weights, and at the sizes users run (a 1.5B target is 7 GB in fp32) memory is the
+limit; the weight takes that kernel's layout in place of its own. The timings are cached in a JSON file keyed by CPU model and
 flags, torch version, threads, dtype and shape, so a later load on the same machine does
 not measure again. The math is the same whichever kernel runs (fp32 results may differ
 in the last bits between kernels; greedy outputs are checked token for token in tests).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -43,6 +46,7 @@ log = logging.getLogger(__name__)
 POINTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64)
 GIVE_UP = 3.0  # a kernel this many times slower than another at a row count is not timed at larger counts
 TABLE = 1024  # row counts with a precomputed choice (larger counts use the last point's)
+COLD = 2  # the matrices timed stream at least this many times the last-level cache
 
 
 def _onednn_ok() -> bool:
@@ -103,9 +107,31 @@ def _time(fn: Kernel, weights: list[torch.Tensor], x: torch.Tensor, repeats: int
     return best
 
 
+def last_level_cache() -> int:
+    """Bytes of this CPU's last-level cache (Linux sysfs), 32 MiB where it cannot be read."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"), reverse=True):
+        try:
+            size = (index / "size").read_text().strip()
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (OSError, ValueError):
+            continue
+    return 32 << 20
+
+
+def sample(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The matrices of a shape that are timed: enough to stream ``COLD`` times the last-level
+    cache from memory (so a kernel is timed as a decode step runs it, weights not in cache),
+    not all of them (a 1.5B model's 28 gate/up matrices are 3 GB a pass: minutes to time)."""
+    each = weights[0].numel() * weights[0].element_size()
+    return weights[: max(2, math.ceil(COLD * last_level_cache() / each))]
+
+
 @torch.inference_mode()
 def measure(weights: list[torch.Tensor], kinds_: list[str]) -> dict[str, list[float]]:
-    """Seconds per kernel to multiply POINTS rows by every matrix in ``weights`` (one shape)."""
+    """Seconds per kernel to multiply POINTS rows by the matrices of ``weights`` (one shape)
+    that ``sample`` picks."""
+    weights = sample(weights)
     out: dict[str, list[float]] = {}
     for kind in kinds_:
         try:
@@ -128,15 +154,19 @@ def measure(weights: list[torch.Tensor], kinds_: list[str]) -> dict[str, list[fl
     return out
 
 
-def choose(times: dict[str, list[float]], tolerance: float = 0.05) -> list[str]:
-    """A kernel for each of POINTS: the fastest, unless a kernel already chosen for an
-    earlier point is within ``tolerance`` of it (each kernel kept costs a copy of the weights)."""
-    chosen: list[str] = []
-    for i in range(len(POINTS)):
-        best = min(times, key=lambda k: times[k][i])
-        near = [k for k in dict.fromkeys(chosen) if times[k][i] <= (1 + tolerance) * times[best][i]]
-        chosen.append(near[0] if near else best)
-    return chosen
+def choose(times: dict[str, list[float]]) -> list[str]:
+    """The kernel for each of POINTS: one for all of them (each kernel kept costs a copy of the
+    weights), the one whose time relative to the fastest at each row count has the least
+    geometric mean over POINTS; on a tie the first in ``times``' order."""
+    best = [min(t[i] for t in times.values()) for i in range(len(POINTS))]
+
+    def cost(kind: str) -> float:
+        return math.fsum(
+            math.log((t + 1e-9) / (b + 1e-9)) if math.isfinite(t) else math.inf for t, b in zip(times[kind], best)
+        )
+
+    one = min(times, key=cost)
+    return [one] * len(POINTS)
 
 
 def table(choice: list[str]) -> list[str]:
@@ -152,10 +182,22 @@ def untune(model: torch.nn.Module) -> None:
     """Undo ``tune``: every Linear back to its own forward and a row-major weight."""
     for m in model.modules():
         if getattr(m, "_kernels", None) is not None:
-            m.__dict__.pop(getattr(m, "linear_method", None) or "forward", None)
             weight = cast(torch.Tensor, m.weight)
+            if weight.numel() == 0:
+                raise ValueError(
+                    "this model's weights were handed to oneDNN's packed layout (kernels.tune): copy or "
+                    "untune a model before preparing it for decoding"
+                )
+            m.__dict__.pop(getattr(m, "linear_method", None) or "forward", None)
             weight.data = weight.data.contiguous()
             vars(m).update(_kernels=None, _kernel_weights=None)  # plain attributes, as _install set them
+
+
+def tied(module: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """Whether ``module``'s weight is also another module's (a head tied to the embedding,
+    which looks rows up in it): it keeps its row-major data."""
+    weight = getattr(module, "weight", None)
+    return any(p is weight for m in model.modules() if m is not module for p in m.parameters(recurse=False))
 
 
 def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -259,13 +301,16 @@ def tune(model: torch.nn.Module, cache_file: Path | None = None, force: str | No
             dirty = dirty or new
         choice = choose(entry["ms"])
         tab = table(choice)
-        used = sorted(set(choice))
         for m in mods:
-            w = cast(torch.Tensor, m.weight).detach()
-            copies = {kind: (w if kind == "row" and w.is_contiguous() else _copy(kind, w)) for kind in used}
-            if "row" not in copies and "col" in copies:  # one layout only: the parameter takes it (no copy kept)
-                m.weight.data = copies["col"]
-            _install(m, tab, copies)
+            kind = choice[0]
+            weight = cast(torch.Tensor, m.weight)
+            w = weight.detach()
+            copy = w if kind == "row" and w.is_contiguous() else _copy(kind, w)
+            if kind in ("row", "col"):  # a layout a Linear's weight may have: the parameter takes it
+                weight.data = copy
+            elif not tied(m, model):  # (oneDNN's packed blob is no weight: the row-major one goes)
+                weight.data = weight.data.new_empty(0)
+            _install(m, tab, {kind: copy})
         report[f"{shape[0]}x{shape[1]}"] = {"choice": dict(zip(POINTS, choice)), "ms": entry["ms"]}
     if dirty:
         _save(cache_file, cached)

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 
+from .quant import replace_by_slices
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -81,7 +83,7 @@ class LeanDecoder:
         from .attention import layer_kinds
 
         base, cfg = model.get_decoder(), model.config
-        self.dtype = model.dtype  # the fused copies are of this dtype: a model cast later gets a new runner
+        self.dtype = model.dtype  # a model cast later gets a new runner
         self.embed: Any = model.get_input_embeddings()
         self.norm, self.head, self.rotary = base.norm, model.get_output_embeddings(), base.rotary_emb
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
@@ -91,9 +93,12 @@ class LeanDecoder:
         fused = torch.nn.ModuleList()
         for layer, kind in zip(base.layers, layer_kinds(cfg)):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = _native(attn, "qkv_proj") or _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up = _native(mlp, "gate_up_proj") or _fuse([mlp.gate_proj, mlp.up_proj])
-            fused.extend(m for m in (qkv, gate_up) if isinstance(m, torch.nn.Linear) and m not in layer.modules())
+            for owner, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+                made = _fuse(owner, names)
+                if made is not None:
+                    fused.append(made)
+            qkv = _native(attn, "qkv_proj") or _whole([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up = _native(mlp, "gate_up_proj") or _whole([mlp.gate_proj, mlp.up_proj])
             norms = (
                 (layer.post_attention_layernorm, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
                 if sandwich
@@ -107,11 +112,6 @@ class LeanDecoder:
             from .kernels import tune
 
             tune(fused, kernel_cache, force)  # the fused shapes get their own measured kernels
-            for m in fused:  # the row-major weight is only kept if its kernel runs somewhere
-                copies = getattr(m, "_kernel_weights", None) or {}
-                weight = cast(torch.Tensor, m.weight)
-                if copies and all(c is not weight for c in copies.values()):
-                    weight.data = weight.data.new_empty(0)
         self.fused = fused
 
     def rotary_of(
@@ -239,35 +239,45 @@ def _native(module: Any, name: str) -> Any:
     return proj
 
 
-def _fuse(linears: list[Any]) -> torch.nn.Module | None:
-    """One Linear over sibling Linears that read the same input (q/k/v, gate/up): one matmul
-    instead of several over the same dot products (a kernel may round the last bits
-    differently for another output width, as any two kernels may: kernels.py; on the demo
-    target the logits came out bit-identical). A copy of their weights (the siblings keep
-    theirs for transformers' own forward); None unless all are plain float Linears (a
-    quantized copy fused its own: that matmul, called once here instead of through its parts)."""
-    whole = getattr(linears[0], "part_of", None)  # engine/quant.py: Slice parts of one int4 matmul
-    if whole is not None:
-        own = all(getattr(m, "part_of", None) is whole for m in linears)
-        return whole if own and whole.sizes == [m.out_features for m in linears] else None
-    if not all(type(m) is torch.nn.Linear for m in linears):
+def _whole(linears: list[Any]) -> torch.nn.Module | None:
+    """The one matmul sibling projections are slices of (``_fuse`` or a quantized copy made
+    them: ``quant.Slice``), None when they are separate."""
+    whole = getattr(linears[0], "part_of", None)
+    if whole is None or any(getattr(m, "part_of", None) is not whole for m in linears):
         return None
+    return whole if whole.sizes == [m.out_features for m in linears] else None
+
+
+def _fuse(owner: Any, names: tuple[str, ...]) -> torch.nn.Linear | None:
+    """Sibling float Linears of ``owner`` that read the same input (q/k/v, gate/up) become
+    slices of one Linear over their concatenated weights (``quant.replace_by_slices``): one
+    matmul instead of several, and the fused weight replaces theirs (transformers' own forward
+    calls the slices, so both forwards share it). Returns the new Linear, None when the
+    siblings are absent, already fused or tuned, or not all plain float Linears. (A kernel may round the
+    last bits differently for another output width, as any two kernels may: kernels.py; on the
+    demo target the logits came out bit-identical.)"""
+    found = [getattr(owner, n, None) for n in names]
+    if not all(type(m) is torch.nn.Linear and getattr(m, "_kernels", None) is None for m in found):
+        return None
+    linears = cast(list[torch.nn.Linear], found)
     ws: list[torch.Tensor] = [m.weight.detach() for m in linears]  # plain Linears (checked above)
     if len({(w.dtype, w.shape[1]) for w in ws}) != 1 or (
         ws[0].dtype not in (torch.float32, torch.bfloat16, torch.float16)
     ):
         return None
     has_bias = [m.bias is not None for m in linears]
-    fused = torch.nn.Linear(
-        ws[0].shape[1], sum(w.shape[0] for w in ws), bias=any(has_bias), device=ws[0].device, dtype=ws[0].dtype
-    )
-    fused.weight.data = torch.cat([w.contiguous() for w in ws])
+    with torch.device("meta"):
+        fused = torch.nn.Linear(ws[0].shape[1], sum(w.shape[0] for w in ws), bias=any(has_bias), dtype=ws[0].dtype)
+    fused.weight = torch.nn.Parameter(torch.cat([w.contiguous() for w in ws]), requires_grad=False)
     if any(has_bias):
-        fused.bias.data = torch.cat(
+        bias = torch.cat(
             [m.bias.detach() if m.bias is not None else w.new_zeros(w.shape[0]) for m, w in zip(linears, ws)]
         )
-    fused.requires_grad_(False)
+        fused.bias = torch.nn.Parameter(bias, requires_grad=False)
+    else:
+        fused.register_parameter("bias", None)
     fused.sizes = [int(w.shape[0]) for w in ws]  # type: ignore[assignment]
+    replace_by_slices(owner, names, fused)
     return fused
 
 

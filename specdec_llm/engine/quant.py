@@ -201,12 +201,13 @@ def choose_head(head: torch.nn.Module, kernel_cache: Path | None = None) -> tupl
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # sibling projections of one input
 
 
-class _Fused(torch.nn.Module):
-    """Sibling projections of one input (a layer's q, k, v; its gate and up) as one int4
-    matmul: the first sibling called with an input computes all of them, the others read
-    their slice of that result (half the kernel calls and casts of a step)."""
+class Fused(torch.nn.Module):
+    """Sibling projections of one input (a layer's q, k, v; its gate and up) as one matmul
+    (an int4 one here; a float one in lean.py): the first sibling called with an input
+    computes all of them, the others read their slice of that result (half the kernel calls
+    and casts of a step)."""
 
-    def __init__(self, linear: Int4Linear):
+    def __init__(self, linear: torch.nn.Module):
         super().__init__()
         self.linear = linear
         self.x: torch.Tensor | None = None
@@ -224,13 +225,13 @@ class Slice(torch.nn.Module):
     """One sibling's part of a fused result; the last sibling (called last in the model's own
     order) lets the fused module forget the result, so no layer holds a prefill's activations."""
 
-    def __init__(self, fused: _Fused, start: int, stop: int, last: bool):
+    def __init__(self, fused: Fused, start: int, stop: int, last: bool):
         super().__init__()
         self.fused, self.start, self.stop, self.last = fused, start, stop, last
         self.in_features, self.out_features = fused.linear.in_features, stop - start
 
     @property
-    def part_of(self) -> Int4Linear:
+    def part_of(self) -> torch.nn.Module:
         """The whole matmul (the lean forward calls it once and splits: lean._fuse)."""
         return self.fused.linear
 
@@ -241,18 +242,42 @@ class Slice(torch.nn.Module):
         return y
 
 
+def replace_by_slices(module: torch.nn.Module, names: tuple[str, ...] | list[str], whole: torch.nn.Module) -> None:
+    """Make ``module``'s sibling projections ``names`` slices of ``whole``, their one matmul
+    (its ``sizes``: their widths, in order): the siblings' own weights are dropped, so the
+    fused weight replaces them instead of sitting beside them."""
+    fused, start, sizes = Fused(whole), 0, cast(list[int], whole.sizes)
+    for i, (name, size) in enumerate(zip(names, sizes)):
+        setattr(module, name, Slice(fused, start, start + size, last=i == len(names) - 1))
+        start += size
+
+
+def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` under the names of its own architecture: sibling projections
+    fused into one Linear (``replace_by_slices``) are given back as views of its rows."""
+    state = {k: v for k, v in model.state_dict().items() if ".fused.linear." not in k}
+    for name, module in model.named_modules():
+        if isinstance(module, Slice) and isinstance(module.part_of, torch.nn.Linear):
+            whole = module.part_of
+            if whole.weight.numel() == 0:
+                raise ValueError(
+                    "the model's fused weights are held in a kernel's packed layout: copy it before preparing it"
+                )
+            state[f"{name}.weight"] = whole.weight[module.start : module.stop]
+            if whole.bias is not None:
+                state[f"{name}.bias"] = whole.bias[module.start : module.stop]
+    return state
+
+
 def _fuse(module: torch.nn.Module, names: tuple[str, ...]) -> None:
     parts = [p for n in names if isinstance(p := getattr(module, n, None), Int4Linear)]
     if len(parts) < len(names) or any(p.bias is not None for p in parts):
         return
     blocks = [p.blocks for p in parts]
     merged = Blocks(*(torch.cat([getattr(b, f) for b in blocks]) for f in ("q", "scale", "low")))
-    fused = _Fused(Int4Linear(merged, None, parts[0].packed.device))
-    fused.linear.sizes = [p.out_features for p in parts]  # its parts' widths, in order
-    start = 0
-    for i, (name, part) in enumerate(zip(names, parts)):
-        setattr(module, name, Slice(fused, start, start + part.out_features, last=i == len(names) - 1))
-        start += part.out_features
+    whole = Int4Linear(merged, None, parts[0].packed.device)
+    whole.sizes = [p.out_features for p in parts]  # its parts' widths, in order
+    replace_by_slices(module, names, whole)
 
 
 def _as_linear(conv: Conv1D) -> torch.nn.Linear:
@@ -310,7 +335,7 @@ def quantized_copy(
     blocks = blocks or {}
     with torch.device("meta"):
         draft: PreTrainedModel = type(target)(copy.deepcopy(target.config))
-    draft.load_state_dict(target.state_dict(), assign=True)  # the same tensors, not copies
+    draft.load_state_dict(plain_state_dict(target), assign=True)  # the same tensors, not copies
     modules = dict(draft.named_modules())
     for name, buf in target.named_buffers():  # non-persistent buffers (rotary frequencies) too
         owner, _, attr = name.rpartition(".")

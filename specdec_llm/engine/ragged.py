@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from . import hf
+from . import hf, lean
 from .attention import Attention
 
 
@@ -222,6 +222,10 @@ def unservable(model: PreTrainedModel) -> str | None:
     does on a one-row cache: a prefill, a rollback (a hole) and a masked step. A family whose
     cache is not attention keys and values (Mamba's states, for one) fails here, at load,
     instead of in the middle of a request."""
+    if lean.supported(model):  # a family the lean forward serves, each tested against transformers': known to decode
+        return (
+            None  # (and probing it would build that forward, fusing and tuning, before the decoder asks with its cache)
+        )
     try:
         cache = RaggedCache(model, 1)
         cache.forward([[1, 2, 3]], 1)
