@@ -132,7 +132,7 @@ def test_prune_never_deletes_a_job_that_run_is_still_writing(embedded, tmp_path)
                 done = store.get_job(job)["status"] == "done"
                 freed += admin.prune(store.utcnow())["jobs"]  # `prune --older-than 0d --yes`
                 pruned_while_done += done and run.poll() is None
-            except (store.StoreError, TypeError):  # no database or no job yet; locked a moment
+            except (store.StoreError, *store.TRANSIENT_ERRORS, TypeError):  # no database or job yet; locked
                 pass
             time.sleep(0.1)
         _, err = run.communicate(timeout=60)
