@@ -1,14 +1,18 @@
 """Worker fleets for the tests that run real workers (test_workers, test_faults,
-test_worker_batching, test_operating_workers, test_langchain): worker subprocesses sharing
-settings with the test (the client), prompt files and the exactly-once check. The fixtures
+test_worker_batching, test_operating_workers, test_langchain, test_fleet_faults): worker
+subprocesses sharing settings with the test (the client), prompt files, the exactly-once
+check, and the private Redis and PostgreSQL servers a test stops and starts. The fixtures
 they use (``redis_url``, ``pairs_toml``, ``use``) are in conftest.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from sqlalchemy import func, select
@@ -86,3 +90,95 @@ def assert_exactly_once(job_id: str, n: int, url: str | None = None) -> None:
     assert outputs == telemetry == distinct == n
     job = store.get_job(job_id)
     assert (job["status"], job["n_ok"], job["n_failed"]) == ("done", n, 0)
+
+
+# -- private servers that a test stops and starts (test_fleet_faults) --------------------------
+class PrivateRedis:
+    """A redis-server on ``port`` with an append-only file in ``folder`` (the queue survives a
+    stop); ``stop`` (SHUTDOWN: the file is written) and ``start`` again on the same port."""
+
+    def __init__(self, exe: str, folder: Path, port: int):
+        self.exe, self.folder, self.port, self.proc = exe, folder, port, None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes"]
+        self.proc = subprocess.Popen([self.exe, *args, "--dir", str(self.folder)], stdout=subprocess.DEVNULL)
+        _wait_port(self.port)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+class PrivatePostgres:
+    """A PostgreSQL cluster of its own (``initdb`` in ``folder``, trust auth, ``port``), run as
+    the ``postgres`` user when this process is root (PostgreSQL refuses to run as root)."""
+
+    def __init__(self, bindir: Path, folder: Path, port: int):
+        self.bindir, self.folder, self.port = bindir, folder, port
+        self.data = folder / "data"
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if self.as_user:
+            shutil.chown(folder, "postgres")
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, tool: str, *args: str) -> None:
+        cmd = [*self.as_user, str(self.bindir / tool), *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=self.folder, timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)}: exit {done.returncode}: {done.stderr.strip()[-2000:]}")
+
+    def start(self) -> None:
+        opts = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.folder / "server.log"), "-w", "start")
+
+    def stop(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+    def stop_quietly(self) -> None:
+        """Stop it if it runs (a test's clean-up)."""
+        try:
+            self.stop()
+        except RuntimeError:
+            pass
+
+
+def postgres_bindir() -> Path | None:
+    """The folder of ``initdb`` and ``pg_ctl`` (on PATH, or Debian's /usr/lib/postgresql/*/bin)."""
+    found = shutil.which("initdb")
+    if found:
+        return Path(found).resolve().parent
+    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parent.parent.name))
+    return versions[-1].parent if versions else None
+
+
+def _wait_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def paced_steps(folder: Path, step_s: float) -> dict[str, str]:
+    """Worker environment that makes each row's step take at least ``step_s`` (a sleep before
+    its stop check: a bigger model's pace, without its CPU): a Celery config module written in
+    ``folder``, loaded by the workers as ``SPECDEC_CELERY_CONFIG``."""
+    (folder / "paced_steps.py").write_text(
+        "import time as _time\nimport workers.cancels as _cancels\n\n_ask = _cancels.RowStop.__call__\n\n\n"
+        f"def _paced(self):\n    _time.sleep({step_s})\n    return _ask(self)\n\n\n"
+        "_cancels.RowStop.__call__ = _paced\n"
+    )
+    return {"SPECDEC_CELERY_CONFIG": "paced_steps", "PYTHONPATH": os.pathsep.join([str(folder), *sys.path])}

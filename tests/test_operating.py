@@ -309,21 +309,45 @@ def test_a_row_told_to_stop_ends_with_its_partial_result_and_the_batch_goes_on()
     assert rb.stats.batch_rows < 2  # it went on alone after the other row stopped
 
 
-def test_a_worker_sees_a_cancel_flag_within_its_poll_and_forgets_it_after_a_retry(url):
+def test_a_worker_reads_a_cancel_flag_when_told_and_forgets_it_after_a_retry(url):
     import time
 
-    from workers.cancels import CancelFlags
+    from workers.cancels import CancelFlags, announce
 
     make_job(url, "fl", queued=2)
-    flags = CancelFlags(poll_s=0.05)
+    flags = CancelFlags()
     check = flags.watch("fl")
     assert not check()
     jobs.cancel("fl", now=True, url=url)
+    time.sleep(0.3)
+    assert not check()  # not told yet: no worker polls the store
+    announce()  # the broadcast (or the lease heartbeat) tells this worker's processes
     deadline = time.monotonic() + 10
-    while not check() and time.monotonic() < deadline:  # the poller's next look (one query for all jobs)
+    while not check() and time.monotonic() < deadline:  # the next step asks; one read for all its jobs
         time.sleep(0.02)
     assert check()
     flags.release("fl")
     jobs.requeue("fl", lease_timeout_s=60, cancelled=True, url=url)  # `retry --cancelled` clears the flag
     assert not flags.watch("fl")()  # a new row of the job: not stopped by what an earlier look said
-    flags.release("fl")  # (its poller idles: nothing watched)
+    flags.release("fl")
+    jobs.cancel("fl", now=True, url=url)  # a row taken after the cancel (its job's flag read with it)
+    assert flags.watch("fl", jobs.cancel_times(["fl"], url=url)["fl"])()
+    flags.release("fl")
+
+
+def test_a_task_takes_and_reads_its_row_in_one_go_and_the_lease_heartbeat_reads_cancel_flags(url):
+    make_job(url, "st", ok=1, queued=2)
+    row = jobs.start("st-1", "w1@h", lease_timeout_s=60, max_attempts=3, url=url)
+    assert (row["taken"], row["status"], row["attempts"], row["prompt"]) == (True, "running", 1, "p1")
+    assert row["job_id"] == "st" and row["cancel_requested_at"] is None and row["output"] is None
+    other = jobs.start("st-1", "w2@h", lease_timeout_s=60, max_attempts=3, url=url)  # another worker's live lease
+    assert (other["taken"], other["status"]) == (False, "running")
+    done = jobs.start("st-0", "w1@h", lease_timeout_s=60, max_attempts=3, url=url)  # finished: left alone
+    assert (done["taken"], done["status"], done["output"]["text"]) == (False, "ok", RESULT["text"])
+    assert jobs.start("nope", "w1@h", lease_timeout_s=60, max_attempts=3, url=url) is None
+    assert jobs.renew_leases(["st-1"], "w1@h", url=url) == {}
+    jobs.cancel("st", now=True, url=url)
+    assert set(jobs.renew_leases(["st-1", "st-2"], "w1@h", url=url)) == {"st"}  # st-2: cancelled, not held
+    assert jobs.renew_leases(["st-1"], "w2@h", url=url) == {}  # not w2's row
+    again = jobs.start("st-1", "w1@h", lease_timeout_s=60, max_attempts=1, url=url)  # its own lease, out of attempts
+    assert (again["taken"], again["attempts"]) == (False, 1) and again["cancel_requested_at"] is not None
