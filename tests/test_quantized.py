@@ -136,13 +136,14 @@ def test_sampling_with_the_quantized_drafter_keeps_the_target_distribution():
     assert sum(r.stats.draft_tokens_accepted for r in out) > N * 0.3
 
 
-def test_gguf_draft_weights_equal_the_targets_bit_for_bit(smollm2):
+def test_gguf_draft_weights_equal_the_targets_bit_for_bit():
     """Every Linear weight of the demo target is a Q4_1 block in its GGUF: the draft takes
     those blocks as they are (scale, minimum, nibbles), and they dequantize to exactly the
-    target's fp32 weights (the loader's row permutation of query and key heads included)."""
-    from specdec_llm.pairs import get_spec, gguf_blocks, local_ref
+    target's fp32 weights (the loader's row permutation of query and key heads included).
+    (Matched at load, on the target as loaded: not one a decoder has prepared.)"""
+    from specdec_llm.pairs import get_spec, gguf_blocks, load_model, local_ref
 
-    target = smollm2.target
+    target = load_model(get_spec("smollm2-135m").target, "float32", "cpu")
     blocks = gguf_blocks(Path(local_ref(get_spec("smollm2-135m").target)), target)
     linears = [n for n, m in target.model.layers.named_modules() if isinstance(m, torch.nn.Linear)]
     assert len(blocks) == len(linears) == 7 * target.config.num_hidden_layers

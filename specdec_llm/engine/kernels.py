@@ -258,6 +258,7 @@ def _entry(cached: dict[str, Any], machine: str, weights: list[torch.Tensor]) ->
     entry = cached.get(key)
     if entry is not None and entry.get("points") == list(POINTS):
         return entry, False
+    logging.getLogger("specdec_llm.load").info(f"timing matmul kernels for {key.split('|', 4)[-1]} (once per machine)")
     times = measure(weights, kinds(dtype))
     entry = {"points": list(POINTS), "ms": {k: [round(t * 1e3, 4) for t in v] for k, v in times.items()}}
     cached[key] = entry

@@ -229,6 +229,21 @@ class Slice(torch.nn.Module):
         super().__init__()
         self.fused, self.start, self.stop, self.last = fused, start, stop, last
         self.in_features, self.out_features = fused.linear.in_features, stop - start
+        self.register_state_dict_post_hook(Slice.as_own)  # type: ignore[no-untyped-call]
+
+    @staticmethod
+    def as_own(module: Slice, state: dict[str, torch.Tensor], prefix: str, _meta: object) -> None:
+        """In a state dict, a float sibling keeps its own names (``q_proj.weight``): its rows of
+        the fused weight (views), not the fused Linear once per sibling."""
+        whole = module.part_of
+        if not isinstance(whole, torch.nn.Linear):
+            return
+        for name in ("weight", "bias"):
+            full = state.pop(f"{prefix}fused.linear.{name}", None)
+            if full is None:
+                continue
+            # (empty where a kernel's packed copy replaced the weight, as for any tuned Linear)
+            state[f"{prefix}{name}"] = full[module.start : module.stop] if full.numel() else full
 
     @property
     def part_of(self) -> torch.nn.Module:
@@ -250,23 +265,6 @@ def replace_by_slices(module: torch.nn.Module, names: tuple[str, ...] | list[str
     for i, (name, size) in enumerate(zip(names, sizes)):
         setattr(module, name, Slice(fused, start, start + size, last=i == len(names) - 1))
         start += size
-
-
-def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` under the names of its own architecture: sibling projections
-    fused into one Linear (``replace_by_slices``) are given back as views of its rows."""
-    state = {k: v for k, v in model.state_dict().items() if ".fused.linear." not in k}
-    for name, module in model.named_modules():
-        if isinstance(module, Slice) and isinstance(module.part_of, torch.nn.Linear):
-            whole = module.part_of
-            if whole.weight.numel() == 0:
-                raise ValueError(
-                    "the model's fused weights are held in a kernel's packed layout: copy it before preparing it"
-                )
-            state[f"{name}.weight"] = whole.weight[module.start : module.stop]
-            if whole.bias is not None:
-                state[f"{name}.bias"] = whole.bias[module.start : module.stop]
-    return state
 
 
 def _fuse(module: torch.nn.Module, names: tuple[str, ...]) -> None:
@@ -335,7 +333,7 @@ def quantized_copy(
     blocks = blocks or {}
     with torch.device("meta"):
         draft: PreTrainedModel = type(target)(copy.deepcopy(target.config))
-    draft.load_state_dict(plain_state_dict(target), assign=True)  # the same tensors, not copies
+    draft.load_state_dict(target.state_dict(), assign=True)  # the same tensors, not copies
     modules = dict(draft.named_modules())
     for name, buf in target.named_buffers():  # non-persistent buffers (rotary frequencies) too
         owner, _, attr = name.rpartition(".")
@@ -353,6 +351,10 @@ def quantized_copy(
                 if isinstance(child, Conv1D):  # GPT-2's projections: a Linear with its weight transposed
                     child = _as_linear(child)
                 if isinstance(child, torch.nn.Linear):
+                    if child.weight.numel() == 0:
+                        raise ValueError(
+                            "the target's weights are in a kernel's packed layout: quantize it before preparing it"
+                        )
                     setattr(module, child_name, _quantized(child, scheme, blocks.get(f"{full}.weight")))
         for module in draft.modules():
             for names in FUSED:
@@ -378,9 +380,25 @@ def quantized_copy(
     return draft
 
 
+def tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """A model's parameters and buffers, and the copies its tuned Linears multiply by
+    (kernels.tune: a weight in a kernel's layout, held instead of the parameter's data)."""
+    copies = [c for m in model.modules() for c in (getattr(m, "_kernel_weights", None) or {}).values()]
+    return [*model.parameters(), *model.buffers(), *copies]
+
+
 def model_bytes(model: torch.nn.Module, without: torch.nn.Module | None = None) -> int:
-    """Bytes of a model's tensors, each counted once (a tied head is the embedding), less
-    those it shares with ``without`` (a draft's own bytes: ``model_bytes(draft, target)``)."""
-    shared = {t.data_ptr() for t in (*without.parameters(), *without.buffers())} if without is not None else set()
-    own = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers()) if t.data_ptr() not in shared}
+    """Bytes of the tensors a model holds (``tensors``), each counted once (a tied head is the
+    embedding), less those it shares with ``without`` (a draft's own: ``model_bytes(draft, target)``)."""
+    shared = {_where(t) for t in tensors(without)} if without is not None else set()
+    own = {_where(t): t for t in tensors(model) if t.numel() and _where(t) not in shared}
     return sum(t.numel() * t.element_size() for t in own.values())
+
+
+def _where(t: torch.Tensor) -> int:
+    """A tensor's memory, to count it once: its data's address (an opaque tensor, such as
+    oneDNN's packed weight, has none: the tensor itself)."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return id(t)

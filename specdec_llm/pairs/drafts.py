@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 from importlib import resources
 from pathlib import Path
@@ -124,6 +125,7 @@ def quantized_draft(spec: PairSpec, target, tokenizer=None):
     from ..engine.quant import model_bytes, quantized_copy
 
     scheme = quantization_scheme(spec.draft, f"pair {spec.name}")
+    logging.getLogger("specdec_llm.load").info(f"quantizing the target's weights into the draft ({scheme})")
     blocks = {}
     ref = local_ref(spec.target)
     if scheme == "int4" and ref.endswith(".gguf"):

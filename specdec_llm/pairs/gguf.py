@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.metadata
+import logging
 import os
 from pathlib import Path
 
@@ -70,6 +71,7 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
     out = get_settings().cache_dir / "models" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
         return out
+    logging.getLogger("specdec_llm.load").info(f"converting {gguf.name} once into {out} (dequantized to float32)")
     kw = {"gguf_file": gguf.name, "trust_remote_code": trust_remote_code}
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
@@ -146,13 +148,14 @@ def int4_blocks(kind: str, data, n: int, k: int):
 
 
 def cached_gguf_blocks(path: Path, target, trust_remote_code: bool = False) -> dict:
-    """``gguf_blocks`` kept beside the GGUF's converted model (``q4_blocks.safetensors``):
+    """``gguf_blocks`` kept beside the GGUF's converted model (``int4_blocks-2.safetensors``; 2: with
+    Q4_K, which the first format left out):
     reading a GGUF's metadata and matching its tensors took ~6 s of every worker's start."""
     from safetensors.torch import load_file, save_file
 
     from ..engine.quant import Blocks
 
-    file = _gguf_cache(path, trust_remote_code) / "q4_blocks.safetensors"
+    file = _gguf_cache(path, trust_remote_code) / "int4_blocks-2.safetensors"
     parts = ("q", "scale", "low")
     if file.is_file():
         try:
@@ -161,6 +164,7 @@ def cached_gguf_blocks(path: Path, target, trust_remote_code: bool = False) -> d
             return {n: Blocks(*(flat[f"{n}.{p}"] for p in parts)) for n in names}
         except (OSError, KeyError, ValueError):  # damaged: match again
             pass
+    logging.getLogger("specdec_llm.load").info(f"reading the int4 blocks of {path.name} once (kept in {file.name})")
     blocks = gguf_blocks(path, target)
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     save_file({f"{n}.{p}": getattr(b, p).contiguous() for n, b in blocks.items() for p in parts}, str(tmp))

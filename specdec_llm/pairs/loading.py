@@ -4,6 +4,7 @@ tokenizer has none), its draft by kind, the vocabulary check, torch's threads.""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,14 +39,56 @@ def quiet_loading() -> None:
     hf_logging.set_verbosity_error()
 
 
+def stage(message: str) -> None:
+    """A stage of a load that takes a while (assembling, converting, reading, quantizing,
+    tuning), logged to ``specdec_llm.load``: the CLI prints it, a worker's log shows it."""
+    logging.getLogger("specdec_llm.load").info(message)
+
+
+def read_weights(src: str, dtype: str):
+    """The model in the local directory ``src``, its safetensors read into the process's own
+    memory (``pread``, not mmap: a mapped file stays resident beside the prepared weights that
+    replace its tensors, twice the weights in all), converted to ``dtype`` a tensor at a time;
+    None where this does not apply (another layout, a model that needs its own code)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    folder = Path(src)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = [folder / "model.safetensors"]
+    if not folder.is_dir() or not all(f.is_file() for f in files):
+        return None
+    config = AutoConfig.from_pretrained(src)
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if cls is None or getattr(config, "auto_map", None):
+        return None
+    stage(f"reading {sum(f.stat().st_size for f in files) / 1e9:.1f} GB of weights ({dtype}) from {folder.name}")
+    state = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu", backend="pread") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                state[key] = t.to(DTYPES[dtype]) if t.is_floating_point() else t
+    model = cls.from_pretrained(None, config=config, state_dict=state, dtype=DTYPES[dtype])
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(src)
+    return model
+
+
 def load_model(ref: str, dtype: str, device: str, trust_remote_code: bool = False, pair: str = "NAME"):
     from transformers import AutoModelForCausalLM
 
     src = resolve(ref, trust_remote_code)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            src, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, local_files_only=Path(src).exists()
-        )
+        model = read_weights(src, dtype) if device == "cpu" and Path(src).is_dir() else None
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(
+                src, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, local_files_only=Path(src).exists()
+            )
     except OSError as e:
         raise PairError(f"cannot load model {ref!r}: {e}") from e
     except ValueError as e:
