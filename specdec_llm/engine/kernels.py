@@ -300,6 +300,7 @@ def tune(model: torch.nn.Module, cache_file: Path | None = None, force: str | No
         else:
             entry, new = _entry(cached, machine, weights)
             dirty = dirty or new
+        del weights  # (the originals go as their copies are made: not the whole group at once)
         choice = choose(entry["ms"])
         tab = table(choice)
         for m in mods:

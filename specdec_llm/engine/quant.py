@@ -34,6 +34,8 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from transformers import PreTrainedModel
 
 GROUP = 32
@@ -303,7 +305,7 @@ def quantized_copy(
     target: PreTrainedModel,
     scheme: str = "int4",
     head: str = "auto",
-    blocks: dict[str, Blocks] | None = None,
+    blocks: Mapping[str, Blocks] | None = None,
     fuse: bool = True,
     kernel_cache: Path | None = None,
 ) -> PreTrainedModel:
@@ -343,7 +345,7 @@ def quantized_copy(
     draft.generation_config = target.generation_config
     head_module = draft.get_output_embeddings()
     with torch.no_grad():
-        for name, module in list(draft.named_modules()):
+        for name, module in list(draft.named_modules()):  # a module at a time: its blocks go once fused
             for child_name, child in list(module.named_children()):
                 full = f"{name}.{child_name}" if name else child_name
                 if child is head_module:
@@ -356,13 +358,11 @@ def quantized_copy(
                             "the target's weights are in a kernel's packed layout: quantize it before preparing it"
                         )
                     setattr(module, child_name, _quantized(child, scheme, blocks.get(f"{full}.weight")))
-        for module in draft.modules():
-            for names in FUSED:
-                if fuse:
-                    _fuse(module, names)
-        for module in draft.modules():
-            if isinstance(module, Int4Linear):
-                module.blocks = None
+            for names in FUSED if fuse else ():
+                _fuse(module, names)
+            for child in module.modules():
+                if isinstance(child, Int4Linear):
+                    child.blocks = None
         if head == "int4":
             draft.set_output_embeddings(_quantized(head_module, "int4", blocks.get("lm_head.weight")))
         elif head == "bf16":

@@ -9,6 +9,7 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -147,29 +148,58 @@ def int4_blocks(kind: str, data, n: int, k: int):
     return Blocks(q, d, low)
 
 
-def cached_gguf_blocks(path: Path, target, trust_remote_code: bool = False) -> dict:
-    """``gguf_blocks`` kept beside the GGUF's converted model (``int4_blocks-2.safetensors``; 2: with
-    Q4_K, which the first format left out):
-    reading a GGUF's metadata and matching its tensors took ~6 s of every worker's start."""
-    from safetensors.torch import load_file, save_file
-
-    from ..engine.quant import Blocks
+def cached_gguf_blocks(path: Path, target, trust_remote_code: bool = False) -> Mapping:
+    """``gguf_blocks`` kept beside the GGUF's converted model (``int4_blocks-2.safetensors``; 2:
+    with Q4_K, which the first format left out): reading a GGUF's metadata and matching its
+    tensors took ~6 s of every worker's start (70 s for a 1.5B model). Read back a weight at a
+    time, as the draft is built (``StoredBlocks``): all of a 1.5B model's at once are 1.9 GB."""
+    from safetensors.torch import save_file
 
     file = _gguf_cache(path, trust_remote_code) / "int4_blocks-2.safetensors"
-    parts = ("q", "scale", "low")
     if file.is_file():
         try:
-            flat = load_file(file)
-            names = {key.rsplit(".", 1)[0] for key in flat}
-            return {n: Blocks(*(flat[f"{n}.{p}"] for p in parts)) for n in names}
-        except (OSError, KeyError, ValueError):  # damaged: match again
+            return StoredBlocks(file)
+        except (OSError, ValueError):  # damaged: match again
             pass
     logging.getLogger("specdec_llm.load").info(f"reading the int4 blocks of {path.name} once (kept in {file.name})")
     blocks = gguf_blocks(path, target)
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    save_file({f"{n}.{p}": getattr(b, p).contiguous() for n, b in blocks.items() for p in parts}, str(tmp))
+    save_file({f"{n}.{p}": getattr(b, p).contiguous() for n, b in blocks.items() for p in BLOCK_PARTS}, str(tmp))
     tmp.replace(file)
     return blocks
+
+
+BLOCK_PARTS = ("q", "scale", "low")
+
+
+class StoredBlocks(Mapping):
+    """{parameter name: quant.Blocks} read from a blocks file a weight at a time."""
+
+    def __init__(self, file: Path) -> None:
+        from safetensors import safe_open
+
+        self.file = file
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+        self.names = sorted({key.rsplit(".", 1)[0] for key in keys})
+        if any(f"{n}.{p}" not in keys for n in self.names for p in BLOCK_PARTS):
+            raise ValueError(f"{file}: incomplete blocks")
+
+    def __getitem__(self, name: str):
+        from safetensors import safe_open
+
+        from ..engine.quant import Blocks
+
+        if name not in self.names:
+            raise KeyError(name)
+        with safe_open(str(self.file), framework="pt", backend="pread") as f:
+            return Blocks(*(f.get_tensor(f"{name}.{p}") for p in BLOCK_PARTS))
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def gguf_blocks(path: Path, target) -> dict:
