@@ -203,7 +203,8 @@ def test_a_cancel_whose_broadcast_was_missed_is_found_by_the_lease_heartbeat(fle
     """The store is the record: a cancel written with no broadcast (one the worker missed)
     still stops the running row, found by the lease heartbeat (every second here)."""
     use(fleet)
-    job = client.submit(prompts(tmp_path / "m.jsonl", "The quick brown fox"), "tiny", {"max_new_tokens": 8000, "k": 0})
+    path = prompts(tmp_path / "m.jsonl", "a cancel nobody broadcast")  # (a job of its own: not test_cancel_now's)
+    job = client.submit(path, "tiny", {"max_new_tokens": 8000, "k": 0})
     wait_for(lambda: client.job_counts(job["job_id"])["running"] == 1, 120)
     jobs.cancel(job["job_id"], now=True)  # the store only: no broadcast
     wait_for(lambda: client.job_counts(job["job_id"])["cancelled"] == 1, 30)
