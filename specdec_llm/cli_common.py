@@ -87,3 +87,17 @@ def check_batching(max_batch: int | str, concurrency: int) -> int | str:
             "for more devices"
         )
     return max_batch
+
+
+def show_load_stages() -> None:
+    """Print a load's stages (``specdec_llm.load``: assembling, converting, reading, quantizing,
+    tuning) on stderr as they start, each with the seconds since the command began."""
+    import logging
+
+    logger = logging.getLogger("specdec_llm.load")
+    if not any(getattr(h, "specdec_stages", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("loading [%(relativeCreated)6.0f ms] %(message)s"))
+        handler.specdec_stages = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)

