@@ -89,15 +89,34 @@ def check_batching(max_batch: int | str, concurrency: int) -> int | str:
     return max_batch
 
 
+SHOW_AFTER_S = 2.0  # a load's stages are printed once it has taken this long (a quick one prints nothing)
+
+
 def show_load_stages() -> None:
     """Print a load's stages (``specdec_llm.load``: assembling, converting, reading, quantizing,
-    tuning) on stderr as they start, each with the seconds since the command began."""
+    tuning) on stderr, each with the milliseconds since the command began: those of the first
+    ``SHOW_AFTER_S`` seconds once a later stage starts, the others as they start."""
     import logging
+    import time
+
+    started = time.monotonic()
+
+    class Stages(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.held: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.held.append(record)
+            if time.monotonic() - started >= SHOW_AFTER_S:
+                for r in self.held:
+                    print(self.format(r), file=sys.stderr, flush=True)  # (the stderr of the moment)
+                self.held = []
 
     logger = logging.getLogger("specdec_llm.load")
-    if not any(getattr(h, "specdec_stages", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("loading [%(relativeCreated)6.0f ms] %(message)s"))
-        handler.specdec_stages = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+    for old in [h for h in logger.handlers if isinstance(h, logging.Handler) and type(h).__name__ == "Stages"]:
+        logger.removeHandler(old)
+    handler = Stages()
+    handler.setFormatter(logging.Formatter("loading [%(relativeCreated)6.0f ms] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)

@@ -221,3 +221,40 @@ def test_pairs_show_load_prints_the_load_time_and_resident_size_beside_the_weigh
     if Path("/proc/self/status").exists():
         assert load["peak_resident_bytes"] >= load["resident_bytes"] > load["weights_held_bytes"]
         assert load["peak_over_weights"] > 1  # (a tiny pair: the interpreter is most of it)
+
+
+def test_a_draft_model_of_its_own_held_in_int4_stays_exact(tmp_path, tiny_pair_dir, monkeypatch):
+    """draft_quantize: the pair's own draft model with int4 Linears (and a vocabulary-subset head)
+    drafts as a model of its own (not as the target's weights: its cache is its own), and the
+    output is the target's, token for token."""
+    from specdec_llm.engine import GenerationRequest
+    from specdec_llm.engine.drafters import ModelDrafter, SelfDrafter
+    from specdec_llm.engine.quant import Int4Linear
+    from specdec_llm.pairs import load_pair
+
+    config = tmp_path / "pairs.toml"
+    config.write_text(
+        f'[pairs.q]\ntarget = "{tiny_pair_dir / "target"}"\ndraft = "{tiny_pair_dir / "draft"}"\n'
+        'draft_quantize = "int4"\ndraft_vocab = 300\ndrafters = ["model"]\n'
+        '[pairs.bad]\ntarget = "x"\ndraft = "quantized:int4"\ndraft_quantize = "int4"\n'
+    )
+    monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(config))
+    reload_settings()
+    try:
+        with pytest.raises(PairError, match="draft_quantize needs a draft model of its own"):
+            load_pair("q")
+        config.write_text(config.read_text().split("[pairs.bad]")[0])
+        reload_settings()
+        pair = load_pair("q")
+        assert pair.draft_info["kind"] == "model" and pair.draft_info["scheme"] == "int4"
+        assert any(isinstance(m, Int4Linear) for m in pair.draft.modules())
+        dec = pair.decoder()
+        (drafter,) = dec.drafters
+        assert isinstance(drafter, ModelDrafter) and not isinstance(drafter, SelfDrafter)
+        for prompt in ("The quick brown fox", "Speculative decoding"):
+            spec = dec.generate(GenerationRequest(prompt, max_new_tokens=24, k=3))
+            base = dec.generate(GenerationRequest(prompt, max_new_tokens=24, mode="baseline"))
+            assert spec.token_ids == base.token_ids and spec.stats.draft_tokens_proposed > 0
+    finally:
+        monkeypatch.delenv("SPECDEC_CONFIG_FILE")
+        reload_settings()

@@ -130,7 +130,8 @@ def _model(name: str) -> Callable[[DraftContext], Drafter]:
             raise ValueError(
                 f"drafter {name!r} needs a draft model: set the pair's draft, or drop {name!r} from drafters"
             )
-        own = bool(getattr(draft, "quantization", None))
+        quantization = getattr(draft, "quantization", None) or {}
+        own = bool(quantization) and quantization.get("of") != "draft"  # the target's own weights, quantized
         return (SelfDrafter if own else ModelDrafter)(draft, c.vocab_size, name, 0.9 if own else 0.5)
 
     return make

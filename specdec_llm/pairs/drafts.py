@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 
@@ -121,29 +122,39 @@ def load_draft_dir(path: Path, target, target_fp: str):
 
 def quantized_draft(spec: PairSpec, target, tokenizer=None):
     """The target's own weights quantized (``draft = "quantized:SCHEME"``); for a GGUF target
-    at int4, built from the file's own Q4_0/Q4_1 blocks, so its weights are the target's."""
+    at int4, built from the file's own Q4_0/Q4_1/Q4_K blocks, so its weights are the target's."""
+    scheme = quantization_scheme(spec.draft, f"pair {spec.name}")
+    return quantized_model(spec, target, spec.target, scheme, tokenizer, target)
+
+
+def quantized_draft_model(spec: PairSpec, draft, tokenizer=None):
+    """A draft model of its own held quantized (``draft_quantize``): the same, from its file."""
+    model, info = quantized_model(spec, draft, spec.draft, spec.draft_quantize, tokenizer, None)
+    model.quantization["of"] = "draft"  # (not the target's weights: registry picks ModelDrafter)
+    return model, {**info, "kind": "model"}
+
+
+def quantized_model(spec: PairSpec, model, ref: str, scheme: str, tokenizer, target):
+    """``model`` with its Linear weights quantized (``scheme``), from its GGUF file's int4 blocks
+    where it has them; its head over ``draft_vocab`` tokens when the pair says so."""
     from ..engine.quant import model_bytes, quantized_copy
 
-    scheme = quantization_scheme(spec.draft, f"pair {spec.name}")
-    logging.getLogger("specdec_llm.load").info(f"quantizing the target's weights into the draft ({scheme})")
-    blocks = {}
-    ref = local_ref(spec.target)
+    logging.getLogger("specdec_llm.load").info(f"quantizing {ref} into the draft ({scheme})")
+    blocks: Mapping = {}
+    ref = local_ref(ref)
     if scheme == "int4" and ref.endswith(".gguf"):
-        blocks = cached_gguf_blocks(Path(ref).expanduser(), target, spec.trust_remote_code)
+        blocks = cached_gguf_blocks(Path(ref).expanduser(), model, spec.trust_remote_code)
     try:
-        draft = quantized_copy(target, scheme, blocks=blocks, kernel_cache=get_settings().cache_dir / "kernels.json")
+        draft = quantized_copy(model, scheme, blocks=blocks, kernel_cache=get_settings().cache_dir / "kernels.json")
     except ValueError as e:  # a scheme this device cannot run
         raise PairError(f"pair {spec.name}: {e}") from None
     if spec.draft_vocab:
-        ids = vocab_subset(tokenizer, spec.draft_vocab, target.config.vocab_size)
-        draft.set_output_embeddings(SubsetHead(target.get_output_embeddings(), ids))
-        draft.quantization["head"] = f"subset: {len(ids)} of {target.config.vocab_size} tokens (fp32)"
-    info = {
-        "kind": "quantized",
-        **draft.quantization,
-        "draft_bytes": model_bytes(draft, target),
-        "target_bytes": model_bytes(target),
-    }
+        ids = vocab_subset(tokenizer, spec.draft_vocab, model.config.vocab_size)
+        draft.set_output_embeddings(SubsetHead(model.get_output_embeddings(), ids))
+        draft.quantization["head"] = f"subset: {len(ids)} of {model.config.vocab_size} tokens (fp32)"
+    info = {"kind": "quantized", **draft.quantization, "draft_bytes": model_bytes(draft, target)}
+    if target is not None:
+        info["target_bytes"] = model_bytes(target)
     return draft, info
 
 

@@ -14,7 +14,7 @@ from ..engine import SpeculativeDecoder
 from ..engine.devices import device_problem
 from ..engine.ragged import unservable
 from ..settings import get_settings
-from .drafts import REFERENCE, fingerprint, load_draft_dir, quantized_draft, shared_draft
+from .drafts import REFERENCE, fingerprint, load_draft_dir, quantized_draft, quantized_draft_model, shared_draft
 from .eagle_draft import load_eagle_dir
 from .gguf import local_ref, resolve
 from .spec import CHAT_TEMPLATES, CHAT_TURN_ENDS, DRAFT_META, PairError, PairSpec, draft_dir, get_spec
@@ -217,6 +217,9 @@ def load_pair(name_or_spec: str | PairSpec) -> Pair:
             tok_d = load_tokenizer(ref, spec.trust_remote_code)
             vocab = check_vocab(spec.target, tokenizer, ref, tok_d, target.config.vocab_size, draft.config.vocab_size)
             info = {"kind": "model", "fingerprint": fingerprint(draft)}
+            if spec.draft_quantize:  # (its float Linear weights go with the model they were in)
+                draft, quantized = quantized_draft_model(spec, draft, tokenizer)
+                info.update(quantized, kind="model")
     refuse_unservable(spec, "target", target)
     if info.get("kind") == "model":  # a model of its own (the other drafts are the target's layers)
         refuse_unservable(spec, "draft", draft)

@@ -40,6 +40,9 @@ class PairSpec:
     # a quantized draft's LM head over only this many of the target's most frequent tokens
     # (FR-Spec; ``vocab_subset``): verification stays over the whole vocabulary, outputs exact
     draft_vocab: int | None = None
+    # a draft model of its own held quantized ("int4", "int8"): from its GGUF's own int4 blocks
+    # where the file has them, else re-quantized (engine/quant.py); its outputs stay the target's
+    draft_quantize: str | None = None
     description: str = ""
     source: str = "builtin"  # builtin | user file path
 
@@ -84,6 +87,7 @@ KEY_TYPES = {
     "compile_draft": "boolean",
     "chat_template": "string",
     "draft_vocab": "integer",
+    "draft_quantize": "string",
     "description": "string",
 }
 WORDS = {  # each type as the error says it
@@ -160,11 +164,19 @@ def read_toml(text: str, source: str) -> dict[str, PairSpec]:
                 f"{source}: pair {name!r}: compile_draft must be true or false, and needs "
                 f'draft = "quantized:int4" (it compiles the quantized draft\'s step)'
             )
+        draft_quantize = fields.get("draft_quantize")
+        if draft_quantize is not None:
+            quantization_scheme(QUANTIZED + draft_quantize, f"{source}: pair {name!r}: draft_quantize")
+            if draft_kind(draft) != "model":
+                raise PairError(
+                    f"{source}: pair {name!r}: draft_quantize needs a draft model of its own (draft = a model "
+                    f'dir, hub id or .gguf); for the target\'s own weights use draft = "quantized:{draft_quantize}"'
+                )
         draft_vocab = fields.get("draft_vocab")
-        if draft_vocab is not None and not (draft_vocab > 0 and quantized):
+        if draft_vocab is not None and not (draft_vocab > 0 and (quantized or draft_quantize)):
             raise PairError(
                 f"{source}: pair {name!r}: draft_vocab must be a positive number of tokens, e.g. 32768, "
-                f'and needs draft = "quantized:int4" (it narrows the quantized draft\'s head)'
+                f'and needs draft = "quantized:int4" or draft_quantize (it narrows the quantized draft\'s head)'
             )
         drafters = fields.get("drafters")
         if drafters is not None:
