@@ -1,0 +1,136 @@
+"""Which draft to hold: each choice of body (fp32, bf16, int4) and head (full, a vocabulary
+subset) measured for agreement with the target and for its step's cost, side by side.
+
+    .venv/bin/python benchmarks/bench_draft_choices.py --pair qwen2.5-coder-1.5b-0.5b \
+        --prompts data/code_heldout.jsonl --tokens 64
+
+Variants: the pair's draft model (when it has one of its own) in fp32, bf16 and int4 (its GGUF's
+own int4 blocks where exact, else re-quantized: ``draft_quantize``), each with its full head and
+with its head over ``--subset`` tokens (``draft_vocab``); and the target's own int4 copy
+(``draft = "quantized:int4"``) with its full head and a subset head. Agreement: the target's
+greedy answers to the prompts (chat template), every variant teacher-forced on them, the share
+of positions where its argmax is the target's (what acceptance follows). Step: one new token on
+a 100-token context through the engine's cache, batch 1, interleaved medians, as a share of the
+target's step (what the schedule weighs against acceptance). Tokens a verification gains per
+draft token cost: see the last column, agreement / (1 + step share), a rough figure of merit.
+Prints the CPU first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from machine import cpu_info
+
+from specdec_llm.engine import hf
+from specdec_llm.engine.quant import model_bytes, quantized_copy
+from specdec_llm.engine.ragged import RaggedCache
+from specdec_llm.pairs import cached_gguf_blocks, get_spec, load_model, load_pair, local_ref, quiet_loading
+from specdec_llm.pairs.drafts import SubsetHead, vocab_subset
+from specdec_llm.settings import get_settings
+from specdec_llm.training.evaluate import read_prompts
+
+
+def variants(spec, target, tokenizer, subset: int) -> dict:
+    """name -> draft model, every one built from the weights as loaded (nothing prepared yet)."""
+    kernels = get_settings().cache_dir / "kernels.json"
+    ids = vocab_subset(tokenizer, subset, target.config.vocab_size)
+
+    def narrowed(model, full_head):
+        out = copy.copy(model)  # (the same modules, but its own head)
+        out.__dict__["_modules"] = dict(model._modules)
+        out.set_output_embeddings(SubsetHead(full_head, ids))
+        return out
+
+    out = {}
+    kind = spec.draft_kind()
+    if spec.draft and kind == "model":
+        ref = local_ref(spec.draft)
+        fp32 = load_model(spec.draft, "float32", "cpu")
+        blocks = cached_gguf_blocks(Path(ref), fp32) if ref.endswith(".gguf") else {}
+        int4 = quantized_copy(fp32, "int4", "target", blocks, kernel_cache=kernels)
+        bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+        for name, model in (("draft model fp32", fp32), ("draft model bf16", bf16), ("draft model int4", int4)):
+            out[f"{name}, full head"] = model
+        out[f"draft model int4, {subset} head"] = narrowed(int4, fp32.get_output_embeddings())
+    own = quantized_copy(
+        target,
+        "int4",
+        "target",
+        cached_gguf_blocks(Path(local_ref(spec.target)), target) if local_ref(spec.target).endswith(".gguf") else {},
+        kernel_cache=kernels,
+    )
+    out["target int4 copy, full head"] = own
+    out[f"target int4 copy, {subset} head"] = narrowed(own, target.get_output_embeddings())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--pair", default="qwen2.5-coder-1.5b-0.5b")
+    ap.add_argument("--prompts", default="data/code_heldout.jsonl")
+    ap.add_argument("--limit", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--subset", type=int, default=32768)
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+    quiet_loading()
+    spec = get_spec(args.pair)
+    bare = copy.copy(spec)
+    bare.draft, bare.draft_quantize, bare.draft_vocab = None, None, None
+    pair = load_pair(bare)
+    target, tok = pair.target, pair.tokenizer
+    models = variants(spec, target, tok, args.subset)
+    print(
+        f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.pair} "
+        f"{spec.dtype}; target {model_bytes(target) / 1e9:.2f} GB",
+        flush=True,
+    )
+    rows = read_prompts(Path(args.prompts))[: args.limit]
+    agree = {n: [0, 0] for n in models}
+    with torch.inference_mode():
+        for row in rows:
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
+            )
+            x = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+            full = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.tokens, do_sample=False)
+            want = target(full).logits[0, x.shape[1] - 1 : -1].argmax(-1)
+            for name, draft in models.items():
+                got = draft(full).logits[0, x.shape[1] - 1 : -1].float().argmax(-1)
+                agree[name][0] += int((got == want).sum())
+                agree[name][1] += len(want)
+    kernels = get_settings().cache_dir / "kernels.json"
+    timed = {"target": target, **models}
+    for m in timed.values():
+        hf.prepare(m, kernels)
+    ids = list(range(1000, 1100))
+    caches = {}
+    for name, m in timed.items():
+        cache = RaggedCache(m, 1)
+        cache.forward([ids], 1)
+        caches[name] = (cache, cache.width)
+    times: dict[str, list[float]] = {n: [] for n in timed}
+    for _ in range(args.reps):
+        for name, (cache, width) in caches.items():
+            t = time.perf_counter()
+            cache.forward([ids[:1]], 1)
+            times[name].append(time.perf_counter() - t)
+            cache.crop(width)
+    step = {n: statistics.median(v) for n, v in times.items()}
+    print(f"{'variant':40s} {'agreement':>9s} {'step ms':>8s} {'/ target':>8s} {'merit':>6s}")
+    for name in timed:
+        a, n = agree.get(name, (0, 0))
+        share = step[name] / step["target"]
+        merit = f"{(a / n) / (1 + share):6.3f}" if n else f"{'-':>6s}"
+        print(f"{name:40s} {(a / n if n else float('nan')):9.3f} {step[name] * 1e3:8.1f} {share:8.3f} {merit}")
+    print(f"({sum(v[1] for v in agree.values()) // len(agree)} positions from {len(rows)} prompts)")
+
+
+if __name__ == "__main__":
+    main()
