@@ -518,15 +518,25 @@ def test_a_device_this_machine_lacks_is_one_line_before_anything_runs(
     # the pairs file's key, naming the file and the pair
     text = pairs_file.read_text()
     pairs_file.write_text(text.replace("[pairs.tiny]\n", f'[pairs.tiny]\ndevice = "{device}"\n'))
-    for command in (["generate", "hi", "--pair", "tiny"], ["worker", "--pair", "tiny"]):
+    for command in (
+        ["generate", "hi", "--pair", "tiny"],
+        ["worker", "--pair", "tiny"],
+        ["run", str(rows), "--pair", "tiny"],
+    ):
         r = CliRunner().invoke(cli, command)
         one_line_exit_2(r, f"{pairs_file}: pair 'tiny': device '{device}'")
         assert "specdec worker:" not in r.output  # before Celery starts
+    assert not (embedded / "specdec.db").exists()  # nothing enqueued
     pairs_file.write_text(text)
     # SPECDEC_DEVICE
     fresh_settings(settings_env, SPECDEC_DEVICE=device)
-    for command in (["generate", "hi", "--pair", "tiny"], ["worker", "--pair", "tiny"]):
+    for command in (
+        ["generate", "hi", "--pair", "tiny"],
+        ["worker", "--pair", "tiny"],
+        ["run", str(rows), "--pair", "tiny"],
+    ):
         one_line_exit_2(CliRunner().invoke(cli, command), f"SPECDEC_DEVICE: '{device}'")
+    assert not (embedded / "specdec.db").exists()
     from specdec_llm.pairs import PairError, load_pair
 
     with pytest.raises(PairError, match="SPECDEC_DEVICE"):  # LangChain's local mode and every other loader

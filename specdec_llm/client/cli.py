@@ -242,6 +242,12 @@ def run(
     _check_output(fmt, out)  # before generating anything, not after
     with user_errors():  # the price (the flag, else SPECDEC_PRICE_PER_HOUR): now, not after the job
         store.price_for(price_per_hour or None, device or "cpu")
+        if (
+            device is None
+        ):  # the pair's own device (or SPECDEC_DEVICE): one this machine has, before anything is enqueued
+            from specdec_llm.pairs import check_pair_device, get_spec
+
+            check_pair_device(get_spec(pair))
     t0 = time.time()
     with user_errors():  # held from its submission until its results file is written: no prune takes it meanwhile
         sub = client.submit(file, pair, params, name=name, hold_s=client.JOB_HOLD_S)
