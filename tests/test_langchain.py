@@ -458,3 +458,19 @@ def test_remote_errors_are_raised_not_waited_out(remote, use, monkeypatch):
     assert time.monotonic() - t0 < 30
     [row] = client.job_requests(job_id("lc-dead", "tiny"), outputs=False)
     assert row["status"] == "failed" and "unreachable" in row["error"]
+
+
+def test_bind_tools_says_what_the_chat_model_cannot_do_yet():
+    """No tool calling yet: bind_tools and with_structured_output say so in words (LangChain's
+    own default was a bare NotImplementedError)."""
+    from pydantic import BaseModel
+
+    from specdec_llm.langchain import ChatSpecDec
+
+    class Answer(BaseModel):
+        text: str
+
+    chat = ChatSpecDec(max_new_tokens=8)
+    for call in (lambda: chat.bind_tools([Answer]), lambda: chat.with_structured_output(Answer)):
+        with pytest.raises(NotImplementedError, match="does not call tools yet"):
+            call()

@@ -66,6 +66,15 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._ls("chat", stop, kwargs)
 
+    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
+        """Not yet: ChatSpecDec decodes text only (tool calls and structured output come with
+        constrained decoding). Says so, instead of LangChain's bare NotImplementedError."""
+        raise NotImplementedError(
+            "ChatSpecDec does not call tools yet (text in, text out), so bind_tools, "
+            "with_structured_output and tool-calling agents cannot use it; ask for JSON in the prompt "
+            "and parse the text, or use a chat model with tool calling for the agent"
+        )
+
     def _message_fields(self, result: dict) -> dict:
         stats = result.get("stats") or {}
         prompt, output = int(stats.get("prompt_tokens") or 0), int(stats.get("output_tokens") or 0)
