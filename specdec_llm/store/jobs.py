@@ -60,34 +60,50 @@ def take(
     (its worker is gone). Counts an attempt. False when the row is finished, cancelled, or
     running under another worker's live lease (a stale duplicate message: leave it)."""
     with writing(url) as s:
-        now = utcnow()
-        takeable = or_(
-            Request.status == "queued",
-            and_(
-                Request.status == "running",
-                or_(
-                    Request.lease_owner.is_(None),
-                    Request.lease_owner == owner,
-                    _beat() < now - timedelta(seconds=lease_timeout_s),
-                ),
+        return _take(s, request_id, owner, lease_timeout_s, None, worker)
+
+
+def _take(
+    s: Session,
+    request_id: str,
+    owner: str,
+    lease_timeout_s: float,
+    max_attempts: int | None,
+    worker: dict[str, Any] | None,
+) -> bool:
+    """``take`` inside the caller's transaction (``start`` reads the row in the same one);
+    ``max_attempts``: a row already tried that often is not taken from "running"."""
+    now = utcnow()
+    running = [Request.status == "running"]
+    if max_attempts is not None:
+        running.append(Request.attempts < max_attempts)
+    takeable = or_(
+        Request.status == "queued",
+        and_(
+            *running,
+            or_(
+                Request.lease_owner.is_(None),
+                Request.lease_owner == owner,
+                _beat() < now - timedelta(seconds=lease_timeout_s),
             ),
-        )
-        values: dict[str, Any] = dict(
-            status="running",
-            error=None,
-            attempts=Request.attempts + 1,
-            lease_owner=owner,
-            heartbeat_at=now,
-            started_at=func.coalesce(Request.started_at, now),
-        )
-        if worker:
-            values["worker_id"] = worker_row_id(s, worker)
-        changed = s.execute(
-            update(Request).where(Request.id == request_id, takeable).values(**values).returning(Request.job_id)
-        ).first()
-        if changed is not None and changed.job_id:
-            row_changed(s, changed.job_id)
-        return changed is not None
+        ),
+    )
+    values: dict[str, Any] = dict(
+        status="running",
+        error=None,
+        attempts=Request.attempts + 1,
+        lease_owner=owner,
+        heartbeat_at=now,
+        started_at=func.coalesce(Request.started_at, now),
+    )
+    if worker:
+        values["worker_id"] = worker_row_id(s, worker)
+    taken = s.execute(
+        update(Request).where(Request.id == request_id, takeable).values(**values).returning(Request.job_id)
+    ).first()
+    if taken is not None and taken.job_id:
+        row_changed(s, taken.job_id)
+    return taken is not None
 
 
 def renew(request_ids: Iterable[str], owner: str, *, url: str | None = None) -> int:
@@ -122,34 +138,7 @@ def start(
     (text, token_ids, finish_reason, prompt_tokens, output_tokens; None without one) and
     ``cancel_requested_at``, the job's cancel flag (``cancel --now``; None when not set)."""
     with writing(url) as s:
-        now = utcnow()
-        takeable = or_(
-            Request.status == "queued",
-            and_(
-                Request.status == "running",
-                Request.attempts < max_attempts,
-                or_(
-                    Request.lease_owner.is_(None),
-                    Request.lease_owner == owner,
-                    _beat() < now - timedelta(seconds=lease_timeout_s),
-                ),
-            ),
-        )
-        values: dict[str, Any] = dict(
-            status="running",
-            error=None,
-            attempts=Request.attempts + 1,
-            lease_owner=owner,
-            heartbeat_at=now,
-            started_at=func.coalesce(Request.started_at, now),
-        )
-        if worker:
-            values["worker_id"] = worker_row_id(s, worker)
-        taken = s.execute(
-            update(Request).where(Request.id == request_id, takeable).values(**values).returning(Request.job_id)
-        ).first()
-        if taken is not None and taken.job_id:
-            row_changed(s, taken.job_id)
+        taken = _take(s, request_id, owner, lease_timeout_s, max_attempts, worker)
         row = s.execute(
             select(Request, Output, Job.cancel_requested_at)
             .outerjoin(Output, Output.request_id == Request.id)
@@ -166,7 +155,7 @@ def start(
             }
         fields = ("id", "job_id", "status", "error", "attempts", "category", "prompt", "messages", "params")
         return {
-            "taken": taken is not None,
+            "taken": taken,
             **{k: getattr(req, k) for k in fields},
             "output": output,
             "cancel_requested_at": cancel_requested_at,
