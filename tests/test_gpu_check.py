@@ -51,6 +51,7 @@ def test_pair_toml_overrides_the_demo_target(tmp_path, monkeypatch):
     path.write_text(gpu_tools.pair_toml("/models/x.gguf"))
     monkeypatch.delenv("SPECDEC_DEVICE", raising=False)
     monkeypatch.delenv("SPECDEC_DTYPE", raising=False)
+    (tmp_path / "none.toml").write_text("")  # the built-in pairs only (a named file must exist)
     monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(tmp_path / "none.toml"))
     reload_settings()
     builtin = get_spec("smollm2-135m")
