@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--subset", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--bf16-target", action="store_true", help="also time the target's step in bf16")
     args = ap.parse_args()
     quiet_loading()
     spec = get_spec(args.pair)
@@ -107,6 +108,8 @@ def main() -> None:
                 agree[name][1] += len(want)
     kernels = get_settings().cache_dir / "kernels.json"
     timed = {"target": target, **models}
+    if args.bf16_target and spec.dtype == "float32":  # the target's step in bf16 (SPECDEC_DTYPE=bfloat16), timed only
+        timed["target in bf16 (step only)"] = copy.deepcopy(target).to(torch.bfloat16)
     for m in timed.values():
         hf.prepare(m, kernels)
     ids = list(range(1000, 1100))
