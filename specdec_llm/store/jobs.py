@@ -112,13 +112,19 @@ def renew(request_ids: Iterable[str], owner: str, *, url: str | None = None) -> 
     if not request_ids:
         return 0
     with writing(url) as s:
-        result = s.execute(
+        return len(_beat_held(s, request_ids, owner))
+
+
+def _beat_held(s: Session, request_ids: list[str], owner: str) -> list[Any]:
+    """The heartbeat's update: ``owner``'s running rows among ``request_ids`` alive now; their job ids."""
+    return list(
+        s.execute(
             update(Request)
             .where(Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == owner)
             .values(heartbeat_at=utcnow())
-            .returning(Request.id)
-        )
-        return len(result.all())
+            .returning(Request.job_id)
+        ).all()
+    )
 
 
 def start(
@@ -171,12 +177,7 @@ def renew_leases(request_ids: Iterable[str], owner: str, *, url: str | None = No
         return {}
     found: dict[str, datetime] = {}
     with writing(url) as s:
-        held = s.execute(
-            update(Request)
-            .where(Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == owner)
-            .values(heartbeat_at=utcnow())
-            .returning(Request.job_id)
-        ).all()
+        held = _beat_held(s, request_ids, owner)
         job_ids = sorted({r.job_id for r in held if r.job_id})
         for chunk in chunks(job_ids):
             rows = s.execute(
