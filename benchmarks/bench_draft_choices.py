@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from bench_quantized import step_ms
 from machine import cpu_info
 
 from specdec_llm.engine import hf
 from specdec_llm.engine.quant import model_bytes, quantized_copy
-from specdec_llm.engine.ragged import RaggedCache
 from specdec_llm.pairs import cached_gguf_blocks, get_spec, load_model, load_pair, local_ref, quiet_loading
 from specdec_llm.pairs.drafts import SubsetHead, vocab_subset
 from specdec_llm.settings import get_settings
@@ -112,26 +110,13 @@ def main() -> None:
         timed["target in bf16 (step only)"] = copy.deepcopy(target).to(torch.bfloat16)
     for m in timed.values():
         hf.prepare(m, kernels)
-    ids = list(range(1000, 1100))
-    caches = {}
-    for name, m in timed.items():
-        cache = RaggedCache(m, 1)
-        cache.forward([ids], 1)
-        caches[name] = (cache, cache.width)
-    times: dict[str, list[float]] = {n: [] for n in timed}
-    for _ in range(args.reps):
-        for name, (cache, width) in caches.items():
-            t = time.perf_counter()
-            cache.forward([ids[:1]], 1)
-            times[name].append(time.perf_counter() - t)
-            cache.crop(width)
-    step = {n: statistics.median(v) for n, v in times.items()}
+    step = step_ms(timed, args.reps)
     print(f"{'variant':40s} {'agreement':>9s} {'step ms':>8s} {'/ target':>8s} {'merit':>6s}")
     for name in timed:
         a, n = agree.get(name, (0, 0))
         share = step[name] / step["target"]
         merit = f"{(a / n) / (1 + share):6.3f}" if n else f"{'-':>6s}"
-        print(f"{name:40s} {(a / n if n else float('nan')):9.3f} {step[name] * 1e3:8.1f} {share:8.3f} {merit}")
+        print(f"{name:40s} {(a / n if n else float('nan')):9.3f} {step[name]:8.1f} {share:8.3f} {merit}")
     print(f"({sum(v[1] for v in agree.values()) // len(agree)} positions from {len(rows)} prompts)")
 
 

@@ -32,6 +32,25 @@ from specdec_llm.training.evaluate import read_prompts
 SPEC_BENCH = Path(__file__).resolve().parent.parent / "data" / "spec_bench_dev.jsonl"
 
 
+def step_ms(models: dict, reps: int) -> dict[str, float]:
+    """Milliseconds of each model's one-token step on a 100-token context through the engine's
+    cache (RaggedCache), batch 1: the median of ``reps``, the models interleaved."""
+    ids = list(range(1000, 1100))
+    caches = {}
+    for name, m in models.items():
+        cache = RaggedCache(m, 1)
+        cache.forward([ids], 1)
+        caches[name] = (cache, cache.width)
+    times: dict[str, list[float]] = {n: [] for n in models}
+    for _ in range(reps):
+        for name, (cache, width) in caches.items():
+            t = time.perf_counter()
+            cache.forward([ids[:1]], 1)
+            times[name].append(time.perf_counter() - t)
+            cache.crop(width)
+    return {n: statistics.median(v) * 1e3 for n, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--pair", default="smollm2-135m", help="its target is quantized (its own draft is ignored)")
@@ -90,26 +109,13 @@ def main() -> None:
     report = compiled.attach(fast, force=True)
     print(f"compiled step: {report}", flush=True)
     models[f"int4, {fast.quantization['head']} head, step compiled"] = fast
-    ids = list(range(1000, 1100))
-    caches = {}
-    for name, m in models.items():
-        cache = RaggedCache(m, 1)
-        cache.forward([ids], 1)
-        caches[name] = (cache, cache.width)
-    times = {n: [] for n in models}
-    for _ in range(args.reps):
-        for name, (cache, width) in caches.items():
-            t = time.perf_counter()
-            cache.forward([ids[:1]], 1)
-            times[name].append(time.perf_counter() - t)
-            cache.crop(width)
-    step = {n: statistics.median(v) for n, v in times.items()}
+    step = step_ms(models, args.reps)
     print(f"{'variant':48s} {'agreement':>9s} {'step ms':>8s} {'/ target':>8s} {'own MB':>7s}")
     for name in models:
         a, n = agree.get(name, (0, 0))
         own = model_bytes(models[name], target if name != "target" else None) / 1e6
         share = f"{a / n:9.3f}" if n else f"{'-':>9s}"
-        print(f"{name:48s} {share} {step[name] * 1e3:8.2f} {step[name] / step['target']:8.3f} {own:7.0f}")
+        print(f"{name:48s} {share} {step[name]:8.2f} {step[name] / step['target']:8.3f} {own:7.0f}")
     print(
         f"({sum(v[1] for v in agree.values()) // len(agree)} positions from {len(rows)} prompts, {args.tokens} tokens each)"
     )
