@@ -49,7 +49,7 @@ def llama_cpp(gguf: str, n: int, eos: set[int]):
     prompt token ids in, at most ``n`` token ids out (stopping at an end-of-sequence token)."""
     from llama_cpp import Llama
 
-    from specdec_llm.engine.llamacpp import probe
+    from specdec_llm.engine.drafting.llamacpp import probe
 
     probe(gguf)  # (a build that crashes on this CPU is an error with its fix, not a dead benchmark)
     llm = Llama(model_path=gguf, n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False)

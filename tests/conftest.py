@@ -82,16 +82,20 @@ def prefill(model, token_ids: list[int], cache) -> None:
 
 def check_caches(batch) -> None:
     """Every row's valid cache columns equal a fresh prefill of exactly its emitted prefix:
-    the target holds seq[:-1], each draft model seq[:dlen] (holes and padding are invisible)."""
-    from specdec_llm.engine.drafters import SelfDrafter
+    the target holds seq[:-1], each draft model's ragged cache seq[:held] (holes and padding
+    are invisible)."""
+    from specdec_llm.engine.drafting.eagle import EagleBackend
+    from specdec_llm.engine.drafting.model import RaggedBackend
+    from specdec_llm.engine.drafting.selfdraft import SelfBackend
 
     dec = batch.dec
     checks = [(batch.tcache, dec.target, lambda r: len(r.seq) - 1)]
     for name, s in batch.sessions.items():
-        if not s.free:
+        backend = getattr(s, "backend", None)
+        if isinstance(backend, RaggedBackend) and not isinstance(backend, EagleBackend):
             # a self-draft (the target quantized) holds the target's own keys and values
-            model = dec.target if isinstance(s.d, SelfDrafter) else s.d.model
-            checks.append((s.cache, model, lambda r, name=name: r.state[name].dlen))
+            model = dec.target if isinstance(backend, SelfBackend) else backend.model
+            checks.append((backend.cache, model, lambda r, name=name: r.view.state[name].held))
     for cache, model, length in checks:
         assert cache.rows == len(batch.rows)
         for b, r in enumerate(batch.rows):

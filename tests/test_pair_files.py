@@ -228,7 +228,8 @@ def test_a_draft_model_of_its_own_held_in_int4_stays_exact(tmp_path, tiny_pair_d
     drafts as a model of its own (not as the target's weights: its cache is its own), and the
     output is the target's, token for token."""
     from specdec_llm.engine import GenerationRequest
-    from specdec_llm.engine.drafters import ModelDrafter, SelfDrafter
+    from specdec_llm.engine.drafting.model import ModelDrafter
+    from specdec_llm.engine.drafting.selfdraft import SelfDrafter
     from specdec_llm.engine.quant import Int4Linear
     from specdec_llm.pairs import load_pair
 

@@ -140,7 +140,7 @@ def test_disturbed_plain_iterations_cannot_inflate_the_reported_speedup():
     """The target-only step behind every reported speedup follows real plain iterations, but
     a few slowed down 20x by another process (a noisy machine), even in a row, do not move its
     forward at all, and the machine's own change of speed is followed within a window."""
-    from specdec_llm.engine.autok import WINDOW, CostModel
+    from specdec_llm.engine.costs import WINDOW, CostModel
 
     cost = CostModel(max_k=4, verify_s={0: 0.01})
     for _ in range(10):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .autok import CostModel
+    from .costs import CostModel
     from .types import Stats
 
 

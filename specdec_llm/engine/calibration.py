@@ -1,25 +1,41 @@
-"""The measured decoding costs of one decoder, per batch-size bucket (autok.BatchCosts):
+"""The measured decoding costs of one decoder, per batch-size bucket (costs.BatchCosts):
 loaded from the on-disk cost cache (costcache.py) when it holds this machine's figures,
 else measured once (a few seconds per bucket on a CPU) and cached; written back with the
 live figures as requests finish, so the cache follows the machine's current speed."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import costcache, hf
-from .autok import BatchCosts, Timer, best_batch, calibrate
+from .costs import BatchCosts, calibrate
+from .plan import best_batch
 from .ragged import RaggedCache
+from .timing import Timer
 
 if TYPE_CHECKING:
-    from .decoder import SpeculativeDecoder
+    from transformers import PreTrainedModel
+
+    from .drafting.base import Drafter
+
+# calibration's forwards run on a context of 64 tokens: short enough to measure in seconds,
+# long enough to hold the holes real iterations leave (a forward's cost at these sizes is
+# its weights' bytes, not its context: docs/ARCHITECTURE's measured physics)
+CONTEXT = 64
+# up to this many rows every k (and draft width) is timed; wider batches a few points, the
+# rest interpolated: drafting seldom pays there, and each point costs rows * (k + 1) tokens
+EVERY_K_UP_TO = 4
 
 
 class Calibration:
-    def __init__(self, dec: SpeculativeDecoder, cache: Path | None) -> None:
-        self.dec, self.cache = dec, cache
-        self.costs = BatchCosts(max_k=dec.max_k)
+    def __init__(
+        self, target: PreTrainedModel, drafters: list[Drafter], vocab_size: int, max_k: int, cache: Path | None
+    ) -> None:
+        self.target, self.drafters, self.vocab_size, self.max_k = target, drafters, vocab_size, max_k
+        self.cache = cache
+        self.costs = BatchCosts(max_k=max_k)
         self._key: str | None = None
 
     def ensure(self, rows: int) -> None:
@@ -41,22 +57,22 @@ class Calibration:
     def up_to(self, max_batch: int) -> None:
         """Every batch-size bucket up to ``max_batch``, so that no running batch stalls the
         first time it reaches a size."""
-        if self.dec.drafters:
+        if self.drafters:
             for rows in sorted({BatchCosts.bucket(r) for r in range(1, max_batch + 1)}):
                 self.ensure(rows)
 
     def best_batch(self, cap: int) -> int:
         """The batch size up to ``cap`` that decodes a bulk job fastest on this machine
-        (autok.best_batch), from every bucket's costs and the model drafters' acceptance so far."""
+        (plan.best_batch), from every bucket's costs and the model drafters' acceptance so far."""
         buckets = sorted({BatchCosts.bucket(r) for r in range(1, cap + 1)})
         for rows in buckets:
             self.ensure(rows)
-        rates = {d.name: d.prior for d in self.dec.drafters if not d.free}
+        rates = {d.name: d.prior for d in self.drafters if not d.free}
         return min(cap, best_batch({b: self.costs[b] for b in buckets}, rates))
 
     def key(self, rows: int) -> str:
         if self._key is None:
-            self._key = costcache.decoder_key(self.dec)
+            self._key = costcache.decoder_key(self.target, self.drafters, self.vocab_size, self.max_k)
         return f"{self._key}|rows {BatchCosts.bucket(rows)}"
 
     def save(self, rows: int | None = None) -> None:
@@ -67,13 +83,12 @@ class Calibration:
         buckets = [BatchCosts.bucket(rows)] if rows is not None else list(models)
         costcache.save(self.cache, {self.key(b): models[b].to_dict() for b in buckets if models[b].calibrated})
 
-    def measure(self, rows: int = 1, context: int = 64) -> None:
-        """Time verify(k) at every k and each model drafter's step at a batch of ``rows``."""
-        dec = self.dec
+    def measure(self, rows: int = 1, context: int = CONTEXT) -> None:
+        """Time verify(k) at every k and each model drafter's forwards at a batch of ``rows``."""
         cost = self.costs[rows]
         rows = BatchCosts.bucket(rows)
-        ids = [t % dec.vocab_size for t in range(1, context + 1)]
-        tcache = RaggedCache(dec.target, rows)
+        ids = [t % self.vocab_size for t in range(1, context + 1)]
+        tcache = RaggedCache(self.target, rows)
         tcache.forward([ids] * rows, 1)
         for b in range(rows):  # holes, as rolled-back drafts leave them: the masked path real iterations take
             tcache.drop(b, range(context // 2, context // 2 + 3))
@@ -81,20 +96,15 @@ class Calibration:
         def time_verify(k: int) -> float:
             with Timer() as t:
                 tcache.forward([ids[: k + 1]] * rows, k + 1)
-                hf.sync(dec.target)
+                hf.sync(self.target)
             tcache.crop(context)
             return t.seconds
 
-        steps = {d.name: step for d in dec.drafters if (step := d.time_step(rows, ids)) is not None}
-        # a drafter that drafts in two levels: its forward over w tokens (its own and w - 1 to check)
-        forwards = {
-            d.name: timer(rows, ids)
-            for d in dec.drafters
-            if getattr(d, "levels", 1) > 1 and (timer := getattr(d, "time_forward", None))
-        }
+        timers = {d.name: (d, timer) for d in self.drafters if (timer := d.timer(rows, ids)) is not None}
+        steps = {name: partial(timer, 1) for name, (_, timer) in timers.items()}
+        forwards = {name: timer for name, (d, timer) in timers.items() if d.levels > 1}  # two levels: w tokens
         time_verify(0), [fn() for fn in steps.values()]  # warm up
-        # every k for small batches; wide batches at a few (drafting seldom pays there, and each
-        # point costs a forward of rows * (k + 1) tokens): the others are interpolated
-        points = range(dec.max_k + 1) if rows <= 4 else sorted({0, 1, 2, 4, dec.max_k})
-        widths = range(2, dec.max_k + 1) if rows <= 4 else sorted({2, 4})
-        calibrate(cost, time_verify, steps, [p for p in points if p <= dec.max_k], time_widths=forwards, widths=widths)
+        small = rows <= EVERY_K_UP_TO
+        points = range(self.max_k + 1) if small else sorted({0, 1, 2, 4, self.max_k})
+        widths = range(2, self.max_k + 1) if small else sorted({2, 4})
+        calibrate(cost, time_verify, steps, [p for p in points if p <= self.max_k], time_widths=forwards, widths=widths)

@@ -1,5 +1,5 @@
 """Measured decoding costs kept on disk, so a new process starts with them instead of
-measuring again (autok.CostModel: verify(k), each model drafter's step, a plain iteration's
+measuring again (costs.CostModel: verify(k), each model drafter's step, a plain iteration's
 overhead, per batch-size bucket).
 
 One JSON file beside the kernel timings (``costs.json`` in ``SPECDEC_CACHE_DIR``, default
@@ -13,35 +13,26 @@ merges with what other processes wrote meanwhile and replaces the file atomicall
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .hf import weights_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .decoder import SpeculativeDecoder
+    from .drafting.base import Drafter
 
 log = logging.getLogger(__name__)
 
 FILE = "costs.json"
 FORMAT = 2  # what an entry holds (2: draft forwards over several tokens, for two-level drafting)
-
-
-def weights_fingerprint(model: PreTrainedModel) -> str:
-    """Identity of a model's weights: tensor names and shapes plus the embedding's first rows."""
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-    emb = cast(torch.Tensor, model.get_input_embeddings().weight)
-    h.update(emb[: min(512, emb.shape[0])].detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def device_key(model: torch.nn.Module) -> str:
@@ -53,20 +44,17 @@ def device_key(model: torch.nn.Module) -> str:
     return f"{device.type}|{machine_key()}"
 
 
-def decoder_key(dec: SpeculativeDecoder) -> str:
+def decoder_key(target: PreTrainedModel, drafters: list[Drafter], vocab_size: int, max_k: int) -> str:
     """Everything a decoder's costs depend on, except the batch size."""
-    target = dec.target
     parts = [
         device_key(target),
         str(next(target.parameters()).dtype).removeprefix("torch."),
         f"target {weights_fingerprint(target)}",
-        f"vocab {dec.vocab_size}",
-        f"max_k {dec.max_k}",
+        f"vocab {vocab_size}",
+        f"max_k {max_k}",
         f"costs {FORMAT}",
     ]
-    for d in dec.drafters:
-        model = getattr(d, "model", None)
-        parts.append(d.name if model is None else f"{d.name} {weights_fingerprint(model)}")
+    parts += [f"{d.name} {d.key}" if d.key else d.name for d in drafters]
     return "|".join(parts)
 
 

@@ -1,10 +1,13 @@
 """The speculative decoding loop over a batch of rows: propose -> verify -> accept -> commit.
 
 Every request is a row of a ``Batch`` (a single ``generate`` is a batch of one). An
-iteration asks the drafters (drafters.py: prompt lookup, a suffix index, a draft model)
+iteration asks the drafters (drafting/: prompt lookup, a suffix index, a draft model)
 for each row's proposal, then ONE target forward verifies every row's ``[last token] +
 proposal``; each row accepts its own longest agreeing prefix (greedy) or applies the
-rejection rule (sampling), and each drafter rolls back its own state. Rows advance by
+rejection rule (sampling), and every drafter's session hears the outcome (drafting/base.py)
+and rolls back its own state. The loop owns time and lifecycle: it charges the forwards
+drafters report to the rows and the cost model, and tells every session when a row leaves,
+whatever the reason. Rows advance by
 different amounts (ragged), finish at different times and leave, and new rows join between
 iterations after their own prefill (continuous batching). Nothing already in a cache is
 ever recomputed.
@@ -13,7 +16,7 @@ Invariant after every iteration, per row: the target's cache holds ``seq[:-1]`` 
 emitted token is pending, its logits not yet computed). Rolled-back positions become holes
 (see ragged.py). k = 0 is plain target-only decoding through the same loop; which drafter
 and k each row uses is chosen per iteration from measured costs and live acceptance
-(autok.plan), or fixed per request.
+(plan.py), or fixed per request.
 """
 
 from __future__ import annotations
@@ -24,22 +27,23 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import compiled, costcache, hf, registry, requests, schedule
+from . import compiled, costcache, hf, requests, schedule
 from .accounting import PlainClock
-from .autok import CostModel, Probes, Timer
 from .calibration import Calibration
-from .drafters import prefill
-from .protocol import DraftContext, Proposal
-from .ragged import RaggedCache
+from .costs import CostModel
+from .drafting import registry
+from .drafting.base import Accepted, DraftContext, Drafter, Drafts, Event, Joined, Left, Moved, Proposal, RowView
+from .drafting.free import FreeDrafter
+from .plan import Choice
+from .ragged import RaggedCache, prefill
 from .row import Row
 from .schedule import PlainIterations
-from .text import TextCallback
+from .text import TextCallback, TextStream
+from .timing import Timer
 from .types import GenerationRequest, GenerationResult, RequestError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from .protocol import Drafter, Session
 
 __all__ = ["Batch", "Row", "SpeculativeDecoder", "TextCallback"]
 
@@ -95,12 +99,14 @@ class SpeculativeDecoder:
             drafters = ["model"] if draft is not None else []
         self.context_length = context_length or getattr(target.config, "max_position_embeddings", None) or 2048
         names = [d for d in drafters if isinstance(d, str)]
-        context = DraftContext(draft, self.vocab_size, tokenizer, target_file, self.context_length)
+        context = DraftContext(
+            draft, self.vocab_size, tokenizer, target_file, self.context_length, self.offers, self.draft_seconds
+        )
         built = iter(registry.build(names, context))
         self.drafters: list[Drafter] = [next(built) if isinstance(d, str) else d for d in drafters]
         # the target layers whose outputs a feature-level drafter reads (eagle.py): every
         # target forward returns them (a pair has one draft, so at most one such drafter)
-        self.feature_layers: tuple[int, ...] = next((d.features for d in self.drafters if d.features), ())
+        self.feature_layers: tuple[int, ...] = next((d.feature_layers for d in self.drafters if d.feature_layers), ())
         if eos_token_ids is None:  # the generation config's, plus the tokenizer's (chat end-of-turn)
             eos = target.generation_config.eos_token_id if target.generation_config else None
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -112,7 +118,7 @@ class SpeculativeDecoder:
         if cost_cache is None and kernel_cache is not None:
             cost_cache = Path(kernel_cache).with_name(costcache.FILE)
         self.cost_cache = None if cost_cache is None else Path(cost_cache)
-        self.calibration = Calibration(self, self.cost_cache)
+        self.calibration = Calibration(target, self.drafters, self.vocab_size, self.max_k, self.cost_cache)
         self.costs = self.calibration.costs
         self.plain = PlainIterations()  # forced plain iterations, per batch-size bucket (schedule.py)
 
@@ -128,6 +134,15 @@ class SpeculativeDecoder:
     def drafter(self, name: str) -> Drafter:
         return next(d for d in self.drafters if d.name == name)
 
+    def offers(self, row: RowView, drafts: list[int], k: int) -> list[Proposal]:
+        """Two-level drafting: what the row's free drafters offer after its tokens and ``drafts``."""
+        free = [d for d in self.drafters if isinstance(d, FreeDrafter) and d.name in row.drafters]
+        return [p for d in free if (p := d.offer(row, k, drafts)) is not None]
+
+    def draft_seconds(self, name: str, rows: int, width: int) -> float:
+        """Seconds of one forward of model drafter ``name``, ``width`` tokens per row, at ``rows`` rows."""
+        return self.costs[rows].draft(name, width)
+
     # -- public -----------------------------------------------------------------------
     def encode(self, request: GenerationRequest) -> list[int]:
         return requests.encode(self.tokenizer, request)
@@ -140,9 +155,12 @@ class SpeculativeDecoder:
         if self.row_drafters(request):  # before the request's clock starts (cached on disk: no time)
             self.ensure_calibrated(1)
         batch = Batch(self)
-        row = batch.add(request, on_text)
-        while batch.rows:
-            batch.step()
+        try:
+            row = batch.add(request, on_text)
+            while batch.rows:
+                batch.step()
+        finally:
+            batch.close()
         self.save_costs()
         assert row.result is not None  # a row leaves the batch finished
         return row.result
@@ -157,16 +175,19 @@ class SpeculativeDecoder:
         results: list[Any] = [None] * len(pending)
         self.calibrate_batches(min(max_batch, len(pending)))
         batch = Batch(self)
-        while pending or batch.rows:
-            while pending and len(batch.rows) < max_batch:
-                i, req = pending.popleft()
-                try:
-                    batch.add(req, tag=i)
-                except RequestError as e:
-                    results[i] = e
-            if batch.rows:
-                for row in batch.step():
-                    results[row.tag] = row.result
+        try:
+            while pending or batch.rows:
+                while pending and len(batch.rows) < max_batch:
+                    i, req = pending.popleft()
+                    try:
+                        batch.add(req, tag=i)
+                    except RequestError as e:
+                        results[i] = e
+                if batch.rows:
+                    for row in batch.step():
+                        results[row.tag] = row.result
+        finally:
+            batch.close()
         self.save_costs()
         return results
 
@@ -211,16 +232,16 @@ class SpeculativeDecoder:
 
 class Batch:
     """Rows decoding together. ``add`` a request (prefilled alone, then merged), ``step``
-    until ``rows`` is empty; ``step`` returns the rows that finished in it."""
+    until ``rows`` is empty; ``step`` returns the rows that finished in it. ``keep`` lets
+    rows go and ``close`` lets every row go: the drafters hear of each (``Left``)."""
 
     def __init__(self, dec: SpeculativeDecoder):
         self.dec = dec
         self.rows: list[Row] = []
         self.tcache = RaggedCache(dec.target, 0, dec.feature_layers)
-        self.sessions: dict[str, Session] = {d.name: d.session(self) for d in dec.drafters}
-        # sessions that read the target's features of each row's new positions (eagle.py)
-        self.watchers = [self.sessions[d.name] for d in dec.drafters if d.features]
-        self.probes = Probes()
+        self.sessions = {d.name: d.open(self.tcache) for d in dec.drafters}
+        self.free = {d.name: self.sessions[d.name] for d in dec.drafters if d.free}
+        self.chooser = schedule.Chooser({d.name: d for d in dec.drafters}, dec.plain)
         self.clock = PlainClock()
         self.joining: list[RaggedCache] = []  # the target caches of rows that joined since the last step
 
@@ -230,24 +251,21 @@ class Batch:
         every other row that joined meanwhile (one copy for a burst of joins)."""
         dec = self.dec
         prompt = dec.prepare(request)
-        row = Row(dec, request, prompt, on_text, tag)
-        own = prefill(dec.target, prompt, row.stats, "target_time_s", dec.feature_layers)
+        names = [d.name for d in dec.row_drafters(request)]
+        text = TextStream(dec.tokenizer, request.stop, on_text)
+        row = Row(request, prompt, names, dec.fixed_k(request), text, dec.eos_token_ids, dec.context_length, tag)
+        own, row.stats.target_time_s = prefill(dec.target, prompt, dec.feature_layers)
         self.joining.append(own)
-        for session in self.sessions.values():
-            session.add(row)
-        if own.last_features is not None:
-            for w in self.watchers:
-                w.observe(row, own.last_features[0])
+        features = own.last_features[0] if own.last_features is not None else None
+        self.tell([Joined(len(self.rows), row.view, features)])
         self.rows.append(row)
         return row
 
     def merge(self) -> None:
-        """Move the caches of rows that joined since the last step into the batch's caches."""
+        """Move the caches of rows that joined since the last step into the batch's cache."""
         if self.joining:
             self.tcache.extend(self.joining)
             self.joining = []
-        for session in self.sessions.values():
-            session.merge()
 
     def step(self) -> list[Row]:
         """One iteration: propose -> verify -> accept -> commit, for every row at once."""
@@ -256,20 +274,22 @@ class Batch:
         if not cost.calibrated and any(r.drafters and r.k != 0 for r in rows):
             self.dec.ensure_calibrated(len(rows))  # outside the iteration's clock
         t_start = time.perf_counter()
-        offers = schedule.offers(self)
-        picks = schedule.choose(self, offers)
+        offers = schedule.offers(rows, self.free, self.dec.max_k)
+        choices = self.chooser.choose(rows, offers, cost)
         t_chosen = time.perf_counter()
-        props = self.propose(picks, offers)
+        props = self.propose(choices, offers)
         widths = [len(props[b].tokens) if b in props else 0 for b in range(len(rows))]
         logits, verify_s = self.verify(props, widths)
         big_k, emitted = max(widths), [r.ledger.emitted for r in rows]
+        outcomes = []
         for b, r in enumerate(rows):
             k, prop = widths[b], props.get(b)
             r.stats.target_time_s += verify_s * (k + 1) / (len(rows) + sum(widths))
             n, nxt = r.accept(prop, logits[b, big_k - k :])
-            new = (prop.tokens[:n] if prop else []) + [nxt]
-            self.commit(b, r, prop, n, new, offers[b], big_k)
+            outcomes.append((n, (prop.tokens[:n] if prop else []) + [nxt]))
             r.ledger.iteration(r.stats, prop.drafter if prop else None, k, n, len(rows))
+        self.commit(props, offers, outcomes, big_k)
+        for r, (_, new) in zip(rows, outcomes):
             r.advance(new)
         end = time.perf_counter()
         plain = self.clock.step(cost, big_k, end - t_chosen, verify_s)
@@ -281,16 +301,34 @@ class Batch:
         self.keep([b for b, r in enumerate(rows) if not r.finish_reason])
         return done
 
-    def propose(self, picks: list[schedule.Pick], offers: schedule.Offers) -> dict[int, Proposal]:
-        """The picked proposals: free drafters' offers cut to k, model drafters' drafted now."""
+    def propose(self, choices: list[Choice], offers: schedule.Offers) -> dict[int, Proposal]:
+        """The chosen proposals: free drafters' offers cut to k, model drafters' drafted now."""
         props: dict[int, Proposal] = {}
         for name, session in self.sessions.items():
-            ks = {b: k for b, (d, k) in enumerate(picks) if d == name and k}
-            if ks and self.dec.drafter(name).free:
+            ks = {b: k for b, (d, k) in enumerate(choices) if d == name and k}
+            if ks and name in self.free:
                 props.update({b: offers[b][name].cut(k) for b, k in ks.items()})
             elif ks:
-                props.update(session.propose(self.rows, ks))
+                drafts = session.propose([r.view for r in self.rows], ks)
+                self.charge(name, drafts)
+                props.update(drafts.proposals)
         return props
+
+    def charge(self, name: str, drafts: Drafts) -> None:
+        """The forwards a drafter ran: their seconds to the rows they fed, and to the cost
+        model (a draft forward's, and the proposal's whole when it only drafted)."""
+        costs = self.dec.costs
+        for f in drafts.forwards:
+            fed = sum(f.rows.values())
+            for b, n in f.rows.items():
+                self.rows[b].stats.draft_time_s += f.seconds * n / fed
+                self.rows[b].stats.draft_forwards += f.kind != "prefill"
+            if f.kind == "draft":
+                costs[len(f.rows)].observe_draft(name, f.seconds, f.width)
+        steps = [f for f in drafts.forwards if f.kind != "prefill"]
+        if drafts.proposals and steps and all(f.kind == "draft" for f in steps):
+            longest = max(len(p.tokens) for p in drafts.proposals.values())
+            costs[len(self.rows)].observe_drafting(name, sum(f.seconds for f in steps), longest)
 
     def verify(self, props: dict[int, Proposal], widths: list[int]) -> tuple[Any, float]:
         """ONE target forward over every row's [last token] + proposal (right-aligned to the widest)."""
@@ -303,36 +341,49 @@ class Batch:
         return logits, t.seconds
 
     def commit(
-        self, b: int, r: Row, prop: Proposal | None, n: int, new: list[int], offered: dict[str, Proposal], big_k: int
+        self, props: dict[int, Proposal], offers: schedule.Offers, outcomes: list[tuple[int, list[int]]], big_k: int
     ) -> None:
         """Row ``b`` accepted ``n`` drafts (``new``: its tokens of this iteration): the target's
-        cache keeps [last] + those, each drafter rolls back its own state, and free proposals
-        that were not verified learn what they would have got."""
-        k = len(prop.tokens) if prop else 0
-        lo = big_k - k  # the row's [last] + proposal is right-aligned in the verified block
-        if self.watchers:  # the target's features of [last] + the accepted drafts
-            assert self.tcache.last_features is not None
-            for w in self.watchers:
-                w.observe(r, self.tcache.last_features[b, lo : lo + n + 1])
-        start = self.tcache.width - (big_k + 1)
-        self.tcache.drop(b, range(start + lo + 1 + n, start + big_k + 1))
-        if prop is not None:
-            self.sessions[prop.drafter].commit(b, r, prop, n)
-        for name, offer in offered.items():
-            if prop is None or name != prop.drafter:
-                self.sessions[name].shadow(r, offer, new)
+        cache keeps [last] + those, and every session hears it (``Accepted``): the drafter
+        verified rolls back, free drafters whose proposals were not verified learn what they
+        would have got, a feature-level one gets the target's features."""
+        events: dict[str, list[Event]] = {name: [] for name in self.sessions}
+        start, features = self.tcache.width - (big_k + 1), self.tcache.last_features
+        for b, (r, (n, new)) in enumerate(zip(self.rows, outcomes)):
+            prop = props.get(b)
+            lo = big_k - (len(prop.tokens) if prop else 0)  # the row's [last] + proposal is right-aligned
+            self.tcache.drop(b, range(start + lo + 1 + n, start + big_k + 1))
+            f = features[b, lo : lo + n + 1] if features is not None else None
+            for name, out in events.items():
+                verified = prop is not None and prop.drafter == name
+                mine = prop if verified else offers[b].get(name)
+                out.append(Accepted(b, r.view, mine, n if verified else None, new, f))
+        for name, session in self.sessions.items():
+            session.update(events[name])
 
     def keep(self, index: list[int]) -> None:
-        """Keep only the rows at ``index`` (the others leave the batch and its caches).
-        Survivors keep their places; a place that empties is taken by a row from the end, so
-        the caches copy only the rows that move."""
+        """Keep only the rows at ``index``; the others leave the batch, its caches and every
+        drafter's session. Survivors keep their places; a place that empties is taken by a
+        row from the end, so the caches copy only the rows that move."""
         self.merge()
         n, alive = len(index), set(index)
+        left: list[Event] = [
+            Left(b, r.view, r.finish_reason is not None) for b, r in enumerate(self.rows) if b not in alive
+        ]
         tail = iter(b for b in index if b >= n)
         order = [b if b in alive else next(tail) for b in range(n)]
         if order != list(range(self.tcache.rows)):
             self.tcache.keep_rows(order)
         self.tcache.tidy()
-        for session in self.sessions.values():
-            session.keep(order)
+        self.tell([*left, Moved(order)])
         self.rows = [self.rows[b] for b in order]
+
+    def close(self) -> None:
+        """Every row leaves (finished only where it has its result), whatever state the batch
+        is in (a failed step): their drafters' resources come back. The batch is done."""
+        self.tell([Left(b, r.view, r.finish_reason is not None) for b, r in enumerate(self.rows)])
+        self.rows = []
+
+    def tell(self, events: list[Event]) -> None:
+        for session in self.sessions.values():
+            session.update(events)

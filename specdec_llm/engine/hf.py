@@ -12,6 +12,7 @@ kernels.py).
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -299,3 +300,13 @@ def layer_outputs(model: PreTrainedModel, layers: tuple[int, ...]) -> Iterator[l
     finally:
         for h in handles:
             h.remove()
+
+
+def weights_fingerprint(model: PreTrainedModel) -> str:
+    """Identity of a model's weights: tensor names and shapes plus the embedding's first rows."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+    emb = cast(torch.Tensor, model.get_input_embeddings().weight)
+    h.update(emb[: min(512, emb.shape[0])].detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,14 @@ if TYPE_CHECKING:
 
     from transformers import DynamicCache, PreTrainedModel
 
-    from .hf import GrowingLayer
+
+class _Layer(Protocol):
+    """What this forward reads of a cache layer (hf.GrowingLayer; named here, as hf imports this)."""
+
+    width: int
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 ENABLED = True  # tests and benchmarks compare both paths by flipping this
 # the attention implementations whose math this forward repeats: transformers' sdpa and the
@@ -160,7 +167,7 @@ class LeanDecoder:
         w = ids.shape[1]
         h = embeds.to(self.embed.weight.device, self.dtype) if embeds is not None else self.embed_ids(ids)
         caught: dict[int, torch.Tensor] = {}
-        layers = cast("list[GrowingLayer]", cache.layers)
+        layers = cast("list[_Layer]", cache.layers)
         past = layers[0].width
         if positions is None:
             positions = (torch.arange(w, device=h.device) + past).unsqueeze(0)

@@ -9,7 +9,7 @@ cropped from the end after each iteration, and ``compact`` squeezes holes out wh
 outnumber the tokens, so the cache stays close to the longest row. The tensors live in
 ``hf.GrowingLayer`` buffers with spare columns: a step writes its new columns only, rows
 that join are copied in once per burst, and a row that leaves is replaced by a row from
-the end (``Batch.keep`` orders them so; only moved rows are copied).
+the end (the batch orders them so; only moved rows are copied).
 
 Each forward feeds one chunk of new tokens per row, LEFT-padded to a common width, so
 every row's last token sits in the last column. A padding query attends to itself only
@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from . import hf, lean
 from .attention import Attention
+from .timing import Timer
 
 
 class RaggedCache:
@@ -234,3 +235,15 @@ def unservable(model: PreTrainedModel) -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure is the reason, said at load
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def prefill(model: PreTrainedModel, prompt: list[int], features: tuple[int, ...] = ()) -> tuple[RaggedCache, float]:
+    """A one-row cache holding ``prompt[:-1]`` (the last token is fed by the first step), and
+    the seconds it took; with ``features``, those layers' outputs at its positions in
+    ``last_features``."""
+    own = RaggedCache(model, 1, features)
+    if len(prompt) <= 1:
+        return own, 0.0
+    with Timer() as t:
+        own.forward([prompt[:-1]], 1)
+    return own, t.seconds

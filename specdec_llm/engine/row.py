@@ -4,46 +4,53 @@ from __future__ import annotations
 
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .accounting import Ledger
+from .drafting.base import Proposal, RowView, Sampling
 from .sampling import accept_greedy, accept_sampled, probs
-from .text import TextCallback, TextStream
+from .text import TextStream
 from .types import FinishReason, GenerationRequest, GenerationResult, Stats
-
-if TYPE_CHECKING:
-    from .decoder import SpeculativeDecoder
-    from .protocol import Proposal
 
 
 class Row:
+    """``drafters``: the names of the drafters it may use; ``k``: its fixed k (None: the
+    batch's plan chooses). ``view`` is what drafters see of it."""
+
     def __init__(
-        self, dec: SpeculativeDecoder, req: GenerationRequest, prompt: list[int], on_text: TextCallback | None, tag: Any
+        self,
+        req: GenerationRequest,
+        prompt: list[int],
+        drafters: list[str],
+        k: int | None,
+        text: TextStream,
+        eos: set[int],
+        context_length: int,
+        tag: Any = None,
     ) -> None:
-        self.dec, self.req, self.tag = dec, req, tag
-        self.prompt = prompt
+        self.req, self.tag, self.prompt, self.drafters, self.k = req, tag, prompt, drafters, k
+        self.eos, self.context_length = eos, context_length
         self.seq = list(prompt)
         self.out: list[int] = []
         seed = req.seed if req.seed is not None else random.getrandbits(63)
         self.gen = torch.Generator().manual_seed(seed)
-        self.drafters = [d.name for d in dec.row_drafters(req)]
-        self.k = dec.fixed_k(req)  # None: the batch's plan chooses
-        self.state: dict[str, Any] = {}  # per drafter: that drafter's state for this row
+        sampling = Sampling(req.greedy, req.temperature, req.top_k, req.top_p, req.seed)
+        self.view = RowView(self.seq, sampling, self.gen, tuple(drafters), req.scope)
         self.stats = Stats(prompt_tokens=len(prompt))
         self.ledger = Ledger()
-        self.stream_ = TextStream(dec.tokenizer, req.stop, on_text)
+        self.text_stream = text
         self.finish_reason: FinishReason | None = None
         self.result: GenerationResult | None = None
         self.t0 = time.perf_counter()
 
     @property
     def text(self) -> str:
-        return self.stream_.text
+        return self.text_stream.text
 
     def room(self) -> int:
-        return min(self.req.max_new_tokens - len(self.out), self.dec.context_length - len(self.seq))
+        return min(self.req.max_new_tokens - len(self.out), self.context_length - len(self.seq))
 
     def accept(self, prop: Proposal | None, logits: torch.Tensor) -> tuple[int, int]:
         """(accepted drafts, the target's next token) from the verification's logits."""
@@ -57,14 +64,14 @@ class Row:
 
     def advance(self, new: list[int]) -> None:
         """Append the iteration's tokens; decide whether the row is finished; stream."""
-        cut = next((i + 1 for i, tok in enumerate(new) if tok in self.dec.eos_token_ids), None)
+        cut = next((i + 1 for i, tok in enumerate(new) if tok in self.eos), None)
         new = new[:cut] if cut else new
         self.seq += new
         self.out += new
         self.ledger.emitted += len(new)
         if not self.stats.time_to_first_token_s:
             self.stats.time_to_first_token_s = time.perf_counter() - self.t0
-        keep = self.stream_.update(self.out, find_stop=not cut)  # (an end-of-sequence token ends the text)
+        keep = self.text_stream.update(self.out, find_stop=not cut)  # (an end-of-sequence token ends the text)
         if cut:
             self.finish_reason = "eos"
         elif keep is not None:
@@ -72,20 +79,19 @@ class Row:
             self.finish_reason = "stop"
         elif len(self.out) >= self.req.max_new_tokens:
             self.finish_reason = "length"
-        elif len(self.seq) >= self.dec.context_length:
+        elif len(self.seq) >= self.context_length:
             self.finish_reason = "context"
         self.stream(final=self.finish_reason is not None)
 
     def stream(self, final: bool) -> None:
-        self.stream_.send(final)
+        self.text_stream.send(final)
 
     def finish(self) -> None:
+        """The row's result (its drafters hear that it left when the batch lets it go)."""
         assert self.finish_reason is not None
         st = self.stats
         st.finish_reason = self.finish_reason
         self.ledger.close(st, time.perf_counter() - self.t0, len(self.out), self.finish_reason == "stop")
-        for d in self.dec.drafters:
-            d.finish(self)
         self.result = GenerationResult(
             text=self.text, token_ids=list(self.out), finish_reason=st.finish_reason, stats=st
         )

@@ -10,6 +10,8 @@ steps; between steps it takes waiting requests up to ``max_batch`` rows. A bad r
 fails its own Future with the RequestError at join time; an error inside a step (out of
 memory...) fails the rows of that batch and the loop goes on with a fresh one. A
 request whose ``deadline`` (time.monotonic()) passes leaves the batch with TimeoutError.
+Whatever the reason a row leaves (finished, cancelled, timed out, a failed step), its
+drafters hear it (``Batch.keep``, ``Batch.close``) and give its resources back.
 ``max_batch="auto"`` (a bulk job's worker) takes the batch size with the most expected
 tokens per second on this machine, from its measured costs (``SpeculativeDecoder.best_batch``,
 cached on disk), before serving; ``ready`` is set once it is chosen.
@@ -148,6 +150,7 @@ class BatchServer:
                 log.exception("batch step failed; failing its %d rows", len(batch.rows))
                 for row in batch.rows:
                     row.tag[0].set_exception(e)
+                self._close(batch)
                 batch = Batch(self.decoder)
                 continue
             self.rows = len(batch.rows)
@@ -157,7 +160,15 @@ class BatchServer:
                 self._save_costs()  # idle: what the batches learnt about the costs, for the next process
         for row in batch.rows:
             row.tag[0].set_exception(RuntimeError("BatchServer closed"))
+        self._close(batch)
         self._save_costs()
+
+    def _close(self, batch: Batch) -> None:
+        """Every row of ``batch`` leaves (its drafters' resources come back), even after a failed step."""
+        try:
+            batch.close()
+        except Exception:  # a batch that failed may fail again; serving goes on
+            log.exception("could not release a batch's rows")
 
     def _save_costs(self) -> None:
         self._saved = time.monotonic()

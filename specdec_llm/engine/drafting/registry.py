@@ -1,7 +1,7 @@
 """Drafters by name: the one list the decoder, the pairs, the CLI and LangChain read.
 
 ``register_drafter(name, build, ...)`` adds a drafting method: ``build(DraftContext)`` makes
-a new drafter (protocol.py) for a decoder. Packages outside this one register theirs when
+a new drafter (base.py) for a decoder. Packages outside this one register theirs when
 imported, or through the ``specdec_llm.drafters`` entry point group (an object reference
 to a function called with no arguments that calls ``register_drafter``), so a pairs file
 read by a worker process can name them too::
@@ -17,14 +17,17 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, cast
 
-from .drafters import Lookup, ModelDrafter, SelfDrafter, Suffix
+from .base import DraftContext
 from .eagle import EagleDrafter, is_feature_draft
-from .protocol import DraftContext
+from .lookup import Lookup
+from .model import ModelDrafter
+from .selfdraft import SELF_PRIOR, SelfDrafter
+from .suffix import Suffix
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .protocol import Drafter
+    from .base import Drafter
 
 GROUP = "specdec_llm.drafters"
 MODEL_DRAFTS = ("model", "distilled", "placeholder")  # pair draft kinds (pairs.draft_kind) that are a causal LM
@@ -121,8 +124,7 @@ def build(names: list[str], context: DraftContext) -> list[Drafter]:
 def _model(name: str) -> Callable[[DraftContext], Drafter]:
     """A draft model's drafter: "model" and "quantized" are one class over the pair's draft
     (a pair has one draft); the target's own quantized weights share its KV layout and catch
-    up from its cache (SelfDrafter), and agree with it on ~0.99 of greedy tokens
-    (docs/pairs.md): their acceptance starts there, so the plan tries them from the first row."""
+    up from its cache (SelfDrafter), and their acceptance starts high (``SELF_PRIOR``)."""
 
     def make(c: DraftContext) -> Drafter:
         draft = c.draft
@@ -132,7 +134,7 @@ def _model(name: str) -> Callable[[DraftContext], Drafter]:
             )
         quantization = getattr(draft, "quantization", None) or {}
         own = bool(quantization) and quantization.get("of") != "draft"  # the target's own weights, quantized
-        return (SelfDrafter if own else ModelDrafter)(draft, c.vocab_size, name, 0.9 if own else 0.5)
+        return SelfDrafter(draft, c, name, SELF_PRIOR) if own else ModelDrafter(draft, c, name)
 
     return make
 
@@ -143,7 +145,7 @@ def _eagle(c: DraftContext) -> Drafter:
             "drafter 'eagle' needs a feature-level draft (specdec-llm distill --kind eagle) as the pair's "
             "draft; drop 'eagle' from drafters or use such a draft"
         )
-    return EagleDrafter(c.draft, c.vocab_size)
+    return EagleDrafter(c.draft, c)
 
 
 def _llamacpp(c: DraftContext) -> Drafter:
@@ -153,7 +155,7 @@ def _llamacpp(c: DraftContext) -> Drafter:
     try:
         from .llamacpp import LlamaCppDrafter
 
-        return LlamaCppDrafter(str(c.target_file), c.vocab_size, c.context_length)
+        return LlamaCppDrafter(str(c.target_file), c)
     except ImportError as e:
         raise ValueError(
             f"drafter 'llamacpp' needs llama-cpp-python ({e}): pip install 'specdec-llm[llamacpp]' (llama-cpp-python), or drop 'llamacpp' from drafters"

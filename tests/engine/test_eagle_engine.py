@@ -15,7 +15,7 @@ from conftest import greedy_reference, tiny_llama
 
 from specdec_llm.engine import GenerationRequest, SpeculativeDecoder, hf, lean
 from specdec_llm.engine.decoder import Batch
-from specdec_llm.engine.eagle import EagleDrafter
+from specdec_llm.engine.drafting.eagle import EagleDrafter
 from specdec_llm.engine.ragged import RaggedCache
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9], [30, 31, 32, 30, 31], [100, 3, 100, 3, 100], [7], [40, 41]]
@@ -88,9 +88,9 @@ def recorder(dec: SpeculativeDecoder, batch: Batch, seen: list):
     propose = session.propose
 
     def wrapped(rows, ks):
-        props = propose(rows, ks)
-        seen.extend((list(rows[b].seq), p.tokens) for b, p in props.items())
-        return props
+        drafts = propose(rows, ks)
+        seen.extend((list(rows[b].tokens), p.tokens) for b, p in drafts.proposals.items())
+        return drafts
 
     session.propose = wrapped
 
@@ -127,8 +127,9 @@ def test_eagle_alone_and_mixed_is_greedy_identical_and_proposes_what_a_recomputa
             break
         batch.step()
         for b, r in enumerate(batch.rows):  # the draft cache holds exactly the real pairs fed
-            assert int(batch.sessions["eagle"].cache.valid[b].sum()) == r.state["eagle"].dlen
-            assert r.state["eagle"].dlen + batch.sessions["eagle"].behind(r) == len(r.seq) - 1
+            st = r.view.state["eagle"]  # (the first token is never an input: held counts it)
+            assert int(batch.sessions["eagle"].backend.cache.valid[b].sum()) == st.held - 1
+            assert st.held + sum(len(f) for f in st.pending) == len(r.seq)
     assert not batch.rows
     for row in rows:
         assert row.result.token_ids == greedy_reference(target, row.prompt, row.req.max_new_tokens), row.prompt

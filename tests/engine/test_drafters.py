@@ -11,8 +11,9 @@ from helpers import N, V, assert_target_distribution, sampled_requests, sharpen
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder
 from specdec_llm.engine.decoder import Batch
-from specdec_llm.engine.drafters import Lookup, SuffixIndex
-from specdec_llm.engine.protocol import Proposal
+from specdec_llm.engine.drafting.base import Proposal, RowView, Sampling
+from specdec_llm.engine.drafting.lookup import Lookup
+from specdec_llm.engine.drafting.suffix import SuffixIndex
 
 # prompts that repeat themselves, so prompt lookup has matches from the first token
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9], [30, 31, 32, 30, 31], [100, 3, 100, 3, 100], [7]]
@@ -28,17 +29,13 @@ def decoder(target, **kw):
 
 
 def test_lookup_proposes_the_continuation_of_the_longest_match():
-    class R:  # the parts of a row a free drafter reads
-        def __init__(self, seq):
-            self.seq, self.state, self.req = seq, {}, GenerationRequest(prompt=seq)
-
     lookup = Lookup(max_n=3)
-    row = R([1, 2, 3, 4, 9, 2, 3, 4, 7, 3, 4])
+    row = RowView([1, 2, 3, 4, 9, 2, 3, 4, 7, 3, 4])
     tokens, feats = lookup.continuation(row, 3)  # "3 4" (longest: "7 3 4" is new) last seen before "7"
     assert tokens == [7, 3, 4] and feats[0] == (2, 0)
-    row.seq += [7]  # the index follows the sequence as it grows
+    row.tokens += [7]  # the index follows the sequence as it grows
     assert lookup.continuation(row, 2)[0] == [3, 4]
-    assert lookup.continuation(R([5, 6]), 4) == ([], [])
+    assert lookup.continuation(RowView([5, 6]), 4) == ([], [])
 
 
 def test_each_drafter_alone_and_mixed_in_one_batch_is_greedy_identical(target):
@@ -72,9 +69,6 @@ def test_a_free_proposal_not_verified_still_teaches_its_drafter(target):
     """Counterfactual learning on greedy rows: the lookup proposals a fixed-k row made but
     did not verify (the draft model comes first) are scored against the target's tokens."""
 
-    class R:
-        req = GenerationRequest(prompt=[1])
-
     lookup = Lookup()
     for tokens, emitted, counts in (
         ([4, 5, 6], [4, 5, 9], (2, 3)),  # rejected at the third: 2 accepted of 3 examined
@@ -82,11 +76,12 @@ def test_a_free_proposal_not_verified_still_teaches_its_drafter(target):
         ([4, 5, 6], [4, 5, 6, 7], (7, 8)),  # all accepted
     ):
         prop = Proposal("lookup", tokens, None, [0.3] * 3, [(True, (1, i)) for i in range(3)])
-        lookup.shadow(R(), prop, emitted)
+        lookup.shadow(RowView([1]), prop, emitted)
         c = lookup.acceptance.counts
         assert (sum(v[0] for v in c.values()), sum(v[1] for v in c.values())) == counts
-    R.req = GenerationRequest(prompt=[1], temperature=1.0)
-    lookup.shadow(R(), prop, [4])  # sampled: a token's acceptance is not seen from the output
+    lookup.shadow(
+        RowView([1], Sampling(greedy=False, temperature=1.0)), prop, [4]
+    )  # sampled: a token's acceptance is not seen from the output
     assert sum(v[1] for v in lookup.acceptance.counts.values()) == 8
 
     dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3), drafters=["model", "lookup"])

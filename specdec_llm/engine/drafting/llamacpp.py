@@ -8,11 +8,10 @@ verifies every token (greedy identical; sampled, the rejection rule with this dr
 distribution), so only its speed and how often it agrees matter.
 
 One llama.cpp context per row, from a pool the drafter keeps (rows come and go, contexts are
-reused); a context holds a prefix of its row's tokens, and a rollback removes positions from
-its memory. Drafting is the model drafter's, in two levels: each decode feeds the row's
-pending token and the cheaper proposal it checks (``drafters.to_check``), all their logits
-kept, and the draft keeps what it agrees with plus its own next token. Rows draft one after
-the other (a context per row): this drafter is for small batches, as speculation is on CPUs.
+reused; a row that leaves, for any reason, gives its context back); a context holds a prefix
+of its row's tokens, and a rollback removes positions from its memory. Drafting is the model
+drafter's (model.py), in two levels, over ``LlamaBackend``. Rows draft one after the other (a
+context per row): this drafter is for small batches, as speculation is on CPUs.
 """
 
 from __future__ import annotations
@@ -22,18 +21,19 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from .autok import Timer
-from .drafters import ModelDrafter, ModelRow, accept_checked, to_check
-from .protocol import Proposal
+from ..timing import Timer
+from .base import DraftContext, Forward, RowView
+from .model import Backend, ModelDrafter, ModelRow
 
-if TYPE_CHECKING:
-    from .decoder import Batch, Row
-
+# its acceptance before any row has shown its own: llama.cpp decodes the target's own weights,
+# so it agrees with the target nearly as the int4 self-draft does (0.9), less its int8
+# activations' drift: a guess between that and an unknown draft's 0.5, not a measurement
+LLAMACPP_PRIOR = 0.8
 MAX_CONTEXT = 4096  # tokens per context (its memory is allocated up front)
 CHUNK = 512  # tokens per decode call
 
@@ -119,36 +119,75 @@ class LlamaRow(ModelRow):
     context: Context | None = None
 
 
+class LlamaBackend(Backend):
+    """A llama.cpp context per row (``row.state[name].context``), from the drafter's pool."""
+
+    def __init__(self, drafter: LlamaCppDrafter) -> None:
+        super().__init__(drafter.name, drafter.context.vocab_size)
+        self.d = drafter
+
+    def fits(self, row: RowView, k: int) -> bool:
+        return len(row.tokens) + k <= self.d.n_ctx
+
+    def prepare(self, rows: dict[int, RowView]) -> list[Forward]:
+        """Each row's context keeps the longest prefix it shares with the row (but its last token)."""
+        for r in rows.values():
+            st = r.state[self.name]
+            ctx = st.context = st.context or self.d.take()
+            same = next((i for i, (a, t) in enumerate(zip(ctx.tokens, r.tokens)) if a != t), len(ctx.tokens))
+            ctx.truncate(min(same, len(r.tokens) - 1))
+            st.held = len(ctx.tokens)
+        return []
+
+    def feed(
+        self, rows: dict[int, RowView], inputs: dict[int, list[int]], keep: dict[int, int]
+    ) -> tuple[dict[int, torch.Tensor], list[Forward]]:
+        logits, forwards = {}, []
+        for b, x in inputs.items():
+            st = rows[b].state[self.name]
+            with Timer() as t:
+                logits[b] = torch.from_numpy(st.context.feed(x, keep[b]))[:, : self.vocab_size]
+            st.held += len(x)
+            forwards.append(Forward({b: len(x)}, len(x), t.seconds))
+        return logits, forwards
+
+    def truncate(self, b: int, row: RowView, n: int) -> None:
+        st = row.state[self.name]
+        if st.context is not None:
+            st.context.truncate(n)
+        st.held = min(st.held, n)
+
+    def leave(self, b: int, row: RowView) -> None:
+        st: LlamaRow | None = row.state.get(self.name)
+        if st is not None and st.context is not None:
+            self.d.pool.append(st.context)
+            st.context = None
+
+
 class LlamaCppDrafter(ModelDrafter):
     """The ``llamacpp`` drafter: llama.cpp running ``path`` (the pair's target GGUF), on this
     process's torch threads. Its acceptance is tracked per row as a model drafter's."""
 
     row_state = LlamaRow
 
-    def __init__(self, path: str, vocab_size: int, context_length: int, name: str = "llamacpp", prior: float = 0.8):
-        super().__init__(None, vocab_size, name, prior)  # type: ignore[arg-type]  # (no transformers model)
-        self.path, self.n_ctx = path, min(context_length, MAX_CONTEXT)
+    def __init__(self, path: str, context: DraftContext, name: str = "llamacpp", prior: float = LLAMACPP_PRIOR):
+        super().__init__(None, context, name, prior)
+        self.path, self.n_ctx = path, min(context.context_length, MAX_CONTEXT)
         self.pool: list[Context] = []
-        self.pool.append(self.context())  # a missing package or a file llama.cpp cannot read fails at load
+        self.pool.append(self.take())  # a missing package or a file llama.cpp cannot read fails at load
         probe(path)  # and so does a llama.cpp that crashes decoding on this CPU
         self.timing: Context | None = None  # calibration's
 
-    def context(self) -> Context:
+    def take(self) -> Context:
+        """A context from the pool, or a new one."""
         return self.pool.pop() if self.pool else Context(self.path, self.n_ctx, torch.get_num_threads())
 
-    def session(self, batch: Batch) -> LlamaCppSession:  # type: ignore[override]  # (not a model cache)
-        return LlamaCppSession(self, batch)
+    def backend(self, target: Any) -> LlamaBackend:
+        return LlamaBackend(self)
 
-    def finish(self, row: Row) -> None:
-        super().finish(row)
-        st: LlamaRow | None = row.state.get(self.name)
-        if st is not None and st.context is not None:
-            self.pool.append(st.context)
-            st.context = None
-
-    def time_forward(self, rows: int, ids: list[int]) -> Callable[[int], float]:
+    def timer(self, rows: int, ids: list[int]) -> Callable[[int], float]:
         """A decode of ``w`` tokens for each of ``rows`` rows (one after the other), logits kept."""
-        ctx = self.timing = self.timing or self.context()
+        ctx = self.timing = self.timing or self.take()
         ctx.truncate(0)
         ctx.feed(ids, 1)
         width = len(ctx.tokens)
@@ -161,73 +200,3 @@ class LlamaCppDrafter(ModelDrafter):
             return t.seconds
 
         return forward
-
-
-class LlamaCppSession:
-    """Its state is in each row (``row.state[name]``: the row's context and how many of the
-    row's tokens it holds, ``dlen``), so rows joining, leaving or moving need nothing here."""
-
-    free = False
-
-    def __init__(self, drafter: LlamaCppDrafter, batch: Batch) -> None:
-        self.d, self.batch = drafter, batch
-
-    def add(self, row: Row) -> None:
-        self.d.tracker(row)
-
-    def merge(self) -> None:
-        pass
-
-    def keep(self, order: list[int]) -> None:
-        pass
-
-    def behind(self, row: Row) -> int:
-        return len(row.seq) - int(row.state[self.d.name].dlen)
-
-    def shadow(self, row: Row, prop: Proposal, emitted: list[int]) -> None:
-        pass
-
-    def observe(self, row: Row, features: torch.Tensor) -> None:
-        pass
-
-    def propose(self, rows: list[Row], ks: dict[int, int]) -> dict[int, Proposal]:
-        out: dict[int, Proposal] = {}
-        name, costs = self.d.name, self.batch.dec.costs
-        spent, steady = 0.0, True  # (rows draft one after the other: the batch's drafting is their sum)
-        for b, k in ks.items():
-            r, st = rows[b], rows[b].state[name]
-            if k <= 0 or len(r.seq) + k > self.d.n_ctx:
-                continue
-            if st.context is None:
-                st.context = self.d.context()
-            ctx: Context = st.context
-            same = next((i for i, (a, t) in enumerate(zip(ctx.tokens, r.seq)) if a != t), len(ctx.tokens))
-            ctx.truncate(min(same, len(r.seq) - 1))  # what it holds of the row (the last token is fed)
-            head, drafts, qs = r.seq[len(ctx.tokens) :], list[int](), list[Any]()
-            steady = steady and len(head) == 1
-            while len(drafts) < k:
-                checked = to_check(self.batch, name, r, drafts, k - len(drafts), len(head), 1)
-                with Timer() as t:
-                    logits = torch.from_numpy(ctx.feed(head + checked, len(checked) + 1))
-                spent += t.seconds
-                r.stats.draft_forwards += 1
-                r.stats.draft_time_s += t.seconds
-                if len(head) == 1:
-                    costs[1].observe_draft(name, t.seconds, 1 + len(checked))
-                a, nxt, q = accept_checked(r, checked, logits[:, : self.d.vocab_size])
-                ctx.truncate(len(ctx.tokens) - (len(checked) - a))
-                drafts += checked[:a] + [nxt]
-                qs += q
-                head = [nxt]
-            st.dlen, st.used = len(ctx.tokens), True
-            out[b] = Proposal(name, drafts, qs or None, [st.tracker.rate] * k, [None] * k)
-        if out and steady:
-            costs[len(rows)].observe_drafting(name, spent, max(len(p.tokens) for p in out.values()))
-        return out
-
-    def commit(self, b: int, row: Row, prop: Proposal, n: int) -> None:
-        """The context holds the row's tokens and the drafts but the last; the rejected ones go
-        at the next ``propose`` (it keeps the longest prefix it shares with the row)."""
-        st = row.state[self.d.name]
-        st.tracker.update(len(prop.tokens), n)
-        st.dlen = len(row.seq) + min(n, len(prop.tokens) - 1)  # row.seq is not yet advanced

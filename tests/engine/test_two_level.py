@@ -14,9 +14,11 @@ from conftest import check_caches, exact_two_token_distribution, greedy_referenc
 from helpers import N, V, assert_distinct, assert_target_distribution, sharpen
 
 from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
-from specdec_llm.engine.autok import CostModel, RowOptions, inner_plan, plan
+from specdec_llm.engine.costs import CostModel
+from specdec_llm.engine.drafting.two_level import inner_plan
+from specdec_llm.engine.plan import RowOptions, plan
 from specdec_llm.engine.decoder import Batch
-from specdec_llm.engine.protocol import Proposal
+from specdec_llm.engine.drafting.base import Proposal
 from specdec_llm.engine.quant import quantized_copy
 
 # prompts that repeat themselves, so prompt lookup proposes from the first token
@@ -73,11 +75,11 @@ def test_greedy_proposals_are_the_drafts_own_greedy_tokens(target):
     seen = []
 
     def checked_propose(rows, ks):
-        props = session_propose(rows, ks)
-        for b, prop in props.items():
-            assert prop.tokens == greedy_reference(draft, rows[b].seq, len(prop.tokens))
+        drafts = session_propose(rows, ks)
+        for b, prop in drafts.proposals.items():
+            assert prop.tokens == greedy_reference(draft, rows[b].tokens, len(prop.tokens))
             seen.append(len(prop.tokens))
-        return props
+        return drafts
 
     for prompt in PROMPTS:
         batch = Batch(dec)
@@ -153,22 +155,26 @@ def test_the_inner_plan_checks_what_its_measured_costs_pay_for():
     cost = CostModel(max_k=8, draft_s={"model": 0.010})
     sure = Proposal("lookup", [1, 2, 3, 4], None, [0.9, 0.9, 0.9, 0.9])
     unsure = Proposal("suffix", [5, 6], None, [0.05, 0.05])
-    assert inner_plan(cost, "model", [sure]) is None  # wide forwards never measured: one token per forward
+
+    def seconds(w):
+        return cost.draft("model", w)
+
+    assert inner_plan(seconds, [sure]) is None  # wide forwards never measured: one token per forward
     cost.draft_width_s["model"] = {2: 0.011, 3: 0.012, 5: 0.014}
-    pick = inner_plan(cost, "model", [unsure, sure])
-    assert pick is not None and pick.drafter == "lookup" and pick.tokens == [1, 2, 3, 4]
-    assert inner_plan(cost, "model", [unsure]) is None  # 1.05 tokens for 10% more time: not worth it
+    choice = inner_plan(seconds, [unsure, sure])
+    assert choice is not None and choice.drafter == "lookup" and choice.tokens == [1, 2, 3, 4]
+    assert inner_plan(seconds, [unsure]) is None  # 1.05 tokens for 10% more time: not worth it
     cost.draft_width_s["model"] = {2: 0.030, 5: 0.060}  # a wide forward as dear as three narrow ones
-    assert inner_plan(cost, "model", [sure]) is None
+    assert inner_plan(seconds, [sure]) is None
 
 
 def test_the_target_plan_drafts_longer_when_two_levels_make_draft_tokens_cheaper():
     cost = CostModel(max_k=8, draft_s={"model": 0.030}, verify_s={k: 0.040 + 0.002 * k for k in range(9)})
-    before = plan(cost, [RowOptions(models={"model": 0.9})])[0]
+    before = plan(cost, [RowOptions(models={"model": 0.9})]).choices[0]
     for _ in range(10):
         cost.observe_drafting("model", 0.030 * 4 / 3, 4)  # 4 tokens for the price of 1.33 one-token steps
     assert cost.draft_token_ratio["model"] == pytest.approx(1 / 3)
-    after = plan(cost, [RowOptions(models={"model": 0.9})])[0]
+    after = plan(cost, [RowOptions(models={"model": 0.9})]).choices[0]
     assert after[0] == "model" and after[1] > before[1]
 
 

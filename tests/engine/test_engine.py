@@ -218,20 +218,21 @@ def test_expected_speedup_closed_form():
 
 
 def test_cost_model_chooses_k_from_acceptance_and_costs():
-    from specdec_llm.engine.autok import CostModel, calibrate
+    from specdec_llm.engine.costs import CostModel, calibrate
+    from specdec_llm.engine.plan import best_k
 
     cost = CostModel(max_k=8)
     # CPU-like fp32 shape (ARCHITECTURE.md): verify grows with k; noisy point at k=2 is made monotone
     times = {0: 0.0386, 1: 0.045, 2: 0.040, 4: 0.0657, 8: 0.0771}
     calibrate(cost, lambda k: times[k], lambda: 0.0061, points=sorted(times), repeats=1)
     assert cost.verify_s[2] == cost.verify_s[1] == 0.045
-    assert cost.best_k(0.02) == 0  # useless draft: target only
-    assert cost.best_k(0.95) >= 4  # excellent draft: long blocks
-    k_mid = cost.best_k(0.7)
+    assert best_k(cost, 0.02) == 0  # useless draft: target only
+    assert best_k(cost, 0.95) >= 4  # excellent draft: long blocks
+    k_mid = best_k(cost, 0.7)
     for _ in range(30):  # the machine gets 3x slower for everything: same choice
         cost.observe_verify(0, 3 * times[0])
         cost.observe_draft("model", 3 * 0.0061)
-    assert cost.best_k(0.7) == k_mid
+    assert best_k(cost, 0.7) == k_mid
     assert cost.verify(0) == pytest.approx(3 * times[0], rel=0.05)
 
 
@@ -239,7 +240,8 @@ def test_a_few_disturbed_iterations_cannot_stop_drafting():
     """A drafter the plan stops using is not observed again until a probe: a few draft
     forwards or verifications another process slowed down (10x, even in a row) must not move
     the costs that decide k at all; the machine's own lasting change of speed is followed."""
-    from specdec_llm.engine.autok import WINDOW, CostModel, calibrate
+    from specdec_llm.engine.costs import WINDOW, CostModel, calibrate
+    from specdec_llm.engine.plan import best_k
 
     cost = CostModel(max_k=8)
     times = {0: 0.0386, 1: 0.045, 2: 0.050, 4: 0.0657, 8: 0.0771}
@@ -248,19 +250,19 @@ def test_a_few_disturbed_iterations_cannot_stop_drafting():
         cost.observe_verify(4, times[4])
         cost.observe_draft("model", 0.0061)
         cost.observe_drafting("model", 4 * 0.0061, 4)
-    k, costs = cost.best_k(0.9), (cost.draft("model"), cost.draft_per_token("model"), cost.verify(4))
+    k, costs = best_k(cost, 0.9), (cost.draft("model"), cost.draft_per_token("model"), cost.verify(4))
     assert k >= 2
     for _ in range(WINDOW // 2):  # disturbed, in a row
         cost.observe_verify(4, 10 * times[4])
         cost.observe_draft("model", 10 * 0.0061)
         cost.observe_drafting("model", 40 * 0.0061, 4)
         assert (cost.draft("model"), cost.draft_per_token("model"), cost.verify(4)) == costs
-        assert cost.best_k(0.9) == k
+        assert best_k(cost, 0.9) == k
     for _ in range(WINDOW):  # the draft itself got 10x slower (and stays so): followed
         cost.observe_draft("model", 10 * 0.0061)
         cost.observe_drafting("model", 40 * 0.0061, 4)
     assert cost.draft("model") == pytest.approx(10 * 0.0061)
-    assert cost.best_k(0.9) == 0
+    assert best_k(cost, 0.9) == 0
 
 
 def test_auto_k_settles_at_zero_with_a_useless_draft(target):

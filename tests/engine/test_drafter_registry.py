@@ -13,9 +13,9 @@ import pytest
 from conftest import tiny_llama
 
 from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
-from specdec_llm.engine.drafters import FreeDrafter
-from specdec_llm.engine.protocol import DraftContext
-from specdec_llm.engine.registry import build, check, defaults, known, register_drafter, unregister_drafter
+from specdec_llm.engine.drafting.base import DraftContext
+from specdec_llm.engine.drafting.free import FreeDrafter
+from specdec_llm.engine.drafting.registry import build, check, defaults, known, register_drafter, unregister_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,8 +76,7 @@ def test_a_pairs_file_names_a_drafter_from_an_entry_point(tmp_path, tiny_pair_di
     file may list it and a decoder built from the pair uses it."""
     (tmp_path / "echo_drafter.py").write_text(
         textwrap.dedent("""
-        from specdec_llm.engine.drafters import FreeDrafter
-        from specdec_llm.engine.registry import register_drafter
+        from specdec_llm.engine.drafting import FreeDrafter, register_drafter
 
         class Echo(FreeDrafter):
             name = "echo"

@@ -9,7 +9,8 @@ from conftest import check_caches, exact_two_token_distribution, greedy_referenc
 from helpers import N, V, assert_target_distribution, sampled_requests, sharpen
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder, schedule
-from specdec_llm.engine.autok import BatchCosts, calibrate
+from specdec_llm.engine.costs import BatchCosts, calibrate
+from specdec_llm.engine.plan import Plan, best_k
 from specdec_llm.engine.decoder import Batch
 
 PROMPTS = [[5], [5, 6, 7], [17, 3, 99, 4, 8, 120, 33, 1, 2, 250, 7, 7], list(range(40, 71)), [200, 201]]
@@ -116,7 +117,7 @@ def scripted(ks):
 
     def plan(cost, options, *args, **kw):
         k = next(script, 1)
-        return [("model", min(k, o.limit)) if k else (None, 0) for o in options]
+        return Plan(0.0, [("model", min(k, o.limit)) if k else (None, 0) for o in options])
 
     return plan
 
@@ -128,7 +129,7 @@ def test_auto_rows_fill_the_draft_lazily_and_catch_up(target, monkeypatch):
     dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
     batch = Batch(dec)
     monkeypatch.setattr(schedule, "plan", scripted([0, 0, 0, 3] + [0] * 14 + [4, 0, 1, 2]))
-    dcache = batch.sessions["model"].cache
+    dcache = batch.sessions["model"].backend.cache
     fills = []  # (row, valid columns it had): a row never drafted has none
     real_fill = dcache.fill_row
     monkeypatch.setattr(
@@ -164,9 +165,9 @@ def test_speculation_length_falls_to_zero_as_the_batch_grows():
             lambda r=rows: 0.002 + 0.0001 * r,
             repeats=1,
         )
-    assert costs[1].best_k(0.6) >= 2
-    assert costs[16].best_k([0.6] * 16) == 0
-    assert costs[16].best_k([0.98] * 16) >= 4  # a near-perfect draft still pays
+    assert best_k(costs[1], 0.6) >= 2
+    assert best_k(costs[16], [0.6] * 16) == 0
+    assert best_k(costs[16], [0.98] * 16) >= 4  # a near-perfect draft still pays
     assert costs[9] is costs[16] and costs[3] is costs[4]
 
 
@@ -217,10 +218,11 @@ def test_batch_server_joins_callers_from_threads(target):
 
 
 def test_a_bulk_job_batch_size_is_the_one_with_the_most_tokens_per_second():
-    """autok.best_batch: from the measured cost of each batch-size bucket, the size whose rows
+    """plan.best_batch: from the measured cost of each batch-size bucket, the size whose rows
     decode the most tokens per second (drafting where it pays at that size), the smallest within
     5% of the best; a draft that pays alone does not make batch 1 win over cheap batching."""
-    from specdec_llm.engine.autok import CostModel, best_batch
+    from specdec_llm.engine.costs import CostModel
+    from specdec_llm.engine.plan import best_batch
 
     def cost(v0: float, per_k: float, draft: float) -> CostModel:
         return CostModel(max_k=4, verify_s={k: v0 + per_k * k for k in range(5)}, draft_s={"model": draft})

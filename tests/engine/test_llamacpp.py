@@ -112,7 +112,7 @@ CRASH = "import os, signal, sys\nos.kill(os.getpid(), signal.SIGSEGV)\n"
 def test_a_llamacpp_that_cannot_decode_here_is_refused_not_crashed(monkeypatch, tmp_path, code, match):
     """The probe runs llama.cpp in a child process: a crash (as its AMX kernels crash on some
     virtual machines) or an error there is an error here, with the fix, and this process lives."""
-    from specdec_llm.engine import llamacpp
+    from specdec_llm.engine.drafting import llamacpp
 
     monkeypatch.setattr(llamacpp, "PROBE", code)
     with pytest.raises(ValueError, match=match):
@@ -121,7 +121,7 @@ def test_a_llamacpp_that_cannot_decode_here_is_refused_not_crashed(monkeypatch, 
 
 
 def test_a_pair_whose_llamacpp_crashes_is_refused_at_load(q4, monkeypatch):
-    from specdec_llm.engine import llamacpp
+    from specdec_llm.engine.drafting import llamacpp
     from specdec_llm.pairs import PairError, load_pair
 
     monkeypatch.setattr(llamacpp, "PROBE", CRASH)

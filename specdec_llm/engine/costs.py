@@ -1,32 +1,20 @@
-"""Choosing the speculation length k from measured costs and the live acceptance rate.
-
-Expected tokens per iteration with per-token acceptance a and k drafts is
-E(a, k) = (1 - a^(k+1)) / (1 - a); an iteration costs k * draft_step + verify(k).
-``plan`` picks, per row and iteration, the drafter and k in 0..max_k with the most expected
-tokens per second for the whole batch. k = 0 is plain target-only decoding, so useless
-drafters drive k to 0; after a run of k = 0 iterations a probe drafts once to refresh the
-acceptance estimates (``Probes``: about 1% of the time).
+"""Seconds of each forward the loop runs, measured on this device: verify(k) per batch-size
+bucket, each model drafter's forward at each width, a plain iteration's overhead
+(``CostModel``, ``BatchCosts``); ``calibrate`` fills them from timing callbacks, and live
+iterations rescale them. The plan (plan.py) reads them; only the loop feeds them.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .types import expected_tokens_per_iteration
-
-if TYPE_CHECKING:
-    from .protocol import Proposal
-
-PRIOR_WEIGHT = 4.0  # pseudo-observations behind the acceptance prior
 # every live timing figure (a scale, a ratio, the target-only forward behind a reported
 # speedup) is the median of this many latest observations: a few iterations another process
 # slowed down (or sped up) do not move it at all, and lasting load moves it within a few
 WINDOW = 9
-MARGIN = 1.1  # k > 0 only when it promises at least 10% more tokens/s than k = 0
 
 
 def interpolate(points: dict[int, float], x: int) -> float:
@@ -188,113 +176,6 @@ class CostModel:
             return
         self.draft_token_ratio[name] = self._observe(f"ratio:{name}", seconds / tokens / step)
 
-    def best_k(self, acceptance: float | list[float], drafter: str = "model") -> int:
-        """The k with the most expected tokens per second when every row drafts with the model
-        ``drafter`` at per-token ``acceptance`` (one value, or one per row of a batch)."""
-        rates = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance)
-        picks = plan(self, [RowOptions(models={drafter: a}) for a in rates])
-        return max(k for _, k in picks)
-
-
-@dataclass
-class RowOptions:
-    """What one auto row can verify this iteration: the free drafters' proposals (made
-    already, at most max_k tokens) and, per model drafter, its per-token acceptance estimate."""
-
-    free: list[Proposal] = field(default_factory=list)
-    models: dict[str, float] = field(default_factory=dict)
-    limit: int = 1 << 30  # the most tokens the row may draft (its room left)
-
-
-def plan(cost: CostModel, rows: list[RowOptions], *args: Any, **kwargs: Any) -> list[tuple[str | None, int]]:
-    """Each auto row's (drafter, k): ``planned``'s choice (the same arguments)."""
-    return planned(cost, rows, *args, **kwargs)[1]
-
-
-def planned(
-    cost: CostModel,
-    rows: list[RowOptions],
-    fixed_rows: int = 0,
-    fixed_width: int = 0,
-    fixed_steps: dict[str, int] | None = None,
-    probe_row: int | None = None,
-) -> tuple[float, list[tuple[str | None, int]]]:
-    """The expected tokens per second of the batch, and each auto row's (drafter, k): the
-    choice with the most expected tokens per second.
-
-    One target forward verifies every row at the width of the longest proposal, so a row
-    may propose up to that width at no extra cost; a model drafter costs its k steps once
-    for all the rows that use it. Rows with a fixed k (``fixed_rows``) widen the verification
-    to ``fixed_width`` and run ``fixed_steps`` model steps whatever is chosen here. The best
-    plan that drafts must promise ``MARGIN`` times the tokens per second of not drafting;
-    a probe (``probe_row`` given: only that row may draft with a model) drafts regardless.
-    """
-    fixed_steps = fixed_steps or {}
-    models = sorted({m for r in rows for m in r.models})
-
-    def evaluate(k_max: int, model: str | None) -> tuple[float, list[tuple[str | None, int]]]:
-        picks: list[tuple[str | None, int]]
-        tokens, width, steps, picks = float(fixed_rows), fixed_width, dict(fixed_steps), []
-        for b, r in enumerate(rows):
-            best: tuple[float, str | None, int] = (1.0, None, 0)
-            for p in r.free:
-                k = min(k_max, len(p.tokens))
-                if k and (e := p.expected(k)) > best[0]:
-                    best = (e, p.drafter, k)
-            if model in r.models and k_max and probe_row in (None, b):
-                k = min(k_max, r.limit)
-                if (e := expected_tokens_per_iteration(r.models[model], k)) > best[0]:
-                    best = (e, model, k)
-            tokens += best[0]
-            picks.append(best[1:])
-            width = max(width, best[2])
-            if best[1] == model and model is not None:
-                steps[model] = max(steps.get(model, 0), best[2])
-        # not drafting costs the plain forward as measured (per batch-size bucket); drafting
-        # never costs less than that
-        base = cost.plain_forward()
-        seconds = (max(base, cost.verify(width)) if width else base) + sum(
-            s * cost.draft_per_token(m) for m, s in steps.items() if s
-        )
-        return tokens / seconds, picks
-
-    base_rate, base = evaluate(0, None)
-    best_rate, best = 0.0, base
-    for k_max in range(1, cost.max_k + 1):
-        for model in (None, *models):
-            rate, picks = evaluate(k_max, model)
-            if rate > best_rate:
-                best_rate, best = rate, picks
-    # drafting must promise a clear gain: the model's small errors (calibrated without the
-    # masks and per-row work of a real batch) must not make a marginal k a loss
-    if probe_row is None and best_rate < MARGIN * base_rate:
-        return base_rate, base
-    return best_rate, best
-
-
-def inner_plan(cost: CostModel, model: str, offers: Iterable[Proposal], head: int = 1) -> Proposal | None:
-    """Two-level drafting: which cheaper proposal (cut to how many tokens) the model drafter
-    ``model`` should check in its next forward, beside the ``head`` tokens it must feed anyway
-    (None: a plain forward). The choice with the most expected draft tokens per second of
-    draft forward: a forward over ``head + m`` tokens gives the draft's own token plus each of
-    the m proposed tokens it agrees with, while it agrees (``Proposal.expected``)."""
-    best, pick = 1.0 / cost.draft(model, head), None
-    for p in offers:
-        for m in range(1, len(p.tokens) + 1):
-            if (rate := p.expected(m) / cost.draft(model, head + m)) > best:
-                best, pick = rate, p.cut(m)
-    return pick
-
-
-def best_batch(costs: dict[int, CostModel], rates: dict[str, float], within: float = 0.95) -> int:
-    """The batch size (a bucket of ``costs``) with the most expected tokens per second for a
-    bulk job, each row drafting as ``plan`` would at the model drafters' acceptance ``rates``
-    (or not at all, where drafting does not pay at that size): the smallest within ``within``
-    of the best (lower latency and memory for nearly the same throughput)."""
-    speed = {b: planned(c, [RowOptions(models=dict(rates)) for _ in range(b)])[0] for b, c in costs.items()}
-    top = max(speed.values())
-    return min(b for b, v in speed.items() if v >= within * top)
-
 
 class BatchCosts:
     """One CostModel per batch-size bucket (powers of two), calibrated when first needed:
@@ -353,58 +234,3 @@ def calibrate(
     cost.draft_token_ratio = {}
     cost.samples = {}
     cost.plain_forward_s = None
-
-
-class AcceptanceTracker:
-    """Per-token acceptance a, estimated as accepted / examined draft positions.
-
-    Under the geometric model an iteration examines drafts until the first rejection, so
-    a = accepted / (accepted + rejections) is the maximum-likelihood estimate. A request
-    starts from ``prior`` (the decoder's running estimate over past requests).
-    """
-
-    def __init__(self, prior: float):
-        self.accepted = PRIOR_WEIGHT * prior
-        self.examined = PRIOR_WEIGHT
-
-    def update(self, proposed: int, accepted: int) -> None:
-        self.accepted += accepted
-        self.examined += accepted + (1 if accepted < proposed else 0)
-
-    @property
-    def rate(self) -> float:
-        return min(self.accepted / self.examined, 0.999)
-
-
-class Probes:
-    """When auto rows have not drafted for ``every`` iterations, the next iteration is a probe
-    (it drafts regardless of the margin: see ``plan``), so acceptance estimates stay fresh;
-    the interval doubles (up to ``max_every``) while probes keep confirming k = 0."""
-
-    def __init__(self, every: int = 32, max_every: int = 1024):
-        self.first, self.max_every = every, max_every
-        self.every = every
-        self.zero_run = 0
-
-    @property
-    def due(self) -> bool:
-        return self.zero_run >= self.every
-
-    def record(self, drafted: bool, probed: bool) -> None:
-        if probed:
-            self.zero_run = 0
-            self.every = min(2 * self.every, self.max_every)
-        elif drafted:
-            self.zero_run = 0
-            self.every = self.first
-        else:
-            self.zero_run += 1
-
-
-class Timer:
-    def __enter__(self) -> Timer:
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds = time.perf_counter() - self.t0

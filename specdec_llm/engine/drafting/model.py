@@ -1,0 +1,313 @@
+"""A draft model's drafting, written once over a small ``Backend``.
+
+``ModelSession.propose`` runs draft forwards until every row has its k tokens: each forward
+feeds a row its pending token(s) and a cheaper proposal to check (two_level.py), keeps what
+the draft agrees with plus its own next token, and gives the rest of the fed positions back
+to the backend at once. After the verification (``Accepted``) the backend keeps the row's
+tokens and the accepted drafts (``Backend.kept``). Backends: a ragged KV cache over the
+batch (``RaggedBackend``, here), the target's cache copied (selfdraft.py), EAGLE's feature
+inputs (eagle.py), a llama.cpp context per row (llamacpp.py).
+
+A row's own state is ``row.state[name]`` (``ModelRow``): its acceptance (one estimator,
+one bucket), how many of its tokens (then drafts) the backend holds, and the backend's
+positions of what this iteration fed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import hf
+from ..ragged import RaggedCache, prefill
+from ..timing import Timer
+from .acceptance import RUNNING_WEIGHT, Acceptance
+from .base import Accepted, DraftContext, Drafts, Event, Forward, Joined, Left, Moved, Proposal, RowView
+from .two_level import accept_checked, to_check
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# a draft model's acceptance before any row has shown its own: an untrained or distilled draft
+# of unknown quality, so neither trusted nor written off (the running estimate takes over)
+DISTILLED_PRIOR = 0.5
+# the running estimate over finished rows moves 0.3 of the way to each row's own rate: about
+# the last three rows weigh in (a job's prompts drift; one odd row moves it little). A choice,
+# not a measurement.
+PRIOR_MEMORY = 0.7
+
+
+@dataclass
+class ModelRow:
+    acceptance: Acceptance
+    held: int = 0  # tokens of the row (then its drafts) the backend holds
+    fed: list[Any] = field(default_factory=list)  # the backend's positions of what this iteration fed
+    used: bool = False  # it drafted for this row
+
+
+class Backend:
+    """Where a model drafter's tokens go. The defaults suit a backend whose state is all in
+    ``row.state`` (a llama.cpp context); override what differs."""
+
+    def __init__(self, name: str, vocab_size: int) -> None:
+        self.name, self.vocab_size = name, vocab_size
+
+    def join(self, b: int, row: RowView, features: torch.Tensor | None) -> None:
+        """Row ``b`` joined at the end (``features``: the target's at its prompt, if asked)."""
+
+    def leave(self, b: int, row: RowView) -> None:
+        """Row ``b`` left: give its resources back."""
+
+    def move(self, order: list[int]) -> None:
+        """The new row ``i`` is the old row ``order[i]``."""
+
+    def observe(self, row: RowView, features: torch.Tensor) -> None:
+        """The target's features at the row's last token and accepted drafts."""
+
+    def fits(self, row: RowView, k: int) -> bool:
+        """Whether it can draft ``k`` tokens for ``row`` now."""
+        return True
+
+    def prepare(self, rows: dict[int, RowView]) -> list[Forward]:
+        """Bring each drafting row up to date before its first forward (what it still misses
+        is fed by that forward); the forwards this ran."""
+        return []
+
+    def feed(
+        self, rows: dict[int, RowView], inputs: dict[int, list[int]], keep: dict[int, int]
+    ) -> tuple[dict[int, torch.Tensor], list[Forward]]:
+        """Feed ``inputs[b]`` after what row ``b`` holds; logits [keep[b], V] of its last tokens."""
+        raise NotImplementedError
+
+    def truncate(self, b: int, row: RowView, n: int) -> None:
+        """Keep at most the first ``n`` of the row's tokens and drafts (only what this iteration fed goes)."""
+        st = row.state[self.name]
+        st.held = min(st.held, n)
+
+    def trim(self) -> None:
+        """After a step's truncations (a batch-wide cache crops its unused columns)."""
+
+    def kept(self, row: RowView, n: int) -> int:
+        """What it keeps of the row once ``n`` of its drafts were accepted (before the row's
+        tokens grow): the row's tokens and the accepted drafts it was fed."""
+        return len(row.tokens) + n
+
+
+class RaggedBackend(Backend):
+    """A transformers causal LM with its own ragged KV cache over the batch (ragged.py)."""
+
+    def __init__(self, name: str, vocab_size: int, model: PreTrainedModel, features: tuple[int, ...] = ()) -> None:
+        super().__init__(name, vocab_size)
+        self.model, self.features = model, features
+        self.cache = RaggedCache(model, 0, features)
+        self.joining: list[RaggedCache] = []
+
+    def join(self, b: int, row: RowView, features: torch.Tensor | None) -> None:
+        self.joining.append(RaggedCache(self.model, 1, self.features))  # filled the first time it drafts
+
+    def merge(self) -> None:
+        if self.joining:
+            self.cache.extend(self.joining)
+            self.joining = []
+
+    def move(self, order: list[int]) -> None:
+        self.merge()
+        if order != list(range(self.cache.rows)):
+            self.cache.keep_rows(order)
+        self.cache.tidy()
+
+    def prepare(self, rows: dict[int, RowView]) -> list[Forward]:
+        """The first forward feeds each row what it missed, padded to the longest: B x W token
+        passes. A row far behind (or never filled: a row's first drafting) is cheaper refilled
+        alone from scratch, then only its last token is fed: choose the W with the least passes."""
+        self.merge()
+        behind = {b: len(r.tokens) - r.state[self.name].held for b, r in rows.items()}
+
+        def passes(w: int) -> int:
+            return self.cache.rows * w + sum(len(rows[b].tokens) - 1 for b, c in behind.items() if c > w)
+
+        w, out = min({1, *behind.values()}, key=passes), []
+        for b, c in behind.items():
+            if c > w:
+                own, seconds = prefill(self.model, rows[b].tokens)
+                self.cache.fill_row(b, own)
+                rows[b].state[self.name].held = len(rows[b].tokens) - 1
+                out.append(Forward({b: len(rows[b].tokens) - 1}, len(rows[b].tokens) - 1, seconds, "prefill"))
+        return out
+
+    def forward(
+        self, inputs: list[list[int]], keep: int, embeds: list[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, float]:
+        with Timer() as t:
+            logits = self.cache.forward(inputs, keep, embeds)[..., : self.vocab_size]
+            hf.sync(self.model)
+        return logits, t.seconds
+
+    def record(self, rows: dict[int, RowView], inputs: dict[int, list[int]], seconds: float) -> Forward:
+        """Note the cache columns each row's tokens took; the forward's record."""
+        w = self.cache.width
+        for b, x in inputs.items():
+            st = rows[b].state[self.name]
+            st.fed += range(w - len(x), w)
+            st.held += len(x)
+        return Forward({b: len(x) for b, x in inputs.items()}, max(len(x) for x in inputs.values()), seconds)
+
+    def feed(
+        self, rows: dict[int, RowView], inputs: dict[int, list[int]], keep: dict[int, int]
+    ) -> tuple[dict[int, torch.Tensor], list[Forward]]:
+        width = max(keep.values())
+        logits, seconds = self.forward([inputs.get(b, []) for b in range(self.cache.rows)], width)
+        record = self.record(rows, inputs, seconds)
+        return {b: logits[b, width - keep[b] :] for b in inputs}, [record]
+
+    def truncate(self, b: int, row: RowView, n: int) -> None:
+        st = row.state[self.name]
+        if st.held > n:
+            self.cache.drop(b, st.fed[n - st.held :])
+            del st.fed[n - st.held :]
+            st.held = n
+
+    def trim(self) -> None:
+        self.cache.trim()
+
+
+class ModelDrafter:
+    """A draft model with its own KV cache (a distilled draft, a smaller model of the same
+    family), drafting in two levels. Its per-row acceptance starts from a running estimate
+    over past rows (``prior``), which also chooses the batch size of a bulk job."""
+
+    free, shared = False, False
+    levels = 2  # its forwards check cheaper proposals (two_level.py)
+    feature_layers: tuple[int, ...] = ()
+    row_state = ModelRow  # what a row keeps in row.state[name]
+
+    def __init__(
+        self, model: PreTrainedModel | None, context: DraftContext, name: str = "model", prior: float = DISTILLED_PRIOR
+    ):
+        self.model, self.context, self.name = model, context, name
+        self.prior = prior
+        self._key: str | None = None
+
+    @property
+    def key(self) -> str:
+        if self._key is None:
+            self._key = hf.weights_fingerprint(self.model) if self.model is not None else ""
+        return self._key
+
+    def backend(self, target: Any) -> Backend:
+        assert self.model is not None
+        return RaggedBackend(self.name, self.context.vocab_size, self.model)
+
+    def open(self, target: Any) -> ModelSession:
+        return ModelSession(self, self.backend(target))
+
+    def state(self, row: RowView) -> ModelRow:
+        st: ModelRow | None = row.state.get(self.name)
+        if st is None:
+            st = row.state[self.name] = self.row_state(Acceptance(self.prior, RUNNING_WEIGHT))
+        return st
+
+    def rate(self, row: RowView) -> float:
+        return self.state(row).acceptance.rate()
+
+    def finish(self, row: RowView) -> None:
+        st: ModelRow | None = row.state.get(self.name)
+        if st is not None and st.used:
+            self.prior = PRIOR_MEMORY * self.prior + (1 - PRIOR_MEMORY) * st.acceptance.rate()
+
+    def timer(self, rows: int, ids: list[int]) -> Callable[[int], float]:
+        """A draft forward of ``w`` tokens per row (the last token and w - 1 to check), all their logits kept."""
+        assert self.model is not None
+        model = self.model
+        cache = RaggedCache(model, rows)
+        cache.forward([ids] * rows, 1)
+        width = cache.width
+
+        def forward(w: int) -> float:
+            with Timer() as t:
+                cache.forward([ids[:w]] * rows, w)
+                hf.sync(model)
+            cache.crop(width)
+            return t.seconds
+
+        return forward
+
+
+class ModelSession:
+    """The propose loop of every model drafter, over its backend."""
+
+    def __init__(self, drafter: ModelDrafter, backend: Backend) -> None:
+        self.d, self.backend = drafter, backend
+
+    def update(self, events: list[Event]) -> None:
+        for e in events:
+            if isinstance(e, Joined):
+                self.d.state(e.row)
+                self.backend.join(e.b, e.row, e.features)
+            elif isinstance(e, Accepted):
+                if e.features is not None:
+                    self.backend.observe(e.row, e.features)
+                if e.proposal is not None and e.n is not None:
+                    self.d.state(e.row).acceptance.update([None] * len(e.proposal.tokens), e.n)
+                    self.backend.truncate(e.b, e.row, self.backend.kept(e.row, e.n))
+            elif isinstance(e, Left):
+                self.backend.leave(e.b, e.row)
+                if e.finished:
+                    self.d.finish(e.row)
+            elif isinstance(e, Moved):
+                self.backend.move(e.order)
+        self.backend.trim()
+
+    def propose(self, rows: Sequence[RowView], ks: dict[int, int]) -> Drafts:
+        """Draft forwards until every row has its ``ks[b]`` tokens (a row with nothing to feed
+        yet, or that does not fit, has none)."""
+        asked = {b: rows[b] for b, k in ks.items() if k > 0 and self.backend.fits(rows[b], k)}
+        forwards = self.backend.prepare(asked)
+        heads = {b: r.tokens[self.d.state(r).held :] for b, r in asked.items()}
+        ks = {b: ks[b] for b in asked if heads[b]}
+        for b in ks:
+            rows[b].state[self.d.name].fed = []
+        drafts: dict[int, list[int]] = {b: [] for b in ks}
+        qs: dict[int, list[torch.Tensor]] = {b: [] for b in ks}
+        while left := {b: ks[b] - len(drafts[b]) for b in ks if len(drafts[b]) < ks[b]}:
+            forwards += self.step({b: rows[b] for b in left}, left, heads, drafts, qs)
+        proposals = {}
+        for b, k in ks.items():
+            st = self.d.state(rows[b])
+            st.used = True
+            proposals[b] = Proposal(self.d.name, drafts[b], qs[b] or None, [st.acceptance.rate()] * k, [None] * k)
+        return Drafts(proposals, forwards)
+
+    def step(
+        self,
+        rows: dict[int, RowView],
+        left: dict[int, int],
+        heads: dict[int, list[int]],
+        drafts: dict[int, list[int]],
+        qs: dict[int, list[torch.Tensor]],
+    ) -> list[Forward]:
+        """One draft forward for the rows ``left`` to draft: each feeds its pending token(s)
+        and what it checks, keeps what the draft agrees with plus the draft's own token."""
+        inputs, checked = {}, {}
+        for b, n in left.items():
+            head = heads[b] if not drafts[b] else drafts[b][-1:]
+            checked[b] = self.check(rows[b], drafts[b], n, len(head), len(left))
+            inputs[b] = head + checked[b]
+        logits, forwards = self.backend.feed(rows, inputs, {b: len(c) + 1 for b, c in checked.items()})
+        for b, row in rows.items():
+            m = len(checked[b])
+            a, nxt, q = accept_checked(row, checked[b], logits[b])
+            self.backend.truncate(b, row, row.state[self.d.name].held - (m - a))  # the checked tokens it disagreed with
+            drafts[b] += checked[b][:a] + [nxt]
+            qs[b] += q
+        self.backend.trim()
+        catching_up = any(len(x) - len(checked[b]) > 1 for b, x in inputs.items())
+        return [Forward(f.rows, f.width, f.seconds, "catch-up") for f in forwards] if catching_up else forwards
+
+    def check(self, row: RowView, drafts: list[int], left: int, head: int, rows: int) -> list[int]:
+        if self.d.levels < 2:
+            return []
+        return to_check(self.d.context, self.d.name, row, drafts, left, head, rows)
