@@ -7,11 +7,11 @@ the phrase's next tokens; the target verifies them as it verifies any drafter's,
 output is the target's own greedy text whatever the phrases say (checked below against
 the same pair decoding target-only). Good phrases only make it faster.
 
-A drafter is one class behind the seam of ``specdec_llm/engine/protocol.py`` plus one
+A drafter is one class behind the seam of ``specdec_llm/engine/drafting/base.py`` plus one
 ``register_drafter`` call; then a pair may list it (``drafters = ["phrases", "lookup"]``)
 and a request may ask for it (``drafter="phrases"``). To make it known to worker processes
 and the CLI too, register it from an entry point of your package (group
-``specdec_llm.drafters``; see ``specdec_llm/engine/registry.py``).
+``specdec_llm.drafters``; see ``specdec_llm/engine/drafting/registry.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import sys
 from collections.abc import Hashable
 
 from specdec_llm.engine import GenerationRequest
-from specdec_llm.engine.drafters import FreeDrafter
-from specdec_llm.engine.registry import register_drafter
+from specdec_llm.engine.drafting import FreeDrafter, register_drafter
 from specdec_llm.pairs import get_spec, load_pair, quiet_loading
 from specdec_llm.settings import get_settings
 
@@ -59,7 +58,7 @@ class PhraseDrafter(FreeDrafter):
         return cls(ids)
 
     def continuation(self, row, k: int) -> tuple[list[int], list[Hashable]]:
-        seq = row.seq
+        seq = row.tokens
         for phrase in self.phrases:
             for m in range(min(len(phrase) - 1, len(seq)), self.min_match - 1, -1):
                 if seq[-m:] == phrase[:m]:

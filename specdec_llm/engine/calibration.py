@@ -5,6 +5,7 @@ live figures as requests finish, so the cache follows the machine's current spee
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -101,7 +102,7 @@ class Calibration:
             return t.seconds
 
         timers = {d.name: (d, timer) for d in self.drafters if (timer := d.timer(rows, ids)) is not None}
-        steps = {name: partial(timer, 1) for name, (_, timer) in timers.items()}
+        steps: dict[str, Callable[[], float]] = {name: partial(timer, 1) for name, (_, timer) in timers.items()}
         forwards = {name: timer for name, (d, timer) in timers.items() if d.levels > 1}  # two levels: w tokens
         time_verify(0), [fn() for fn in steps.values()]  # warm up
         small = rows <= EVERY_K_UP_TO

@@ -333,36 +333,10 @@ def quantized_copy(
     if head == "auto":
         head, head_ms = choose_head(target.get_output_embeddings(), kernel_cache)
     blocks = blocks or {}
-    with torch.device("meta"):
-        draft: PreTrainedModel = type(target)(copy.deepcopy(target.config))
-    draft.load_state_dict(target.state_dict(), assign=True)  # the same tensors, not copies
-    modules = dict(draft.named_modules())
-    for name, buf in target.named_buffers():  # non-persistent buffers (rotary frequencies) too
-        owner, _, attr = name.rpartition(".")
-        setattr(modules[owner] if owner else draft, attr, buf)
-    draft.set_input_embeddings(target.get_input_embeddings())
-    draft.set_output_embeddings(target.get_output_embeddings())
-    draft.generation_config = target.generation_config
+    draft = _sharing_copy(target)
     head_module = draft.get_output_embeddings()
     with torch.no_grad():
-        for name, module in list(draft.named_modules()):  # a module at a time: its blocks go once fused
-            for child_name, child in list(module.named_children()):
-                full = f"{name}.{child_name}" if name else child_name
-                if child is head_module:
-                    continue
-                if isinstance(child, Conv1D):  # GPT-2's projections: a Linear with its weight transposed
-                    child = _as_linear(child)
-                if isinstance(child, torch.nn.Linear):
-                    if child.weight.numel() == 0:
-                        raise ValueError(
-                            "the target's weights are in a kernel's packed layout: quantize it before preparing it"
-                        )
-                    setattr(module, child_name, _quantized(child, scheme, blocks.get(f"{full}.weight")))
-            for names in FUSED if fuse else ():
-                _fuse(module, names)
-            for child in module.modules():
-                if isinstance(child, Int4Linear):
-                    child.blocks = None
+        _quantize_layers(draft, head_module, scheme, blocks, fuse)
         if head == "int4":
             draft.set_output_embeddings(_quantized(head_module, "int4", blocks.get("lm_head.weight")))
         elif head == "bf16":
@@ -378,6 +352,47 @@ def quantized_copy(
     }
     draft.eval()
     return draft
+
+
+def _sharing_copy(target: PreTrainedModel) -> PreTrainedModel:
+    """A model of the target's class holding the target's own tensors (parameters, buffers,
+    embeddings and generation config shared, not copied)."""
+    with torch.device("meta"):
+        draft: PreTrainedModel = type(target)(copy.deepcopy(target.config))
+    draft.load_state_dict(target.state_dict(), assign=True)  # the same tensors, not copies
+    modules = dict(draft.named_modules())
+    for name, buf in target.named_buffers():  # non-persistent buffers (rotary frequencies) too
+        owner, _, attr = name.rpartition(".")
+        setattr(modules[owner] if owner else draft, attr, buf)
+    draft.set_input_embeddings(target.get_input_embeddings())
+    draft.set_output_embeddings(target.get_output_embeddings())
+    draft.generation_config = target.generation_config
+    return draft
+
+
+def _quantize_layers(
+    draft: PreTrainedModel, head: torch.nn.Module, scheme: str, blocks: Mapping[str, Blocks], fuse: bool
+) -> None:
+    """Every Linear of ``draft`` but its ``head`` quantized (``scheme``; ``blocks`` as they are),
+    and each layer's ``FUSED`` projections run as one matmul."""
+    for name, module in list(draft.named_modules()):  # a module at a time: its blocks go once fused
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if child is head:
+                continue
+            if isinstance(child, Conv1D):  # GPT-2's projections: a Linear with its weight transposed
+                child = _as_linear(child)
+            if isinstance(child, torch.nn.Linear):
+                if child.weight.numel() == 0:
+                    raise ValueError(
+                        "the target's weights are in a kernel's packed layout: quantize it before preparing it"
+                    )
+                setattr(module, child_name, _quantized(child, scheme, blocks.get(f"{full}.weight")))
+        for names in FUSED if fuse else ():
+            _fuse(module, names)
+        for child in module.modules():
+            if isinstance(child, Int4Linear):
+                child.blocks = None
 
 
 def tensors(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -10,8 +10,8 @@ from helpers import N, V, assert_target_distribution, sampled_requests, sharpen
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder, schedule
 from specdec_llm.engine.costs import BatchCosts, calibrate
-from specdec_llm.engine.plan import Plan, best_k
 from specdec_llm.engine.decoder import Batch
+from specdec_llm.engine.plan import Plan, best_k
 
 PROMPTS = [[5], [5, 6, 7], [17, 3, 99, 4, 8, 120, 33, 1, 2, 250, 7, 7], list(range(40, 71)), [200, 201]]
 

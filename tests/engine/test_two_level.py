@@ -15,10 +15,10 @@ from helpers import N, V, assert_distinct, assert_target_distribution, sharpen
 
 from specdec_llm.engine import GenerationRequest, SpeculativeDecoder
 from specdec_llm.engine.costs import CostModel
-from specdec_llm.engine.drafting.two_level import inner_plan
-from specdec_llm.engine.plan import RowOptions, plan
 from specdec_llm.engine.decoder import Batch
 from specdec_llm.engine.drafting.base import Proposal
+from specdec_llm.engine.drafting.two_level import inner_plan
+from specdec_llm.engine.plan import RowOptions, plan
 from specdec_llm.engine.quant import quantized_copy
 
 # prompts that repeat themselves, so prompt lookup proposes from the first token

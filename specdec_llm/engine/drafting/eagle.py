@@ -79,6 +79,11 @@ class EagleBackend(RaggedBackend):
     def observe(self, row: RowView, features: torch.Tensor) -> None:
         row.state[self.name].pending.append(features)
 
+    def prepare(self, rows: dict[int, RowView]) -> list[Forward]:
+        """Nothing to catch up on: the first forward feeds every pending pair."""
+        self.merge()
+        return []
+
     def feed(
         self, rows: dict[int, RowView], inputs: dict[int, list[int]], keep: dict[int, int]
     ) -> tuple[dict[int, torch.Tensor], list[Forward]]:
