@@ -138,7 +138,7 @@ class Stats:
     batch_rows: float = 1.0  # mean number of requests decoding beside it (itself included) per iteration
     # Seconds the request would have taken decoding target-only in the same process: its time
     # outside its iterations as it was, plus each token at the target-only step cost this
-    # process measured at the same batch size (autok.CostModel, kept current by k = 0
+    # process measured at the same batch size (costs.CostModel, kept current by k = 0
     # iterations and probes). The basis of ``speedup`` (SPEEDUP_BASIS).
     baseline_s: float = 0.0
     finish_reason: FinishReason = "length"

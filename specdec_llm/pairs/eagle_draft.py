@@ -1,6 +1,6 @@
 """EAGLE drafts: the model (``EagleDraft``), a new one for a target (``build_eagle``) and a
 trained one's directory (``load_eagle_dir``). ``specdec_llm/training/eagle.py`` trains them;
-the engine's drafter is ``engine/eagle.py``."""
+the engine's drafter is ``engine/drafting/eagle.py``."""
 
 from __future__ import annotations
 

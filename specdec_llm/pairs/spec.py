@@ -60,11 +60,11 @@ class PairSpec:
         return draft_kind(self.draft)
 
     def drafter_names(self) -> list[str]:
-        """Its ``drafters`` list, else the registered defaults for its draft (engine/registry.py):
+        """Its ``drafters`` list, else the registered defaults for its draft (engine/drafting/registry.py):
         lookup, suffix and (with a draft) model, quantized or eagle."""
         if self.drafters is not None:
             return list(self.drafters)
-        from ..engine import registry as drafter_registry
+        from ..engine.drafting import registry as drafter_registry
 
         return drafter_registry.defaults(self.draft_kind())
 
@@ -180,7 +180,7 @@ def read_toml(text: str, source: str) -> dict[str, PairSpec]:
             )
         drafters = fields.get("drafters")
         if drafters is not None:
-            from ..engine import registry as drafter_registry
+            from ..engine.drafting import registry as drafter_registry
 
             why = drafter_registry.check(drafters, draft_kind(draft))
             if why:
