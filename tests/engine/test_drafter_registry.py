@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Echo(FreeDrafter):
-    """Proposes the prompt's first tokens again (often wrong: the verification decides)."""
+    """Proposes the row's first tokens again (often wrong: the verification decides)."""
 
     name = "echo"
 
     def continuation(self, row, k):
-        tokens = row.prompt[:k]
+        tokens = row.tokens[:k]
         return tokens, list(range(len(tokens)))
 
 
@@ -82,7 +82,7 @@ def test_a_pairs_file_names_a_drafter_from_an_entry_point(tmp_path, tiny_pair_di
             name = "echo"
 
             def continuation(self, row, k):
-                return row.prompt[:k], list(range(min(k, len(row.prompt))))
+                return row.tokens[:k], list(range(min(k, len(row.tokens))))
 
         def register():
             register_drafter("echo", lambda c: Echo())
