@@ -1,6 +1,6 @@
 """What every ``specdec-llm`` command shares: one way to say what went wrong, and the parsing
-of options more than one command takes. (``cli.py``, ``client/cli.py``, ``store/cli.py``
-and ``workers/cli.py`` use it.)
+of options more than one command takes. (``cli.py``, ``training/cli.py``, ``client/cli.py``,
+``store/cli.py`` and ``workers/cli.py`` use it.)
 
 Every failure a person can fix prints one line, ``error: ...``, on stderr and exits 2:
 ``fail(message)``, or ``with user_errors():`` around work that may raise a ``SpecDecError``
