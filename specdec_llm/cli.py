@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from .checks import check_seed
-from .cli_common import DrafterOpt, parse_k, show_load_stages, user_errors
+from .cli_common import DrafterOpt, parse_k, request_options, show_load_stages, user_errors
 from .engine import SPEEDUP_BASIS, GenerationRequest
 from .settings import get_settings
 
@@ -64,21 +64,10 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Generate one completion."""
+    options = {**request_options(locals()), "k": parse_k(k), "stop": list(stop or []), "drafter": drafter or "auto"}
+    request = GenerationRequest(prompt=prompt, **options)
     from .pairs import get_spec, load_pair, use_threads
 
-    request = GenerationRequest(
-        prompt=prompt,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        k=parse_k(k),
-        stop=list(stop or []),
-        chat=chat,
-        mode=mode,
-        drafter=drafter or "auto",
-    )
     with user_errors():
         request.validate()  # fail fast, before loading models
         check_seed(seed)

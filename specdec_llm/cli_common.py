@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Annotated
+from dataclasses import fields
+from typing import Annotated, Any
 
 import typer
 
+from .engine import GenerationRequest
 from .errors import SpecDecError
 
 # --drafter, as `generate`, `submit` and `run` take it (checked against the pair's drafters by
@@ -41,6 +43,14 @@ def user_errors():
         yield
     except SpecDecError as e:
         fail(e)
+
+
+def request_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The generation parameters among a command's options (its ``locals()``): those named as
+    ``GenerationRequest``'s fields, its prompt aside. A command passes them on without listing
+    them, so a new field is one option of the command, and nothing else."""
+    names = {f.name for f in fields(GenerationRequest)} - {"prompt"}
+    return {name: value for name, value in options.items() if name in names}
 
 
 def parse_k(value: str | None) -> int | str | None:
