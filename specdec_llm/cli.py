@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from .checks import check_seed
-from .cli_common import DrafterOpt, parse_k, request_options, show_load_stages, user_errors
+from .cli_common import DrafterHelp, DrafterOpt, parse_k, request_options, show_load_stages, user_errors
 from .engine import SPEEDUP_BASIS, GenerationRequest
 from .settings import get_settings
 
@@ -47,7 +47,7 @@ def _quiet() -> None:
         quiet_loading()
 
 
-@app.command()
+@app.command(cls=DrafterHelp)
 def generate(
     prompt: str,
     pair: Annotated[str | None, typer.Option(help="Pair name (default: SPECDEC_DEFAULT_PAIR)")] = None,

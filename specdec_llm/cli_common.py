@@ -15,20 +15,33 @@ from dataclasses import fields
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand, TyperOption
 
 from .engine import GenerationRequest
 from .errors import SpecDecError
 
 # --drafter, as `generate`, `submit` and `run` take it (checked against the pair's drafters by
-# PairSpec.check_drafter: `generate` before loading, `submit`/`run` before a row is written)
-DrafterOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--drafter",
-        help="auto (the pair's drafters, chosen per iteration), or one of them: lookup, suffix, model "
-        "(`specdec-llm pairs show PAIR` lists a pair's)",
-    ),
-]
+# PairSpec.check_drafter: `generate` before loading, `submit`/`run` before a row is written); the
+# drafters it names are the registry's, filled in by DrafterHelp when the help is shown
+DRAFTER_HELP = (
+    "auto (the pair's drafters, chosen per iteration), or one of them: {known} "
+    "(`specdec-llm pairs show PAIR` lists a pair's)"
+)
+DrafterOpt = Annotated[str | None, typer.Option("--drafter", help=DRAFTER_HELP.format(known="a registered drafter"))]
+
+
+class DrafterHelp(TyperCommand):
+    """A command whose ``--drafter`` help names every registered drafter
+    (``engine.registry.known()``). Read when the help is shown, not when the command is built:
+    the registry imports torch (seconds), which no other start of a command should pay."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:  # (typer's own click's types)
+        for param in self.params:
+            if param.name == "drafter" and isinstance(param, TyperOption):
+                from .engine.registry import known  # (the engine's package does not export it)
+
+                param.help = DRAFTER_HELP.format(known=", ".join(known()))
+        super().format_help(ctx, formatter)
 
 
 def fail(message) -> None:

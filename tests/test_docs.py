@@ -175,3 +175,52 @@ def test_readme_command_parses(cli, line, monkeypatch):
 @pytest.mark.parametrize("line", DOCS_COMMANDS)
 def test_docs_command_parses(cli, line, monkeypatch):
     _check_command(cli, line, monkeypatch)
+
+
+CORPUS_FIGURES = re.compile(
+    r"In all: (?P<shards>[\d,]+) shards, (?P<records>[\d,]+) records, (?P<prompt_tokens>[\d,]+) prompt and\s+"
+    r"(?P<answer_tokens>[\d,]+) answer tokens \((?P<tokens>[\d,]+) in all\), (?P<mb>[\d.]+) MB"
+)
+
+
+def test_data_readme_figures_are_the_corpus_shards():
+    """data/README.md's figures of the committed corpus (shards, records, tokens, size) are
+    those its shards hold now, for the one target directory it names."""
+    from specdec_llm.training.corpus import Corpus
+
+    text = (ROOT / "data" / "README.md").read_text(encoding="utf-8")
+    targets = [d for d in sorted((ROOT / "data" / "corpus").iterdir()) if d.is_dir()]
+    assert len(targets) == 1, "data/README.md describes one target's corpus: describe each directory"
+    assert f"fingerprint `{targets[0].name}`" in text
+    found = CORPUS_FIGURES.search(text)
+    assert found, "data/README.md: no 'In all: N shards, N records, ... MB' sentence"
+    said = {key: float(v.replace(",", "")) for key, v in found.groupdict().items()}
+    s = Corpus(targets[0]).summary()
+    assert s["by_mode"] == {"greedy": s["records"]}, "data/README.md says greedy answers only"
+    assert said == {
+        "shards": s["shards"],
+        "records": s["records"],
+        "prompt_tokens": s["prompt_tokens"],
+        "answer_tokens": s["answer_tokens"],
+        "tokens": s["prompt_tokens"] + s["answer_tokens"],
+        "mb": round(s["bytes"] / 1e6, 2),
+    }
+
+
+@pytest.mark.parametrize("command", ["generate", "submit", "run"])
+def test_drafter_help_names_every_registered_drafter(cli, command, monkeypatch):
+    """``--drafter``'s help lists the registry's drafters when it is shown, one registered
+    after the CLI was built included (no list written by hand)."""
+    from specdec_llm.engine.registry import known, register_drafter, unregister_drafter
+
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")  # (the app's callback sets them)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    register_drafter("helpcheck", lambda context: None)  # (never built: only its name is read)
+    try:
+        result = CliRunner().invoke(cli, [command, "--help"], env={"COLUMNS": "100"})
+    finally:
+        unregister_drafter("helpcheck")
+    assert result.exit_code == 0, result.output
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())
+    names = [*known(), "helpcheck"]
+    assert f"or one of them: {', '.join(names)} (" in text

@@ -20,6 +20,7 @@ from typing import Annotated, Any
 import typer
 
 from specdec_llm.cli_common import (
+    DrafterHelp,
     DrafterOpt,
     check_batching,
     check_device,
@@ -350,7 +351,7 @@ def register(app: typer.Typer) -> None:
     from . import ops_cli
 
     for command in COMMANDS:
-        app.command()(command)
+        app.command(cls=DrafterHelp)(command)  # (the help of a --drafter names the registered drafters)
     ops_cli.register(app)
 
 
