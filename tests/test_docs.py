@@ -224,3 +224,60 @@ def test_drafter_help_names_every_registered_drafter(cli, command, monkeypatch):
     text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())
     names = [*known(), "helpcheck"]
     assert f"or one of them: {', '.join(names)} (" in text
+
+
+CHANGELOG = ROOT / "CHANGELOG.md"
+MAX_CHANGELOG_LINE = 160
+RELEASE = re.compile(r"^## \[(?P<version>\d+\.\d+\.\d+)\] - (?P<date>\d{4}-\d{2}-\d{2})$")
+KINDS = ("### Added", "### Changed", "### Fixed")
+
+
+def _changelog_sections() -> list[tuple[str, list[str]]]:
+    """CHANGELOG.md's ``## `` sections: (heading, the lines under it)."""
+    sections: list[tuple[str, list[str]]] = []
+    for line in CHANGELOG.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            sections.append((line, []))
+        elif sections:
+            sections[-1][1].append(line)
+    return sections
+
+
+def test_changelog_lines_are_short():
+    """One line per change, at most 160 characters: a change's story goes in docs/benchmarks.md."""
+    long = [
+        f"line {n}: {len(line)} characters"
+        for n, line in enumerate(CHANGELOG.read_text(encoding="utf-8").splitlines(), 1)
+        if len(line) > MAX_CHANGELOG_LINE
+    ]
+    assert long == [], f"CHANGELOG.md: shorten these to {MAX_CHANGELOG_LINE} characters or fewer"
+
+
+def test_changelog_sections_are_versioned_with_added_changed_fixed():
+    """``## [Unreleased]`` (optional, first), then ``## [X.Y.Z] - YYYY-MM-DD`` newest first; under
+    each only ``### Added``, ``### Changed`` and ``### Fixed`` (in that order), each a list of
+    one-line ``- `` entries."""
+    sections = _changelog_sections()
+    headings = [h for h, _ in sections]
+    if headings and headings[0] == "## [Unreleased]":
+        headings = headings[1:]
+    releases = [RELEASE.match(h) for h in headings]
+    assert all(releases), f"CHANGELOG.md: headings not '## [X.Y.Z] - YYYY-MM-DD': {headings}"
+    keys = [(tuple(int(x) for x in m["version"].split(".")), m["date"]) for m in releases if m]
+    assert keys == sorted(keys, reverse=True) and len(set(keys)) == len(keys), "versions and dates: newest first"
+    for heading, lines in sections:
+        kinds = [line for line in lines if line.startswith("#")]
+        assert kinds and set(kinds) <= set(KINDS), f"{heading}: use {', '.join(KINDS)}, not {kinds}"
+        assert kinds == sorted(kinds, key=KINDS.index) and len(set(kinds)) == len(kinds), heading
+        entries = [line for line in lines if line and not line.startswith("#")]
+        assert all(line.startswith("- ") for line in entries), f"{heading}: one '- ' line per change"
+
+
+def test_pyproject_version_is_the_newest_release():
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    newest = next(m for h, _ in _changelog_sections() if (m := RELEASE.match(h)))
+    assert version == newest["version"], (
+        f"pyproject.toml says {version}, CHANGELOG.md's newest release is {newest['version']}: make them one"
+    )
