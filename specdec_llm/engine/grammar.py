@@ -23,7 +23,7 @@ Formats (OpenAI's ``response_format`` plus two of ours)::
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,10 +31,13 @@ import torch
 from .protocol import Proposal
 from .types import RequestError
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 FIELD = "response_format"
 # JSON as json.dumps writes it (", " and ": ", no other whitespace): what models write most, and
 # every separator a forced token; a schema's "x-guidance" object overrides these
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_STYLE: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 
 
