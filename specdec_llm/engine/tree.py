@@ -48,7 +48,8 @@ def children(parents: list[int], node: int) -> list[int]:
 def accept_greedy(tokens: list[int], parents: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
     """(the accepted path's nodes, the target's next token) under greedy decoding."""
     best = logits.argmax(-1).tolist()
-    path, node = [], -1
+    path: list[int] = []
+    node = -1
     while True:
         nxt = next((c for c in children(parents, node) if tokens[c] == best[node + 1]), None)
         if nxt is None:
@@ -62,11 +63,12 @@ def accept_sampled(
 ) -> tuple[list[int], int]:
     """(the accepted path's nodes, the next token) for deterministic drafts; ``p`` [n + 1, V]
     the target's processed probabilities at [root] + nodes. Siblings must differ."""
-    path, node = [], -1
+    path: list[int] = []
+    node = -1
     while True:
         rest = p[node + 1].clone()
         for c in children(parents, node):
-            if float(torch.rand((), generator=generator)) < float(rest[tokens[c]] / rest.sum()):
+            if float(torch.rand((), generator=generator)) * float(rest.sum()) < float(rest[tokens[c]]):
                 path.append(c)
                 node = c
                 break
