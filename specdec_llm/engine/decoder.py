@@ -24,10 +24,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import compiled, costcache, hf, requests, schedule
+from . import compiled, costcache, grammar, hf, requests, schedule
 from .accounting import PlainClock
 from .calibration import Calibration
 from .costs import CostModel
@@ -126,6 +127,15 @@ class SpeculativeDecoder:
     def cost(self) -> CostModel:
         """The cost model of single-request decoding."""
         return self.costs[1]
+
+    @cached_property
+    def grammar_tokens(self) -> grammar.Tokens:
+        """The tokenizer as the grammar engine sees it (built at the first constrained row)."""
+        return grammar.Tokens(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def grammar(self, response_format: dict[str, Any]) -> grammar.RowGrammar:
+        """A row's matcher for its ``response_format`` (RequestError if it does not compile)."""
+        return self.grammar_tokens.matcher(response_format)
 
     @property
     def drafter_names(self) -> list[str]:
@@ -253,7 +263,9 @@ class Batch:
         prompt = dec.prepare(request)
         names = [d.name for d in dec.row_drafters(request)]
         text = TextStream(dec.tokenizer, request.stop, on_text)
-        row = Row(request, prompt, names, dec.fixed_k(request), text, dec.eos_token_ids, dec.context_length, tag)
+        fmt = request.response_format
+        g = dec.grammar(fmt) if fmt is not None else None
+        row = Row(request, prompt, names, dec.fixed_k(request), text, dec.eos_token_ids, dec.context_length, tag, g)
         own, row.stats.target_time_s = prefill(dec.target, prompt, dec.feature_layers)
         self.joining.append(own)
         features = own.last_features[0] if own.last_features is not None else None
@@ -312,6 +324,9 @@ class Batch:
                 drafts = session.propose([r.view for r in self.rows], ks)
                 self.charge(name, drafts)
                 props.update(drafts.proposals)
+        for b, prop in props.items():  # a row's grammar cuts its proposal before a token it rejects
+            if (g := self.rows[b].grammar) is not None:
+                props[b] = grammar.cut(prop, g)
         return props
 
     def charge(self, name: str, drafts: Drafts) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from .accounting import Ledger
 from .drafting.base import Proposal, RowView, Sampling
+from .grammar import RowGrammar
 from .sampling import accept_greedy, accept_sampled, probs
 from .text import TextStream
 from .types import FinishReason, GenerationRequest, GenerationResult, Stats
@@ -17,7 +18,8 @@ from .types import FinishReason, GenerationRequest, GenerationResult, Stats
 
 class Row:
     """``drafters``: the names of the drafters it may use; ``k``: its fixed k (None: the
-    batch's plan chooses). ``view`` is what drafters see of it."""
+    batch's plan chooses); ``grammar``: its ``response_format``'s matcher (grammar.py), which
+    masks its verified positions. ``view`` is what drafters see of it."""
 
     def __init__(
         self,
@@ -29,6 +31,7 @@ class Row:
         eos: set[int],
         context_length: int,
         tag: Any = None,
+        grammar: RowGrammar | None = None,
     ) -> None:
         self.req, self.tag, self.prompt, self.drafters, self.k = req, tag, prompt, drafters, k
         self.eos, self.context_length = eos, context_length
@@ -41,6 +44,7 @@ class Row:
         self.stats = Stats(prompt_tokens=len(prompt))
         self.ledger = Ledger()
         self.text_stream = text
+        self.grammar = grammar
         self.finish_reason: FinishReason | None = None
         self.result: GenerationResult | None = None
         self.t0 = time.perf_counter()
@@ -56,6 +60,8 @@ class Row:
         """(accepted drafts, the target's next token) from the verification's logits."""
         req = self.req
         drafts = prop.tokens if prop else []
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits, drafts)
         if req.greedy:
             return accept_greedy(drafts, logits)
         p = probs(logits, req.temperature, req.top_k, req.top_p)
@@ -66,6 +72,8 @@ class Row:
         """Append the iteration's tokens; decide whether the row is finished; stream."""
         cut = next((i + 1 for i, tok in enumerate(new) if tok in self.eos), None)
         new = new[:cut] if cut else new
+        if self.grammar is not None:
+            self.grammar.advance(new)
         self.seq += new
         self.out += new
         self.ledger.emitted += len(new)

@@ -41,6 +41,9 @@ class GenerationRequest:
     mode: Literal["speculative", "baseline"] = "speculative"
     drafter: str = "auto"  # "auto": the pair's drafters, chosen per iteration; or one drafter's name
     scope: str | None = None  # requests of one scope share what the suffix drafter learns (a job id)
+    # a grammar every emitted token satisfies (grammar.py): {"type": "json_schema", "json_schema":
+    # {"schema": {...}}}, {"type": "json_object"}, {"type": "regex", ...} or {"type": "grammar", ...}
+    response_format: dict[str, Any] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +87,35 @@ class GenerationRequest:
             raise RequestError("chat", f"must be true or false, got {self.chat!r}")
         if self.chat and not isinstance(p, str):
             raise RequestError("chat", "needs a text prompt, not token ids")
+        if self.response_format is not None:
+            check_response_format(self.response_format)
+
+
+FORMAT_FIELD = "response_format"
+FORMAT_KINDS = ("json_schema", "json_object", "regex", "grammar")
+
+
+def check_response_format(fmt: object) -> None:
+    """``response_format``'s shape (its grammar compiles when the row joins: grammar.py)."""
+    if not isinstance(fmt, dict):
+        raise RequestError(FORMAT_FIELD, f'must be an object such as {{"type": "json_object"}}, got {fmt!r}')
+    kind = fmt.get("type")
+    if kind not in FORMAT_KINDS:
+        raise RequestError(FORMAT_FIELD, f"unknown type {kind!r}; use one of {', '.join(FORMAT_KINDS)}")
+    if kind == "json_schema":
+        response_schema(fmt)
+    elif kind in ("regex", "grammar") and not (isinstance(fmt.get(kind), str) and fmt[kind]):
+        raise RequestError(FORMAT_FIELD, f'type {kind!r} needs a non-empty string "{kind}"')
+
+
+def response_schema(fmt: dict[str, Any]) -> dict[str, Any]:
+    inner = fmt.get("json_schema", fmt)
+    schema = inner.get("schema") if isinstance(inner, dict) else None
+    if not isinstance(schema, dict):
+        raise RequestError(
+            FORMAT_FIELD, 'json_schema needs {"json_schema": {"schema": {...}}} with the schema as an object'
+        )
+    return schema
 
 
 def check_unicode(text: str, name: str) -> None:
