@@ -99,9 +99,18 @@ class SpeculativeDecoder:
         if drafters is None:
             drafters = ["model"] if draft is not None else []
         self.context_length = context_length or getattr(target.config, "max_position_embeddings", None) or 2048
+        if drafters and tokenizer is not None and "grammar" not in drafters:
+            drafters = [*drafters, "grammar"]  # forced tokens of constrained rows, free (drafting/forced.py)
         names = [d for d in drafters if isinstance(d, str)]
         context = DraftContext(
-            draft, self.vocab_size, tokenizer, target_file, self.context_length, self.offers, self.draft_seconds
+            draft,
+            self.vocab_size,
+            tokenizer,
+            target_file,
+            self.context_length,
+            self.offers,
+            self.draft_seconds,
+            self.grammar if tokenizer is not None else None,
         )
         built = iter(registry.build(names, context))
         self.drafters: list[Drafter] = [next(built) if isinstance(d, str) else d for d in drafters]

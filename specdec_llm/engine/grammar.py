@@ -106,6 +106,15 @@ class RowGrammar:
         """The tokens the grammar admits alone from here (keys, punctuation): free drafts."""
         return [] if self.m.is_stopped() else list(self.m.compute_ff_tokens())
 
+    def forced_after(self, drafts: list[int]) -> list[int]:
+        """``forced()`` after ``drafts`` (which the grammar must accept), the matcher unchanged."""
+        for t in drafts:
+            self.m.consume_token(t)
+        out = self.forced()
+        if drafts:
+            self.m.rollback(len(drafts))
+        return out
+
     def mask(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """``logits`` [len(drafts) + 1, V] masked: position i allows what the grammar
         allows after the row's tokens and ``drafts[:i]`` (all of which it must accept)."""

@@ -41,6 +41,7 @@ class Row:
         self.gen = torch.Generator().manual_seed(seed)
         sampling = Sampling(req.greedy, req.temperature, req.top_k, req.top_p, req.seed)
         self.view = RowView(self.seq, sampling, self.gen, tuple(drafters), req.scope)
+        self.view.response_format, self.view.prompt_length = req.response_format, len(prompt)
         self.stats = Stats(prompt_tokens=len(prompt))
         self.ledger = Ledger()
         self.text_stream = text

@@ -53,7 +53,9 @@ class Sampling:
 class RowView:
     """What a drafter sees of a row: its tokens (prompt and output: the loop appends to this
     list), sampling, generator, the drafters it may use, its scope (requests of one scope
-    share what a suffix index learns) and ``state``, one slot per drafter name."""
+    share what a suffix index learns), ``state``, one slot per drafter name, and its
+    ``response_format`` (a grammar its output satisfies: forced.py) after ``prompt_length``
+    prompt tokens."""
 
     tokens: list[int]
     sampling: Sampling = field(default_factory=Sampling)
@@ -61,6 +63,8 @@ class RowView:
     drafters: tuple[str, ...] = ()
     scope: str | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    response_format: dict[str, Any] | None = None
+    prompt_length: int = 0
 
     @property
     def seeded(self) -> bool:
@@ -231,7 +235,8 @@ def unmeasured(name: str, rows: int, width: int) -> float:
 class DraftContext:
     """What a drafter's factory gets from the decoder that builds it. ``offers`` and ``price``
     serve two-level drafting (two_level.py): what the row's free drafters offer after its
-    tokens and some drafts, and the measured seconds of a draft forward."""
+    tokens and some drafts, and the measured seconds of a draft forward; ``grammar`` makes a
+    row's grammar matcher (forced.py)."""
 
     draft: Any  # the pair's draft: a causal LM, a feature-level draft (eagle.py), or None
     vocab_size: int  # the vocabulary target and draft share
@@ -240,3 +245,4 @@ class DraftContext:
     context_length: int = 2048  # the longest sequence the decoder serves
     offers: Offers = no_offers
     price: Price = unmeasured
+    grammar: Callable[[dict[str, Any]], Any] | None = None  # response_format -> a fresh matcher (forced.py)

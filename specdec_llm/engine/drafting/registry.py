@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .base import DraftContext
 from .eagle import EagleDrafter, is_feature_draft
+from .forced import Forced
 from .lookup import Lookup
 from .model import ModelDrafter
 from .selfdraft import SELF_PRIOR, SelfDrafter
@@ -181,4 +182,14 @@ register_drafter(
     default=True,
     needs="an EAGLE draft directory (specdec-llm distill --kind eagle); set draft = ... or drop 'eagle'",
 )
+
+
+def _forced(c: DraftContext) -> Drafter:
+    if c.grammar is None:
+        raise ValueError("drafter 'grammar' needs a decoder with a tokenizer (its rows' grammars); drop 'grammar'")
+    return Forced(c.grammar)
+
+
+# every speculative decoder has it (decoder.py): it proposes only for rows with a response_format
+register_drafter("grammar", _forced, needs="a decoder with a tokenizer")
 register_drafter("llamacpp", _llamacpp, needs="the pair's target as a GGUF file and llama-cpp-python installed")
