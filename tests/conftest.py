@@ -140,6 +140,25 @@ def tiny_pair_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def tiny_tools_pair_dir(tiny_pair_dir, tmp_path_factory) -> Path:
+    """The tiny pair with no chat template of its own, for a pair that names the built-in
+    "chatml-tools" template (ChatML with tools in Qwen2.5's layout; without tools it renders
+    as the tiny tokenizer's own); ``tools_pair`` writes its pairs-file entry."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("tiny_tools_pair")
+    for name in ("target", "draft"):
+        shutil.copytree(tiny_pair_dir / name, root / name)
+        (root / name / "chat_template.jinja").unlink()
+    return root
+
+
+def tools_pair(name: str, root: Path) -> str:
+    """A pairs-file entry for the pair in ``root`` (``tiny_tools_pair_dir``) with the tools template."""
+    return f'[pairs.{name}]\ntarget = "{root / "target"}"\ndraft = "{root / "draft"}"\nchat_template = "chatml-tools"\n'
+
+
 @pytest.fixture()
 def pairs_file(tmp_path, tiny_pair_dir, monkeypatch):
     """A user pairs file with the tiny pair, installed through SPECDEC_CONFIG_FILE."""

@@ -41,10 +41,14 @@ PROMPT_ERRORS = (RequestError, GenerationFailed)
 
 @dataclass
 class Item:
-    """One prompt: text, or chat turns (``[{"role", "content"}]``)."""
+    """One prompt: text, or chat turns (``[{"role", "content"}]``, an assistant turn's
+    ``tool_calls``, ``tool`` turns), with the tools the template renders and a prefill
+    (the start of the answer, after the generation prompt)."""
 
     prompt: str | None = None
-    messages: list[dict] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    prefill: str = ""
 
     def check(self) -> None:
         """RequestError before any work: an empty prompt or conversation, text no store keeps."""
@@ -58,6 +62,34 @@ class Item:
             raise RequestError("messages", "is empty; pass at least one message")
         else:
             check_messages(self.messages)
+            for i, m in enumerate(self.messages):
+                for text in _strings(m.get("tool_calls")):
+                    check_text(text, f"messages[{i}].tool_calls")
+            for text in _strings(self.tools):
+                check_text(text, "tools")
+
+    def render_params(self) -> dict[str, Any]:
+        """What the chat template needs besides the turns, as a row's bookkeeping params
+        (``client.rows.build_request`` reads them, in a worker or here)."""
+        out: dict[str, Any] = {}
+        if self.tools:
+            out["_tools"] = self.tools
+        if self.prefill:
+            out["_prefill"] = self.prefill
+        return out
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every text in a JSON value (keys too)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
 
 
 @dataclass
@@ -94,7 +126,7 @@ class Call:
         now = time.time_ns() // 1000
         rows = []
         for i, item in enumerate(items):
-            params = {**self.gen, "_row": now + i, "_source": "langchain"}
+            params = {**self.gen, **item.render_params(), "_row": now + i, "_source": "langchain"}
             if self.job_metadata is not None:
                 params["_metadata"] = self.job_metadata
             if stream:

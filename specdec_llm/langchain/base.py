@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import fields
 from typing import Any, Literal
 
 from langchain_core.language_models import LangSmithParams
@@ -38,36 +39,6 @@ INFO_FIELDS = (
     "drafter",
     "drafter_tokens",
 )
-# the fields that are generation parameters (checked at construction), by the engine's names
-GENERATION_FIELDS = {
-    "max_new_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "seed": "seed",
-    "k": "k",
-    "drafter": "drafter",
-    "stop": "stop",
-    "chat": "chat",
-    "decoding": "mode",
-}
-CALL_OPTIONS = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "k",
-    "drafter",
-    "chat",
-    "decoding",
-    "timeout",
-    "job_name",
-    "job_metadata",
-    "category",
-)
-
-
 def get_backend(name: str) -> Backend:
     """The implementation of ``name`` ("local" or "remote")."""
     if name == "remote":
@@ -179,15 +150,7 @@ class SpecDecBase(BaseModel):
             "pair": self.pair,
             **self._spec_fields(),
             "backend": self.effective_backend(),
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "k": self.k,
-            "drafter": self.drafter,
-            "decoding": self.decoding,
-            "chat": self.chat,
+            **{name: getattr(self, name) for name in GENERATION_FIELDS if name != "stop"},
         }
 
     def _ls(self, model_type: str, stop: list[str] | None, kwargs: dict) -> LangSmithParams:
@@ -213,18 +176,8 @@ class SpecDecBase(BaseModel):
     def _check(opt: dict, stop: list[str], *, messages: bool) -> dict:
         """The generation parameters of ``opt`` (``CALL_OPTIONS``' values), checked, with
         its job metadata and timeout: ``RequestError`` naming the first bad one."""
-        gen = dict(
-            max_new_tokens=opt["max_new_tokens"],
-            temperature=opt["temperature"],
-            top_p=opt["top_p"],
-            top_k=opt["top_k"],
-            seed=opt["seed"],
-            k=opt["k"],
-            drafter=opt["drafter"],
-            stop=stop,
-            chat=bool(opt["chat"]) and not messages,
-            mode=opt["decoding"],
-        )
+        gen = {engine: opt[name] for name, engine in GENERATION_FIELDS.items() if name != "stop"}
+        gen.update(stop=stop, chat=bool(opt["chat"]) and not messages)
         check_generation(gen)
         if opt["job_metadata"] is not None:
             try:
@@ -301,6 +254,26 @@ class SpecDecBase(BaseModel):
         item.check()
         for kind, value in get_backend(call.backend).stream(item, call, cancel):
             yield kind, (clean(value) if kind == "text" else {**value, "text": clean(value["text"]), "pair": call.pair})
+
+
+
+# The generation parameters are the engine request's fields that the models above declare under
+# the same name (``mode`` as ``decoding``), as ``client.rows.PARAMS`` derives a row's; not
+# declared: ``prompt`` (the call's input), ``scope`` (the client's, per job) and a field a call
+# sets itself (tests/test_langchain_tools.py names them, so a new engine field is not missed).
+ENGINE_FIELDS = tuple(f.name for f in fields(GenerationRequest))
+RENAMED = {"mode": "decoding"}  # engine name -> field name
+GENERATION_FIELDS = {
+    RENAMED.get(name, name): name for name in ENGINE_FIELDS if RENAMED.get(name, name) in SpecDecBase.model_fields
+}
+# a call's options: the generation parameters (``stop`` is a call argument of its own) and its settings
+CALL_OPTIONS = (
+    *(name for name in GENERATION_FIELDS if name != "stop"),
+    "timeout",
+    "job_name",
+    "job_metadata",
+    "category",
+)
 
 
 async def aiter_in_thread(make: Callable[[threading.Event], Iterator]) -> AsyncIterator:

@@ -79,7 +79,7 @@ class LocalBackend:
 
         try:
             pair = loaded.get(call.pair)
-            request = build_request({**row, "params": call.gen}, pair.tokenizer)
+            request = build_request(row, pair.tokenizer)  # its params: call.gen and bookkeeping
             return pair, pair.server.submit(request, on_text=on_text, deadline=call.deadline)
         except BaseException as e:
             self._failed(row, call, e)
