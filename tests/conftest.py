@@ -144,13 +144,18 @@ def tiny_pair_dir(tmp_path_factory) -> Path:
 def tiny_tools_pair_dir(tiny_pair_dir, tmp_path_factory) -> Path:
     """The tiny pair with no chat template of its own, for a pair that names the built-in
     "chatml-tools" template (ChatML with tools in Qwen2.5's layout; without tools it renders
-    as the tiny tokenizer's own); ``tools_pair`` writes its pairs-file entry."""
+    as the tiny tokenizer's own) and a 4096-token context (tool schemas are long in its 512-token
+    BPE); ``tools_pair`` writes its pairs-file entry."""
+    import json
     import shutil
 
     root = tmp_path_factory.mktemp("tiny_tools_pair")
     for name in ("target", "draft"):
         shutil.copytree(tiny_pair_dir / name, root / name)
         (root / name / "chat_template.jinja").unlink()
+        config = json.loads((root / name / "config.json").read_text())
+        config["max_position_embeddings"] = 4096
+        (root / name / "config.json").write_text(json.dumps(config))
     return root
 
 
