@@ -32,7 +32,9 @@ from specdec_llm.langchain import ChatSpecDec, RequestError
 from specdec_llm.pairs import quiet_loading
 from specdec_llm.settings import get_settings
 
-SYSTEM = "You are a careful assistant. Use the calculator for arithmetic and the glossary for terms; then answer briefly."
+SYSTEM = (
+    "You are a careful assistant. Use the calculator for arithmetic and the glossary for terms; then answer briefly."
+)
 
 _OPS = {
     ast.Add: operator.add,

@@ -98,7 +98,9 @@ def test_bulk_documents_job_and_export(run_example, tmp_path):
 def test_agent_runs_to_completion_and_every_call_parses(run_example):
     """examples/agent.py: create_agent over ChatSpecDec with two tools, on the tiny pair whose
     template renders them (a random model: it runs the loop, it does not call much)."""
-    out = run_example("agent.py", "What is 6 * 7?", "--pair", "tiny-tools", "--max-new-tokens", "16", "--max-steps", "2")
+    out = run_example(
+        "agent.py", "What is 6 * 7?", "--pair", "tiny-tools", "--max-new-tokens", "16", "--max-steps", "2"
+    )
     assert "# pair tiny-tools, local mode" in out and "--- model" in out
     summary = re.search(r"(\d+) model calls, (\d+) tool calls \((\d+) parsed, (\d+) invalid\)", out)
     assert summary, out

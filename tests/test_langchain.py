@@ -288,8 +288,7 @@ def lc_pairs(tiny_pair_dir, tiny_tools_pair_dir, tmp_path_factory) -> Path:
     target, draft = tiny_pair_dir / "target", tiny_pair_dir / "draft"
     path.write_text(
         f'[pairs.tiny]\ntarget = "{target}"\ndraft = "{draft}"\n'
-        f'[pairs.tiny-idle]\ntarget = "{target}"\ndraft = "{draft}"\n'
-        + tools_pair("tiny-tools", tiny_tools_pair_dir)
+        f'[pairs.tiny-idle]\ntarget = "{target}"\ndraft = "{draft}"\n' + tools_pair("tiny-tools", tiny_tools_pair_dir)
     )  # no worker serves tiny-idle
     return path
 
@@ -478,7 +477,9 @@ def test_remote_tool_calls_match_local(remote):
     remote.start_worker("tools-worker", args=("--pair", "tiny-tools"))  # the last --pair wins
     ChatSpecDec(pair="tiny-tools", max_new_tokens=1, timeout=120).invoke("warm up")
     for choice in ("auto", "any"):
-        chat = ChatSpecDec(pair="tiny-tools", max_new_tokens=24, job_name="lc-tools").bind_tools([add], tool_choice=choice)
+        chat = ChatSpecDec(pair="tiny-tools", max_new_tokens=24, job_name="lc-tools").bind_tools(
+            [add], tool_choice=choice
+        )
         local = ChatSpecDec(pair="tiny-tools", max_new_tokens=24, backend="local", record=False)
         expected = local.bind_tools([add], tool_choice=choice).invoke(history)
         msg = chat.invoke(history)
@@ -491,5 +492,7 @@ def test_remote_tool_calls_match_local(remote):
         full = None
         for chunk in chat.stream(history):
             full = chunk if full is None else full + chunk
-        assert full.content == msg.content and [c["name"] for c in full.tool_calls] == [c["name"] for c in msg.tool_calls]
+        assert full.content == msg.content and [c["name"] for c in full.tool_calls] == [
+            c["name"] for c in msg.tool_calls
+        ]
         assert len(full.invalid_tool_calls) == len(msg.invalid_tool_calls)

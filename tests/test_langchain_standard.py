@@ -117,7 +117,6 @@ class TestChatSpecDecToolsIntegration(_Declared, ChatModelIntegrationTests):
         reload_settings()
 
 
-
 def _expected_to_fail(name: str):
     """The suite's own test ``name``, marked as failing for ``NEEDS_VALID_OUTPUT`` (strict: once
     the reply is valid it passes, and the mark must go)."""

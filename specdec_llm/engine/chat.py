@@ -73,7 +73,8 @@ def render_chat(
         check_turn_text(tokenizer, m.get("role"), f"messages[{i}].role")
         check_turn_text(tokenizer, m.get("content"), f"messages[{i}].content")
         if m.get("tool_calls") is not None:
-            check_turn_text(tokenizer, _json_text(m["tool_calls"], f"messages[{i}].tool_calls"), f"messages[{i}].tool_calls")
+            where = f"messages[{i}].tool_calls"
+            check_turn_text(tokenizer, _json_text(m["tool_calls"], where), where)
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise RequestError("tools", "must be a list of tool schemas (objects)")
@@ -85,8 +86,8 @@ def render_chat(
         raise RequestError(
             "tools",
             "this model's chat template does not render tools, so the model would never see them; use a pair "
-            "whose template does (Qwen2.5's does), or name one in the pair: chat_template = \"chatml-tools\" "
-            "for a ChatML model whose tokenizer has no template of its own",
+            "whose template renders them, as Qwen2.5 models' do, or for a ChatML model whose tokenizer has no "
+            'template of its own name the built-in one in the pair: chat_template = "chatml-tools"',
         )
     return list(tokenizer(text + (prefill or ""), add_special_tokens=False)["input_ids"])
 

@@ -98,9 +98,9 @@ class Call:
 
     pair: str
     backend: str  # "remote" | "local"
-    gen: dict  # GenerationRequest fields
+    gen: dict[str, Any]  # GenerationRequest fields
     job_name: str
-    job_metadata: dict | None
+    job_metadata: dict[str, Any] | None
     category: str | None
     timeout: float | None
     record: bool  # local mode: record in the store (remote always does)
@@ -112,16 +112,18 @@ class Call:
         return None if self.timeout is None else self.started + self.timeout
 
     def remaining(self) -> float | None:
-        return None if self.timeout is None else max(0.0, self.deadline - time.monotonic())
+        deadline = self.deadline
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def expired(self) -> bool:
-        return self.timeout is not None and time.monotonic() > self.deadline
+        deadline = self.deadline
+        return deadline is not None and time.monotonic() > deadline
 
     @property
     def job_id(self) -> str:
         return job_id(self.job_name, self.pair)
 
-    def rows(self, items: list[Item], *, stream: bool = False) -> list[dict]:
+    def rows(self, items: list[Item], *, stream: bool = False) -> list[dict[str, Any]]:
         """One store request row per item, with a fresh id (both backends)."""
         now = time.time_ns() // 1000
         rows = []
@@ -142,7 +144,7 @@ class Call:
             )
         return rows
 
-    def save(self, rows: list[dict]) -> None:
+    def save(self, rows: list[dict[str, Any]]) -> None:
         """The rows, under the call's store job."""
         from specdec_llm import store
 
@@ -182,6 +184,6 @@ def mark(request_id: str, status: str, error: str) -> None:
 
 
 class Backend(Protocol):
-    def generate(self, items: list[Item], call: Call) -> list[dict | Exception]: ...
+    def generate(self, items: list[Item], call: Call) -> list[dict[str, Any] | Exception]: ...
 
     def stream(self, item: Item, call: Call, cancel: threading.Event) -> Iterator[tuple[str, Any]]: ...

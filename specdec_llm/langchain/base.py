@@ -10,9 +10,9 @@ import contextvars
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import fields
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
@@ -24,6 +24,7 @@ from specdec_llm.settings import get_settings
 from .backend import Backend, Call, Item, clean
 
 PROVIDER = "specdec"
+T = TypeVar("T")
 # generation_info keys, from the result and its stats
 INFO_FIELDS = (
     "prompt_tokens",
@@ -39,6 +40,8 @@ INFO_FIELDS = (
     "drafter",
     "drafter_tokens",
 )
+
+
 def get_backend(name: str) -> Backend:
     """The implementation of ``name`` ("local" or "remote")."""
     if name == "remote":
@@ -50,7 +53,7 @@ def get_backend(name: str) -> Backend:
     return LocalBackend()
 
 
-def check_generation(gen: dict) -> None:
+def check_generation(gen: dict[str, Any]) -> None:
     """``RequestError`` naming the first bad generation parameter in ``gen`` (the engine's
     names, any subset): ``GenerationRequest.validate``'s rules and the seed torch takes.
     The LangChain field ``decoding`` is named as such, not as the engine's ``mode``."""
@@ -116,7 +119,7 @@ class SpecDecBase(BaseModel):
             bad = [err for err in e.errors() if err["loc"] and err["loc"][0] in GENERATION_FIELDS]
             if not bad:
                 raise
-            name, value = bad[0]["loc"][0], bad[0].get("input")
+            name, value = str(bad[0]["loc"][0]), bad[0].get("input")
             check_generation({GENERATION_FIELDS[name]: value})  # the engine's message, when its rules refuse it
             raise RequestError(name, f"{value!r}: {bad[0]['msg']}") from None
         self._check({name: getattr(self, name) for name in CALL_OPTIONS}, list(self.stop or []), messages=False)
@@ -135,7 +138,7 @@ class SpecDecBase(BaseModel):
         return values
 
     # -- LangChain plumbing ---------------------------------------------------------------------
-    def _spec_fields(self) -> dict:
+    def _spec_fields(self) -> dict[str, Any]:
         try:
             from specdec_llm.pairs import get_spec
 
@@ -153,7 +156,9 @@ class SpecDecBase(BaseModel):
             **{name: getattr(self, name) for name in GENERATION_FIELDS if name != "stop"},
         }
 
-    def _ls(self, model_type: str, stop: list[str] | None, kwargs: dict) -> LangSmithParams:
+    def _ls(
+        self, model_type: Literal["chat", "llm"], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> LangSmithParams:
         params = LangSmithParams(
             ls_provider=PROVIDER,
             ls_model_type=model_type,
@@ -173,7 +178,7 @@ class SpecDecBase(BaseModel):
         return "remote" if get_settings().broker_url else "local"
 
     @staticmethod
-    def _check(opt: dict, stop: list[str], *, messages: bool) -> dict:
+    def _check(opt: dict[str, Any], stop: list[str], *, messages: bool) -> dict[str, Any]:
         """The generation parameters of ``opt`` (``CALL_OPTIONS``' values), checked, with
         its job metadata and timeout: ``RequestError`` naming the first bad one."""
         gen = {engine: opt[name] for name, engine in GENERATION_FIELDS.items() if name != "stop"}
@@ -189,7 +194,7 @@ class SpecDecBase(BaseModel):
             raise RequestError("timeout", f"{timeout!r}: use a number of seconds > 0, or None")
         return gen
 
-    def _resolve(self, stop: list[str] | None, kwargs: dict, *, messages: bool) -> Call:
+    def _resolve(self, stop: list[str] | None, kwargs: dict[str, Any], *, messages: bool) -> Call:
         """This call's settings: fields, overridden by the call's keyword arguments."""
         kwargs = dict(kwargs)
         kwargs.pop("stream", None)  # a chat model's stream flag: not a generation parameter
@@ -221,12 +226,12 @@ class SpecDecBase(BaseModel):
         )
 
     # -- running a call: a list of results (plain dicts) --------------------------------------------
-    def _run(self, items: list[Item], call: Call) -> list[dict | Exception]:
+    def _run(self, items: list[Item], call: Call) -> list[dict[str, Any] | Exception]:
         """A result per item, or in its place the error of that item alone: text no store
         keeps is refused before any work, a prompt over the context fails its row, and the
         other items run all the same (in one submission). An error of the whole call (its
         timeout, the broker, the pair) is raised."""
-        outcomes: list[dict | Exception] = []
+        outcomes: list[dict[str, Any] | Exception] = []
         runs = []  # the items that passed their checks, by position
         for i, item in enumerate(items):
             try:
@@ -242,7 +247,7 @@ class SpecDecBase(BaseModel):
                 outcomes[i] = r if isinstance(r, Exception) else {**r, "text": clean(r["text"]), "pair": call.pair}
         return outcomes
 
-    def _run_one(self, item: Item, call: Call) -> dict:
+    def _run_one(self, item: Item, call: Call) -> dict[str, Any]:
         """One item's result; its error raised."""
         [outcome] = self._run([item], call)
         if isinstance(outcome, Exception):
@@ -254,7 +259,6 @@ class SpecDecBase(BaseModel):
         item.check()
         for kind, value in get_backend(call.backend).stream(item, call, cancel):
             yield kind, (clean(value) if kind == "text" else {**value, "text": clean(value["text"]), "pair": call.pair})
-
 
 
 # The generation parameters are the engine request's fields that the models above declare under
@@ -276,11 +280,11 @@ CALL_OPTIONS = (
 )
 
 
-async def aiter_in_thread(make: Callable[[threading.Event], Iterator]) -> AsyncIterator:
+async def aiter_in_thread(make: Callable[[threading.Event], Generator[T, None, None]]) -> AsyncIterator[T]:
     """Run a blocking iterator in a thread and yield its items here: the event loop never
     waits on a worker, a socket or the model."""
     loop = asyncio.get_running_loop()
-    items: asyncio.Queue = asyncio.Queue()
+    items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     cancel = threading.Event()
 
     def post(kind: str, value: Any) -> None:
@@ -317,7 +321,7 @@ async def aiter_in_thread(make: Callable[[threading.Event], Iterator]) -> AsyncI
         cancel.set()
 
 
-def info(result: dict) -> dict:
+def info(result: dict[str, Any]) -> dict[str, Any]:
     """A result's ``generation_info``: its figures, the speedup and its basis, ids."""
     stats = result.get("stats") or {}
     out = {"finish_reason": result.get("finish_reason") or stats.get("finish_reason")}
@@ -329,7 +333,7 @@ def info(result: dict) -> dict:
     return out
 
 
-def usage(results: list[dict]) -> dict:
+def usage(results: list[dict[str, Any]]) -> dict[str, Any]:
     """LangChain's ``token_usage`` over ``results``."""
     prompt = sum(int((r.get("stats") or {}).get("prompt_tokens") or 0) for r in results)
     output = sum(int((r.get("stats") or {}).get("output_tokens") or 0) for r in results)

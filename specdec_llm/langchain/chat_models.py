@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Literal
@@ -220,7 +220,7 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
             llm_output={"token_usage": usage([result]), "model_name": result["pair"]},
         )
 
-    def _chunks(self, prepared: Prepared, cancel: threading.Event) -> Iterator[ChatGenerationChunk]:
+    def _chunks(self, prepared: Prepared, cancel: threading.Event) -> Generator[ChatGenerationChunk, None, None]:
         """Text as it comes; with tools, content and calls as they become certain (``CallStream``)."""
         reply = prepared.reply
         calls = CallStream(reply.names, reply.prefill) if reply.names else None

@@ -230,8 +230,8 @@ CHAT_TEMPLATES = {  # by name, for pairs whose tokenizer has no template (chat_t
         "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
         "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
         "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-        "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
-        "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+        'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, '
+        '"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
         "{% endif %}"
         "{% for m in messages %}"
         "{% if m['role'] == 'system' and loop.first and tools %}"
