@@ -1,6 +1,6 @@
 """What every ``specdec-llm`` command shares: one way to say what went wrong, and the parsing
-of options more than one command takes. (``cli.py``, ``client/cli.py``, ``store/cli.py``
-and ``workers/cli.py`` use it.)
+of options more than one command takes. (``cli.py``, ``training/cli.py``, ``client/cli.py``,
+``store/cli.py`` and ``workers/cli.py`` use it.)
 
 Every failure a person can fix prints one line, ``error: ...``, on stderr and exits 2:
 ``fail(message)``, or ``with user_errors():`` around work that may raise a ``SpecDecError``
@@ -11,22 +11,37 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Annotated
+from dataclasses import fields
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand, TyperOption
 
+from .engine import GenerationRequest
 from .errors import SpecDecError
 
 # --drafter, as `generate`, `submit` and `run` take it (checked against the pair's drafters by
-# PairSpec.check_drafter: `generate` before loading, `submit`/`run` before a row is written)
-DrafterOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--drafter",
-        help="auto (the pair's drafters, chosen per iteration), or one of them: lookup, suffix, model "
-        "(`specdec-llm pairs show PAIR` lists a pair's)",
-    ),
-]
+# PairSpec.check_drafter: `generate` before loading, `submit`/`run` before a row is written); the
+# drafters it names are the registry's, filled in by DrafterHelp when the help is shown
+DRAFTER_HELP = (
+    "auto (the pair's drafters, chosen per iteration), or one of them: {known} "
+    "(`specdec-llm pairs show PAIR` lists a pair's)"
+)
+DrafterOpt = Annotated[str | None, typer.Option("--drafter", help=DRAFTER_HELP.format(known="a registered drafter"))]
+
+
+class DrafterHelp(TyperCommand):
+    """A command whose ``--drafter`` help names every registered drafter
+    (``engine.registry.known()``). Read when the help is shown, not when the command is built:
+    the registry imports torch (seconds), which no other start of a command should pay."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:  # (typer's own click's types)
+        for param in self.params:
+            if param.name == "drafter" and isinstance(param, TyperOption):
+                from .engine.registry import known  # (the engine's package does not export it)
+
+                param.help = DRAFTER_HELP.format(known=", ".join(known()))
+        super().format_help(ctx, formatter)
 
 
 def fail(message) -> None:
@@ -41,6 +56,14 @@ def user_errors():
         yield
     except SpecDecError as e:
         fail(e)
+
+
+def request_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The generation parameters among a command's options (its ``locals()``): those named as
+    ``GenerationRequest``'s fields, its prompt aside. A command passes them on without listing
+    them, so a new field is one option of the command, and nothing else."""
+    names = {f.name for f in fields(GenerationRequest)} - {"prompt"}
+    return {name: value for name, value in options.items() if name in names}
 
 
 def parse_k(value: str | None) -> int | str | None:

@@ -174,3 +174,31 @@ def test_a_draft_built_from_a_tuned_target_multiplies_by_its_own_weights():
             d.model.layers[0].mlp.down_proj.weight.mul_(3.0)
         torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(a(ids).logits, before)
+
+
+def test_the_distill_command_runs_both_phases(tiny_pair_dir, tmp_path):
+    """``specdec-llm distill`` (a draft of target layers): the data phase from a seeds file,
+    then training, to a draft that loads against its target; a second --phase data run
+    resumes the finished data phase and writes nothing more."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from specdec_llm.cli import app
+    from specdec_llm.pairs import load_model
+
+    seeds = tmp_path / "seeds.jsonl"
+    seeds.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in SEEDS[:2]))
+    target_dir, work, out = tiny_pair_dir / "target", tmp_path / "work", tmp_path / "draft"
+    args = ["distill", "--target", str(target_dir), "--work", str(work), "--out", str(out), "--prompts", str(seeds)]
+    args += ["--max-new-tokens", "6", "--expand-per-seed", "1", "--samples", "0", "--gen-dtype", "float32"]
+    r = CliRunner().invoke(app, [*args, "--layers", "0", "--steps", "3", "--batch-size", "2", "--vocab-subset", "0"])
+    assert r.exit_code == 0, r.output
+    assert "data: " in r.stderr and "train: " in r.stderr
+    target = load_model(str(target_dir), "float32", "cpu")
+    _, meta = load_draft_dir(out, target, fingerprint(target))
+    assert meta["init_layers"] == [0] and meta["train"]["steps"] == 3
+    manifest = json.loads((work / "data" / "manifest.json").read_text())
+    r = CliRunner().invoke(app, [*args, "--phase", "data"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((work / "data" / "manifest.json").read_text())["shards"] == manifest["shards"]

@@ -175,3 +175,109 @@ def test_readme_command_parses(cli, line, monkeypatch):
 @pytest.mark.parametrize("line", DOCS_COMMANDS)
 def test_docs_command_parses(cli, line, monkeypatch):
     _check_command(cli, line, monkeypatch)
+
+
+CORPUS_FIGURES = re.compile(
+    r"In all: (?P<shards>[\d,]+) shards, (?P<records>[\d,]+) records, (?P<prompt_tokens>[\d,]+) prompt and\s+"
+    r"(?P<answer_tokens>[\d,]+) answer tokens \((?P<tokens>[\d,]+) in all\), (?P<mb>[\d.]+) MB"
+)
+
+
+def test_data_readme_figures_are_the_corpus_shards():
+    """data/README.md's figures of the committed corpus (shards, records, tokens, size) are
+    those its shards hold now, for the one target directory it names."""
+    from specdec_llm.training.corpus import Corpus
+
+    text = (ROOT / "data" / "README.md").read_text(encoding="utf-8")
+    targets = [d for d in sorted((ROOT / "data" / "corpus").iterdir()) if d.is_dir()]
+    assert len(targets) == 1, "data/README.md describes one target's corpus: describe each directory"
+    assert f"fingerprint `{targets[0].name}`" in text
+    found = CORPUS_FIGURES.search(text)
+    assert found, "data/README.md: no 'In all: N shards, N records, ... MB' sentence"
+    said = {key: float(v.replace(",", "")) for key, v in found.groupdict().items()}
+    s = Corpus(targets[0]).summary()
+    assert s["by_mode"] == {"greedy": s["records"]}, "data/README.md says greedy answers only"
+    assert said == {
+        "shards": s["shards"],
+        "records": s["records"],
+        "prompt_tokens": s["prompt_tokens"],
+        "answer_tokens": s["answer_tokens"],
+        "tokens": s["prompt_tokens"] + s["answer_tokens"],
+        "mb": round(s["bytes"] / 1e6, 2),
+    }
+
+
+@pytest.mark.parametrize("command", ["generate", "submit", "run"])
+def test_drafter_help_names_every_registered_drafter(cli, command, monkeypatch):
+    """``--drafter``'s help lists the registry's drafters when it is shown, one registered
+    after the CLI was built included (no list written by hand)."""
+    from specdec_llm.engine.registry import known, register_drafter, unregister_drafter
+
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")  # (the app's callback sets them)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    register_drafter("helpcheck", lambda context: None)  # (never built: only its name is read)
+    try:
+        result = CliRunner().invoke(cli, [command, "--help"], env={"COLUMNS": "100"})
+    finally:
+        unregister_drafter("helpcheck")
+    assert result.exit_code == 0, result.output
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())
+    names = [*known(), "helpcheck"]
+    assert f"or one of them: {', '.join(names)} (" in text
+
+
+CHANGELOG = ROOT / "CHANGELOG.md"
+MAX_CHANGELOG_LINE = 160
+RELEASE = re.compile(r"^## \[(?P<version>\d+\.\d+\.\d+)\] - (?P<date>\d{4}-\d{2}-\d{2})$")
+KINDS = ("### Added", "### Changed", "### Fixed")
+
+
+def _changelog_sections() -> list[tuple[str, list[str]]]:
+    """CHANGELOG.md's ``## `` sections: (heading, the lines under it)."""
+    sections: list[tuple[str, list[str]]] = []
+    for line in CHANGELOG.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            sections.append((line, []))
+        elif sections:
+            sections[-1][1].append(line)
+    return sections
+
+
+def test_changelog_lines_are_short():
+    """One line per change, at most 160 characters: a change's story goes in docs/benchmarks.md."""
+    long = [
+        f"line {n}: {len(line)} characters"
+        for n, line in enumerate(CHANGELOG.read_text(encoding="utf-8").splitlines(), 1)
+        if len(line) > MAX_CHANGELOG_LINE
+    ]
+    assert long == [], f"CHANGELOG.md: shorten these to {MAX_CHANGELOG_LINE} characters or fewer"
+
+
+def test_changelog_sections_are_versioned_with_added_changed_fixed():
+    """``## [Unreleased]`` (optional, first), then ``## [X.Y.Z] - YYYY-MM-DD`` newest first; under
+    each only ``### Added``, ``### Changed`` and ``### Fixed`` (in that order), each a list of
+    one-line ``- `` entries."""
+    sections = _changelog_sections()
+    headings = [h for h, _ in sections]
+    if headings and headings[0] == "## [Unreleased]":
+        headings = headings[1:]
+    releases = [RELEASE.match(h) for h in headings]
+    assert all(releases), f"CHANGELOG.md: headings not '## [X.Y.Z] - YYYY-MM-DD': {headings}"
+    keys = [(tuple(int(x) for x in m["version"].split(".")), m["date"]) for m in releases if m]
+    assert keys == sorted(keys, reverse=True) and len(set(keys)) == len(keys), "versions and dates: newest first"
+    for heading, lines in sections:
+        kinds = [line for line in lines if line.startswith("#")]
+        assert kinds and set(kinds) <= set(KINDS), f"{heading}: use {', '.join(KINDS)}, not {kinds}"
+        assert kinds == sorted(kinds, key=KINDS.index) and len(set(kinds)) == len(kinds), heading
+        entries = [line for line in lines if line and not line.startswith("#")]
+        assert all(line.startswith("- ") for line in entries), f"{heading}: one '- ' line per change"
+
+
+def test_pyproject_version_is_the_newest_release():
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    newest = next(m for h, _ in _changelog_sections() if (m := RELEASE.match(h)))
+    assert version == newest["version"], (
+        f"pyproject.toml says {version}, CHANGELOG.md's newest release is {newest['version']}: make them one"
+    )

@@ -79,6 +79,43 @@ def test_submit_persists_every_row_then_enqueues(embedded, tmp_path):
     assert (st["total"], st["counts"]["failed"], st["status"]) == (3, 1, "running")
 
 
+def test_submit_passes_every_generation_option_on(embedded, tmp_path):
+    """Each ``GenerationRequest`` field but the prompt and the scope (a job's own id) is an
+    option of ``generate``, ``submit`` and ``run``, and reaches the job as given; options left
+    out, ``--chat`` off and ``--drafter auto`` are no parameter."""
+    from dataclasses import fields
+    from inspect import signature
+
+    from specdec_llm.cli import generate
+    from specdec_llm.client.cli import run, submit
+    from specdec_llm.engine import GenerationRequest
+
+    wanted = {f.name for f in fields(GenerationRequest)} - {"prompt", "scope"}
+    for command in (generate, submit, run):
+        assert wanted - set(signature(command).parameters) == set(), command.__name__
+    path = jsonl(tmp_path / "in.jsonl", {"prompt": "one"})
+    given = ["--max-new-tokens", "4", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "5", "--seed", "3"]
+    given += ["--k", "2", "--stop", "END", "--chat", "--mode", "speculative", "--drafter", "lookup"]
+    res = invoke("submit", path, "--pair", "tiny", *given)
+    assert res.exit_code == 0, res.output
+    params = client.submit(path, "tiny", {})  # (the same file, no parameters: another job)
+    job = res.stdout.strip().splitlines()[-1]
+    assert store.get_job(job)["params"] == {
+        "max_new_tokens": 4,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 5,
+        "seed": 3,
+        "k": 2,
+        "stop": ["END"],
+        "chat": True,
+        "mode": "speculative",
+        "drafter": "lookup",
+    }
+    res = invoke("submit", path, "--pair", "tiny", "--drafter", "auto")
+    assert res.stdout.strip().splitlines()[-1] == params["job_id"]  # --drafter auto: the job without it
+
+
 def test_cancel_then_retry_leaves_cancelled_rows(embedded, tmp_path):
     path = jsonl(tmp_path / "in.jsonl", *({"prompt": f"p{i}"} for i in range(4)))
     job = client.submit(path, "tiny")["job_id"]

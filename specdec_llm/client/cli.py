@@ -15,11 +15,20 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from specdec_llm.cli_common import DrafterOpt, check_batching, check_device, fail, parse_k, user_errors
+from specdec_llm.cli_common import (
+    DrafterHelp,
+    DrafterOpt,
+    check_batching,
+    check_device,
+    fail,
+    parse_k,
+    request_options,
+    user_errors,
+)
 
 PairOpt = Annotated[str | None, typer.Option("--pair", help="Pair name (default: SPECDEC_DEFAULT_PAIR)")]
 NameOpt = Annotated[str | None, typer.Option(help="A label for the job (default: the file name)")]
@@ -46,19 +55,15 @@ MaxBatchOpt = Annotated[
 ]
 
 
-def _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode, drafter=None) -> dict:
-    params = dict(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        k=parse_k(k),
-        stop=list(stop) if stop else None,
-        chat=chat or None,
-        mode=mode,
-        drafter=None if drafter == "auto" else drafter,  # auto is the default: the same job as without
-    )
+def _params(options: dict[str, Any]) -> dict[str, Any]:
+    """A job's generation parameters: those of a command's ``options`` (its ``locals()``) the
+    command line gave, by ``GenerationRequest``'s field names (``request_options``)."""
+    params = request_options(options)
+    params["k"] = parse_k(params.get("k"))
+    params["stop"] = list(params.get("stop") or []) or None
+    params["chat"] = params.get("chat") or None  # a flag: off is no parameter
+    if params.get("drafter") == "auto":  # auto is the default: the same job as without
+        params["drafter"] = None
     return {key: v for key, v in params.items() if v is not None}
 
 
@@ -88,10 +93,10 @@ def submit(
     drafter: DrafterOpt = None,
 ) -> None:
     """Persist every row as a job, enqueue them, print the job id."""
+    params = _params(locals())
     from specdec_llm import client
     from specdec_llm.settings import get_settings
 
-    params = _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode, drafter)
     pair = pair or get_settings().default_pair
     with user_errors():
         sub = client.submit(file, pair, params, name=name)
@@ -231,10 +236,10 @@ def run(
 
     Starts a local worker when none is reachable (always with the embedded broker) and
     stops it at the end. Run the same command again after an interruption: it resumes."""
+    params = _params(locals())
     from specdec_llm import client, store
     from specdec_llm.settings import get_settings
 
-    params = _params(chat, max_new_tokens, temperature, top_p, top_k, seed, k, stop, mode, drafter)
     pair = pair or get_settings().default_pair
     device = check_device(device)
     max_batch = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
@@ -346,7 +351,7 @@ def register(app: typer.Typer) -> None:
     from . import ops_cli
 
     for command in COMMANDS:
-        app.command()(command)
+        app.command(cls=DrafterHelp)(command)  # (the help of a --drafter names the registered drafters)
     ops_cli.register(app)
 
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import compiled, costcache, hf, registry, requests, schedule
+from . import compiled, costcache, grammar, hf, registry, requests, schedule
 from .accounting import PlainClock
 from .autok import CostModel, Probes, Timer
 from .calibration import Calibration
@@ -120,6 +121,15 @@ class SpeculativeDecoder:
     def cost(self) -> CostModel:
         """The cost model of single-request decoding."""
         return self.costs[1]
+
+    @cached_property
+    def grammar_tokens(self) -> grammar.Tokens:
+        """The tokenizer as the grammar engine sees it (built at the first constrained row)."""
+        return grammar.Tokens(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def grammar(self, response_format: dict[str, Any]) -> grammar.RowGrammar:
+        """A row's matcher for its ``response_format`` (RequestError if it does not compile)."""
+        return self.grammar_tokens.matcher(response_format)
 
     @property
     def drafter_names(self) -> list[str]:
@@ -290,6 +300,9 @@ class Batch:
                 props.update({b: offers[b][name].cut(k) for b, k in ks.items()})
             elif ks:
                 props.update(session.propose(self.rows, ks))
+        for b, prop in props.items():  # a row's grammar cuts its proposal before a token it rejects
+            if (g := self.rows[b].grammar) is not None:
+                props[b] = grammar.cut(prop, g)
         return props
 
     def verify(self, props: dict[int, Proposal], widths: list[int]) -> tuple[Any, float]:

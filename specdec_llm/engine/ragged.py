@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from . import hf, lean
+from . import hf, lean, tree
 from .attention import Attention
 
 
@@ -51,9 +51,17 @@ class RaggedCache:
         return self.valid.shape[1]
 
     # -- forward ------------------------------------------------------------------------
-    def forward(self, inputs: list[list[int]], keep: int, embeds: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: list[list[int]],
+        keep: int,
+        embeds: list[torch.Tensor] | None = None,
+        trees: dict[int, list[int]] | None = None,
+    ) -> torch.Tensor:
         """Append one chunk per row (a row may feed nothing); logits of the last ``keep`` columns [B, keep, V].
-        ``embeds``: per row [len(chunk), H], the inputs instead of the tokens' embeddings."""
+        ``embeds``: per row [len(chunk), H], the inputs instead of the tokens' embeddings.
+        ``trees``: row -> the parents of its chunk's tokens after the first (tree.py): each
+        sees its ancestors only, at its depth's position; the rejected branches are dropped after."""
         assert len(inputs) == self.rows and any(inputs)
         w = max(len(x) for x in inputs)
         ids = torch.tensor([[0] * (w - len(x)) + list(x) for x in inputs], dtype=torch.long)
@@ -68,12 +76,16 @@ class RaggedCache:
         mask: Any = None
         positions = None
         window = self.attention.window
-        if window or not bool(new.all()) or not bool(self.valid.all()):
+        if window or trees or not bool(new.all()) or not bool(self.valid.all()):
             start = self.valid.sum(1, keepdim=True)
             positions = (start + new.long().cumsum(1) - 1).clamp_min(0)
             causal = torch.ones(w, w, dtype=torch.bool).tril()
             eye = torch.eye(w, dtype=torch.bool)
             chunk = (causal[None] & new[:, None, :]) | eye[None]  # [B, W(query), W(key)]
+            for b, parents in (trees or {}).items():
+                lo = w - len(parents) - 1
+                chunk[b, lo:, lo:] = tree.ancestry(parents)
+                positions[b, lo:] = start[b, 0] + torch.tensor([0, *tree.depths(parents)])
             past = self.valid[:, None, :].expand(-1, w, -1)
             mask = torch.cat([past, chunk], -1)[:, None]
             if window:  # a sliding layer's query sees the keys less than `window` positions back

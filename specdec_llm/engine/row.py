@@ -34,6 +34,7 @@ class Row:
         self.stats = Stats(prompt_tokens=len(prompt))
         self.ledger = Ledger()
         self.stream_ = TextStream(dec.tokenizer, req.stop, on_text)
+        self.grammar = dec.grammar(req.response_format) if req.response_format is not None else None
         self.finish_reason: FinishReason | None = None
         self.result: GenerationResult | None = None
         self.t0 = time.perf_counter()
@@ -49,6 +50,8 @@ class Row:
         """(accepted drafts, the target's next token) from the verification's logits."""
         req = self.req
         drafts = prop.tokens if prop else []
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits, drafts)
         if req.greedy:
             return accept_greedy(drafts, logits)
         p = probs(logits, req.temperature, req.top_k, req.top_p)
@@ -59,6 +62,8 @@ class Row:
         """Append the iteration's tokens; decide whether the row is finished; stream."""
         cut = next((i + 1 for i, tok in enumerate(new) if tok in self.dec.eos_token_ids), None)
         new = new[:cut] if cut else new
+        if self.grammar is not None:
+            self.grammar.advance(new)
         self.seq += new
         self.out += new
         self.ledger.emitted += len(new)

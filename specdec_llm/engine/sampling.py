@@ -50,15 +50,24 @@ def accept_sampled(
     draft, i.e. one-hot at each draft token), ``p`` [k+1, V] target probabilities at the
     same positions plus the bonus one. Accept draft i with probability min(1, p_i(d)/q_i(d));
     on the first rejection sample from normalise(max(0, p_i - q_i)); if every draft is
-    accepted, sample the bonus token from p_k.
+    accepted, sample the bonus token from p_k. A ``q`` with k+1 rows carries the distribution
+    of a draft cut after the k (one the grammar rejects, grammar.py): that token would have
+    been rejected, so the bonus is the residual of p_k and q_k.
     """
     for i, tok in enumerate(draft_tokens):
         qi = q[i] if q is not None else torch.zeros_like(p[i]).index_fill_(0, torch.tensor([tok]), 1.0)
         ratio = p[i, tok] / qi[tok]
         if float(torch.rand((), generator=generator)) < float(ratio):
             continue
-        residual = (p[i] - qi).clamp_min(0)
-        total = residual.sum()
-        return i, sample(residual / total if total > 0 else p[i], generator)
+        return i, sample_residual(p[i], qi, generator)
     k = len(draft_tokens)
+    if q is not None and len(q) > k:
+        return k, sample_residual(p[k], q[k], generator)
     return k, sample(p[k], generator)
+
+
+def sample_residual(p: torch.Tensor, q: torch.Tensor, generator: torch.Generator) -> int:
+    """After a rejection: a token from normalise(max(0, p - q)) (p itself if that is empty)."""
+    residual = (p - q).clamp_min(0)
+    total = residual.sum()
+    return sample(residual / total if total > 0 else p, generator)

@@ -41,6 +41,9 @@ class GenerationRequest:
     mode: Literal["speculative", "baseline"] = "speculative"
     drafter: str = "auto"  # "auto": the pair's drafters, chosen per iteration; or one drafter's name
     scope: str | None = None  # requests of one scope share what the suffix drafter learns (a job id)
+    # a grammar every emitted token satisfies (grammar.py): {"type": "json_schema", "json_schema":
+    # {"schema": {...}}}, {"type": "json_object"}, {"type": "regex", ...} or {"type": "grammar", ...}
+    response_format: dict[str, Any] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +87,10 @@ class GenerationRequest:
             raise RequestError("chat", f"must be true or false, got {self.chat!r}")
         if self.chat and not isinstance(p, str):
             raise RequestError("chat", "needs a text prompt, not token ids")
+        if self.response_format is not None:
+            from .grammar import check
+
+            check(self.response_format)
 
 
 def check_unicode(text: str, name: str) -> None:

@@ -9,6 +9,7 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -84,10 +85,18 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
-    tmp = out.with_name(out.name + ".tmp")
+    # a folder of this process's own, renamed into place: processes converting at once (the
+    # test processes) never write into one folder, and the first rename wins
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
     return out
 
 
