@@ -176,9 +176,20 @@ def lookup(key: str) -> str:
 
 @pytest.fixture
 def tools_local(tiny_tools_pair_dir, tiny_pair_dir, tmp_path, monkeypatch):
+    yield from local_chat(tiny_tools_pair_dir, tiny_pair_dir, tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def closing_local(closing_tools_pair_dir, tiny_pair_dir, tmp_path, monkeypatch):
+    """The same, with models that close what they open (conftest's ``closing``), and room for
+    a whole call (most of its characters are a token each in the tiny BPE)."""
+    yield from local_chat(closing_tools_pair_dir, tiny_pair_dir, tmp_path, monkeypatch, max_new_tokens=96)
+
+
+def local_chat(tools_dir, tiny_pair_dir, tmp_path, monkeypatch, max_new_tokens: int = 24):
     path = tmp_path / "pairs.toml"
     path.write_text(
-        tools_pair("tiny-tools", tiny_tools_pair_dir)
+        tools_pair("tiny-tools", tools_dir)
         + f'[pairs.tiny]\ntarget = "{tiny_pair_dir / "target"}"\ndraft = "{tiny_pair_dir / "draft"}"\n'
     )
     for var in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND"):
@@ -186,7 +197,7 @@ def tools_local(tiny_tools_pair_dir, tiny_pair_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(path))
     monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
     reload_settings()
-    yield ChatSpecDec(pair="tiny-tools", max_new_tokens=24, backend="local", record=False)
+    yield ChatSpecDec(pair="tiny-tools", max_new_tokens=max_new_tokens, backend="local", record=False)
     monkeypatch.undo()
     reload_settings()
 
@@ -250,7 +261,9 @@ def test_what_the_model_wrote_is_read_as_calls_invoke_and_stream_alike(tools_loc
         msg = bound.invoke(question)
         shown = [s for s in schemas if choice != "lookup" or s["function"]["name"] == "lookup"]
         ids = tools_local_ids(tools_local, question, shown, prefill)
-        engine = loaded.get("tiny-tools").server.submit(GenerationRequest(ids, max_new_tokens=24)).result().text
+        fmt = plan(shown, choice, None).response_format  # a forced call: its JSON schema, enforced
+        request = GenerationRequest(ids, max_new_tokens=24, response_format=fmt)
+        engine = loaded.get("tiny-tools").server.submit(request).result().text
         expected = parse(prefill + engine.replace("\x00", "\ufffd"), NAMES)
         assert msg.content == expected.content
         assert [(c["name"], c["args"]) for c in msg.tool_calls] == [
@@ -294,21 +307,21 @@ class Sum(BaseModel):
     total: int
 
 
-def test_structured_output_all_three_methods(tools_local):
+def test_structured_output_all_three_methods(closing_local):
+    tools_local = closing_local
     question = [HumanMessage("What is 1 + 2?")]
     plain_tokens = tools_local.invoke(question).usage_metadata["input_tokens"]
     for method in ("json_schema", "function_calling", "json_mode"):
         out = tools_local.with_structured_output(Sum, method=method, include_raw=True).invoke(question)
         raw = out["raw"]
         assert isinstance(raw, AIMessage) and raw.usage_metadata["input_tokens"] > plain_tokens  # asked for
+        if method == "json_mode":  # any JSON object (no schema enforced): it parses, the schema's keys may lack
+            assert isinstance(json.loads(raw.content), dict)
+        else:  # the schema enforced while decoding: even a random model's answer is a Sum
+            assert isinstance(out["parsed"], Sum) and out["parsing_error"] is None, out
+            assert isinstance(tools_local.with_structured_output(Sum, method=method).invoke(question), Sum)
         if method == "function_calling":  # a forced call of the tool named after the schema
-            assert len(raw.tool_calls) + len(raw.invalid_tool_calls) >= 1
-            # no valid call: LangChain's tools parser gives None, not an error
-            assert out["parsing_error"] is None and out["parsed"] is None
-        else:  # the random model's text is not JSON: the standard parsing error, and without include_raw raised
-            assert out["parsed"] is None and "Invalid json output" in str(out["parsing_error"])
-            with pytest.raises(Exception, match="Invalid json output"):
-                tools_local.with_structured_output(Sum, method=method).invoke(question)
+            assert [c["name"] for c in raw.tool_calls] == ["Sum"]
     # json_schema's instruction carries the schema, at the end of the system turn
     fmt = tools_local.with_structured_output(Sum).first.kwargs["response_format"]
     turns = tools_local._prepare([SystemMessage("Be terse."), *question], None, {"response_format": fmt}).item.messages

@@ -135,7 +135,7 @@ def call_format(tools: list[dict[str, Any]]) -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "name": {"const": tool_name(t)},
-                "arguments": t["function"].get("parameters") or {"type": "object"},
+                "arguments": closed(t["function"].get("parameters") or {"type": "object"}),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
@@ -144,6 +144,12 @@ def call_format(tools: list[dict[str, Any]]) -> dict[str, Any]:
     ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": schema}}
+
+
+def closed(parameters: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters with no arguments beyond the ones it names, unless it says otherwise
+    (JSON schema allows any extra key by default; a function takes none)."""
+    return {"additionalProperties": False, **parameters}
 
 
 # -- reading calls from text ------------------------------------------------------------------------
