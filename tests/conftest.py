@@ -144,6 +144,51 @@ def tiny_pair_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def tiny_tools_pair_dir(tmp_path_factory) -> Path:
+    """The tiny pair for tools: no chat template of its own (its pair names the built-in
+    "chatml-tools" template: ChatML with tools in Qwen2.5's layout; without tools it renders as
+    the tiny tokenizer's own) and a 4096-token context (tool schemas are long in its 512-token
+    BPE); ``tools_pair`` writes its pairs-file entry."""
+    return tools_pair_dir(tmp_path_factory.mktemp("tiny_tools_pair"), lambda model, tok: model)
+
+
+@pytest.fixture(scope="session")
+def closing_tools_pair_dir(tmp_path_factory) -> Path:
+    """``tiny_tools_pair_dir`` with models that close what they open (``closing``): under a
+    grammar, their calls and JSON end within a few tokens."""
+    return tools_pair_dir(tmp_path_factory.mktemp("closing_tools_pair"), closing)
+
+
+def tools_pair_dir(root: Path, taste) -> Path:
+    tok = tiny_tokenizer()
+    target = taste(tiny_llama(0, vocab=len(tok), eos=tok.eos_token_id, ctx=4096), tok)
+    for name, model in (("target", target), ("draft", taste(perturbed(target, 0.3, seed=1), tok))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        (root / name / "chat_template.jinja").unlink()
+    return root
+
+
+def closing(model, tok):
+    """A random model with a fixed taste: every input embedding carries a large constant on
+    one dimension, which the output layer reads as a preference for closing JSON ('"', "}",
+    "]", then "0" and ","), far above what the random weights add. Unconstrained it writes
+    quotes; under a JSON grammar every string, array and object closes at once."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 8.0
+        head = model.get_output_embeddings().weight
+        head[:, 0] = 0.0
+        for rank, text in enumerate(['"', "}", "]", "0", ","]):
+            head[tok.convert_tokens_to_ids(text), 0] = 5.0 - rank
+    return model
+
+
+def tools_pair(name: str, root: Path) -> str:
+    """A pairs-file entry for the pair in ``root`` (``tiny_tools_pair_dir``) with the tools template."""
+    return f'[pairs.{name}]\ntarget = "{root / "target"}"\ndraft = "{root / "draft"}"\nchat_template = "chatml-tools"\n'
+
+
 @pytest.fixture()
 def pairs_file(tmp_path, tiny_pair_dir, monkeypatch):
     """A user pairs file with the tiny pair, installed through SPECDEC_CONFIG_FILE."""

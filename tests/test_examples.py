@@ -1,6 +1,5 @@
 """Each example runs as a person would run it (a fresh data directory, the embedded broker,
-no server), with the tiny pair and few tokens so it is quick; plus the agent loop's
-plumbing with a scripted LLM."""
+no server), with the tiny pair and few tokens so it is quick; plus the agent's tools."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tools_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -33,9 +33,12 @@ def tiny_long(tiny_pair_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def run_example(tiny_long, tmp_path):
+def run_example(tiny_long, tiny_tools_pair_dir, tmp_path):
     pairs = tmp_path / "pairs.toml"
-    pairs.write_text(f'[pairs.tiny]\ntarget = "{tiny_long / "target"}"\ndraft = "{tiny_long / "draft"}"\n')
+    pairs.write_text(
+        f'[pairs.tiny]\ntarget = "{tiny_long / "target"}"\ndraft = "{tiny_long / "draft"}"\n'
+        + tools_pair("tiny-tools", tiny_tools_pair_dir)  # its chat template renders tools (agent.py)
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
     env.update(
         SPECDEC_DATA_DIR=str(tmp_path / "data"),
@@ -92,9 +95,23 @@ def test_bulk_documents_job_and_export(run_example, tmp_path):
     assert "0 to generate, 5 done before" in again and "started a local worker" not in again  # resumed
 
 
-def test_agent_runs_with_the_real_llm(run_example):
-    out = run_example("agent.py", "What is 6 * 7?", "--pair", "tiny", "--max-new-tokens", "16", "--max-steps", "2")
-    assert "--- step 1" in out and "steps," in out
+def test_agent_runs_to_completion_and_every_call_parses(run_example):
+    """examples/agent.py: create_agent over ChatSpecDec with two tools, on the tiny pair whose
+    template renders them (a random model: it runs the loop, it does not call much)."""
+    out = run_example(
+        "agent.py", "What is 6 * 7?", "--pair", "tiny-tools", "--max-new-tokens", "16", "--max-steps", "2"
+    )
+    assert "# pair tiny-tools, local mode" in out and "--- model" in out
+    summary = re.search(r"(\d+) model calls, (\d+) tool calls \((\d+) parsed, (\d+) invalid\)", out)
+    assert summary, out
+    model_calls, calls, parsed, invalid = map(int, summary.groups())
+    assert 1 <= model_calls <= 2 and calls == parsed and invalid == 0, out
+
+
+def test_agent_on_a_pair_whose_template_has_no_tools_says_so(run_example):
+    with pytest.raises(AssertionError, match="exited 2") as failed:
+        run_example("agent.py", "--pair", "tiny", "--max-new-tokens", "4")
+    assert "chat template does not render tools" in str(failed.value)
 
 
 def test_report_on_a_fresh_store(run_example):
@@ -119,34 +136,11 @@ def _load(name: str):
     return module
 
 
-def test_agent_loop_plumbing_with_a_scripted_llm():
-    from langchain_core.language_models.fake import FakeListLLM
-
+def test_agent_tools():
     agent = _load("agent")
-
-    class Scripted(FakeListLLM):
-        prompts: list = []
-
-        def _call(self, prompt, stop=None, run_manager=None, **kwargs):
-            self.prompts.append((prompt, stop))
-            return super()._call(prompt, stop, run_manager, **kwargs)
-
-    llm = Scripted(
-        responses=[
-            " I should compute it.\nAction: calculator\nAction Input: 17 * 23 + 4\n",
-            " Let me count.\nAction: word_count[one two three]\n",
-            " gibberish",
-            " I know the answer\nFinal Answer: 395",
-        ]
-    )
-    result = agent.run_agent(llm, "What is 17 * 23 + 4?", max_steps=5, log=lambda *_: None)
-    assert result["answer"] == "395"
-    steps = result["steps"]
-    assert [s.get("tool") for s in steps] == ["calculator", "word_count", None, None]
-    assert [s.get("observation") for s in steps[:2]] == ["395", "3"]
-    assert "invalid format" in steps[2]["observation"]
-    last_prompt, stop = llm.prompts[-1]
-    assert "Observation: 395\nThought:" in last_prompt and "Observation: 3\n" in last_prompt
-    assert "Observation:" in stop  # the model never writes observations
-    assert agent.calculator.invoke("2 ** 10") == "1024"
-    assert agent.calculator.invoke("__import__('os')").startswith("error")
+    assert agent.calculator.invoke({"expression": "17 * 23 + 4"}) == "395"
+    assert agent.calculator.invoke({"expression": "2 ** 10"}) == "1024"
+    assert agent.calculator.invoke({"expression": "__import__('os')"}).startswith("error")
+    assert agent.calculator.invoke({"expression": "True + 1"}).startswith("error")
+    assert agent.lookup.invoke({"term": " KV Cache "}).startswith("the keys and values")
+    assert agent.lookup.invoke({"term": "nope"}).startswith("no entry for 'nope'")

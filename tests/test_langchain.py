@@ -12,10 +12,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from conftest import tools_pair
 from fleet import make_fleet
 from helpers import free_port, wait_for
 from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
-from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from sqlalchemy import select
 
 from specdec_llm import client, store
@@ -282,12 +283,12 @@ def test_one_bad_prompt_fails_alone_in_process(local):
 
 # -- remote mode: a real worker -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def lc_pairs(tiny_pair_dir, tmp_path_factory) -> Path:
+def lc_pairs(tiny_pair_dir, tiny_tools_pair_dir, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("lc_pairs") / "pairs.toml"
     target, draft = tiny_pair_dir / "target", tiny_pair_dir / "draft"
     path.write_text(
         f'[pairs.tiny]\ntarget = "{target}"\ndraft = "{draft}"\n'
-        f'[pairs.tiny-idle]\ntarget = "{target}"\ndraft = "{draft}"\n'
+        f'[pairs.tiny-idle]\ntarget = "{target}"\ndraft = "{draft}"\n' + tools_pair("tiny-tools", tiny_tools_pair_dir)
     )  # no worker serves tiny-idle
     return path
 
@@ -460,17 +461,38 @@ def test_remote_errors_are_raised_not_waited_out(remote, use, monkeypatch):
     assert row["status"] == "failed" and "unreachable" in row["error"]
 
 
-def test_bind_tools_says_what_the_chat_model_cannot_do_yet():
-    """No tool calling yet: bind_tools and with_structured_output say so in words (LangChain's
-    own default was a bare NotImplementedError)."""
-    from pydantic import BaseModel
+def test_remote_tool_calls_match_local(remote):
+    """Tools, a tool conversation and a prefill travel with the row and are rendered by the
+    worker's chat template; the calls are read here, so both modes give the same message."""
+    history = [
+        HumanMessage("What is 1 + 2?"),
+        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1", "type": "tool_call"}]),
+        ToolMessage("3", tool_call_id="c1", name="add"),
+    ]
 
-    from specdec_llm.langchain import ChatSpecDec
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
 
-    class Answer(BaseModel):
-        text: str
-
-    chat = ChatSpecDec(max_new_tokens=8)
-    for call in (lambda: chat.bind_tools([Answer]), lambda: chat.with_structured_output(Answer)):
-        with pytest.raises(NotImplementedError, match="does not call tools yet"):
-            call()
+    remote.start_worker("tools-worker", args=("--pair", "tiny-tools"))  # the last --pair wins
+    ChatSpecDec(pair="tiny-tools", max_new_tokens=1, timeout=120).invoke("warm up")
+    for choice in ("auto", "any"):
+        chat = ChatSpecDec(pair="tiny-tools", max_new_tokens=24, job_name="lc-tools").bind_tools(
+            [add], tool_choice=choice
+        )
+        local = ChatSpecDec(pair="tiny-tools", max_new_tokens=24, backend="local", record=False)
+        expected = local.bind_tools([add], tool_choice=choice).invoke(history)
+        msg = chat.invoke(history)
+        assert msg.usage_metadata == expected.usage_metadata  # the same prompt: tools, tool turns, prefill
+        assert msg.content == expected.content
+        for got, want in ((msg.tool_calls, expected.tool_calls), (msg.invalid_tool_calls, expected.invalid_tool_calls)):
+            assert [(c["name"], c["args"]) for c in got] == [(c["name"], c["args"]) for c in want]
+        if choice == "any":
+            assert len(msg.tool_calls) + len(msg.invalid_tool_calls) >= 1
+        full = None
+        for chunk in chat.stream(history):
+            full = chunk if full is None else full + chunk
+        assert full.content == msg.content and [c["name"] for c in full.tool_calls] == [
+            c["name"] for c in msg.tool_calls
+        ]
+        assert len(full.invalid_tool_calls) == len(msg.invalid_tool_calls)

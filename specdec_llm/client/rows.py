@@ -17,7 +17,9 @@ position ("3"), or "row-3" when another row of the file names "3" itself: ids ne
 A request row in the store: ``prompt`` or ``messages``, and ``params`` = the generation
 parameters (``GenerationRequest`` field names, job-level ones merged under the row's) plus
 bookkeeping under keys starting with "_": ``_row`` (position in the file), ``_id`` (the
-row's id), ``_metadata``, ``_input_error`` (why it was refused at submit time).
+row's id), ``_metadata``, ``_input_error`` (why it was refused at submit time), and for chat
+turns from LangChain ``_tools`` (tool schemas for the chat template) and ``_prefill`` (text
+after the generation prompt: the start of the answer).
 ``build_request`` turns such a row into the engine's request: the worker does it for each
 task, LangChain's local mode for each prompt.
 """
@@ -435,8 +437,9 @@ def build_request(row: dict, tokenizer) -> GenerationRequest:
     gen = generation_params(params)
     check_seed(gen.get("seed"))
     prompt = row["prompt"]
-    if row.get("messages") is not None:
-        prompt, gen["chat"] = render_chat(tokenizer, row["messages"]), False
+    if row.get("messages") is not None:  # with the tools and prefill of a LangChain chat call
+        prompt = render_chat(tokenizer, row["messages"], tools=params.get("_tools"), prefill=params.get("_prefill"))
+        gen["chat"] = False
     elif gen.get("chat") is True and isinstance(prompt, str) and prompt.strip():
         # a text prompt as one user turn, rendered here (special-token text refused), not by the engine
         prompt, gen["chat"] = render_user_prompt(tokenizer, prompt), False

@@ -12,10 +12,18 @@ and differs per template; refusing is explicit and the same for every tokenizer.
 Plain (non-chat) prompts are the caller's own raw text and are tokenized as given; stop
 strings never enter the prompt (they are matched against the generated text only), so
 neither is checked here.
+
+Tools (OpenAI function schemas) and the turns of a tool conversation (an assistant turn's
+``tool_calls``, a ``tool`` turn's result) are handed to the template as they are
+(``apply_chat_template(..., tools=...)``): the template decides how they read. Their JSON
+text is refused like a message's when it holds special-token text, and a template that
+ignores ``tools`` is an error (the model would never see them), not silence. A ``prefill``
+is text appended after the generation prompt: the start of the assistant's answer.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .types import RequestError, check_unicode
@@ -46,9 +54,17 @@ def check_turn_text(tokenizer: Any, text: Any, field: str) -> None:
             )
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], field: str = "messages") -> list[int]:
-    """Chat turns -> prompt token ids (template with the generation prompt), after refusing
-    any role or content that holds special-token text."""
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    field: str = "messages",
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    prefill: str | None = None,
+) -> list[int]:
+    """Chat turns -> prompt token ids (template with the generation prompt, then ``prefill``),
+    after refusing any role, content, tool call, tool schema or prefill that holds
+    special-token text."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", 'must be a non-empty list of {"role": text, "content": text}')
     for i, m in enumerate(messages):
@@ -56,11 +72,40 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], field: str = "me
             raise RequestError("messages", f"turn {i} must be an object with role and content")
         check_turn_text(tokenizer, m.get("role"), f"messages[{i}].role")
         check_turn_text(tokenizer, m.get("content"), f"messages[{i}].content")
+        if m.get("tool_calls") is not None:
+            where = f"messages[{i}].tool_calls"
+            check_turn_text(tokenizer, _json_text(m["tool_calls"], where), where)
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise RequestError("tools", "must be a list of tool schemas (objects)")
+        check_turn_text(tokenizer, _json_text(tools, "tools"), "tools")
+    if prefill is not None:
+        check_turn_text(tokenizer, prefill, "prefill")
+    text = _apply(tokenizer, messages, field, tools or None)
+    if tools and text == _apply(tokenizer, messages, field, None):
+        raise RequestError(
+            "tools",
+            "this model's chat template does not render tools, so the model would never see them; use a pair "
+            "whose template renders them, as Qwen2.5 models' do, or for a ChatML model whose tokenizer has no "
+            'template of its own name the built-in one in the pair: chat_template = "chatml-tools"',
+        )
+    return list(tokenizer(text + (prefill or ""), add_special_tokens=False)["input_ids"])
+
+
+def _apply(tokenizer: Any, messages: list[dict[str, Any]], field: str, tools: list[dict[str, Any]] | None) -> str:
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - no template, bad roles...: the request's fault
         raise RequestError(field, f"cannot apply the chat template: {e}") from None
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return str(text)
+
+
+def _json_text(value: Any, field: str) -> str:
+    """``value`` as the JSON text a template writes of it (for the special-token check)."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise RequestError(field, f"must be JSON (objects, lists, text, numbers): {e}") from None
 
 
 def render_user_prompt(tokenizer: Any, prompt: str) -> list[int]:

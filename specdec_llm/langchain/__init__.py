@@ -18,6 +18,10 @@ There is no second decode path:
   messages through the same chat template). No Celery is imported. Results are recorded in
   the store too (``record=True``), so both modes show up in reports.
 
+``ChatSpecDec.bind_tools`` and ``with_structured_output`` (``tools.py``): tools rendered by the
+pair's chat template (they, the tool turns and a prefill travel with the row), calls read back
+from the generated text on this side, streamed from the text accumulated so far.
+
 Greedy results are identical in both modes (same engine, same request). Every call's rows
 belong to the store job named ``job_name`` for its pair (a stable id), carrying
 ``job_metadata`` and ``category``, so ``specdec-llm report --group-by job`` shows

@@ -41,10 +41,14 @@ PROMPT_ERRORS = (RequestError, GenerationFailed)
 
 @dataclass
 class Item:
-    """One prompt: text, or chat turns (``[{"role", "content"}]``)."""
+    """One prompt: text, or chat turns (``[{"role", "content"}]``, an assistant turn's
+    ``tool_calls``, ``tool`` turns), with the tools the template renders and a prefill
+    (the start of the answer, after the generation prompt)."""
 
     prompt: str | None = None
-    messages: list[dict] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    prefill: str = ""
 
     def check(self) -> None:
         """RequestError before any work: an empty prompt or conversation, text no store keeps."""
@@ -58,6 +62,34 @@ class Item:
             raise RequestError("messages", "is empty; pass at least one message")
         else:
             check_messages(self.messages)
+            for i, m in enumerate(self.messages):
+                for text in _strings(m.get("tool_calls")):
+                    check_text(text, f"messages[{i}].tool_calls")
+            for text in _strings(self.tools):
+                check_text(text, "tools")
+
+    def render_params(self) -> dict[str, Any]:
+        """What the chat template needs besides the turns, as a row's bookkeeping params
+        (``client.rows.build_request`` reads them, in a worker or here)."""
+        out: dict[str, Any] = {}
+        if self.tools:
+            out["_tools"] = self.tools
+        if self.prefill:
+            out["_prefill"] = self.prefill
+        return out
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every text in a JSON value (keys too)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
 
 
 @dataclass
@@ -66,9 +98,9 @@ class Call:
 
     pair: str
     backend: str  # "remote" | "local"
-    gen: dict  # GenerationRequest fields
+    gen: dict[str, Any]  # GenerationRequest fields
     job_name: str
-    job_metadata: dict | None
+    job_metadata: dict[str, Any] | None
     category: str | None
     timeout: float | None
     record: bool  # local mode: record in the store (remote always does)
@@ -80,21 +112,23 @@ class Call:
         return None if self.timeout is None else self.started + self.timeout
 
     def remaining(self) -> float | None:
-        return None if self.timeout is None else max(0.0, self.deadline - time.monotonic())
+        deadline = self.deadline
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def expired(self) -> bool:
-        return self.timeout is not None and time.monotonic() > self.deadline
+        deadline = self.deadline
+        return deadline is not None and time.monotonic() > deadline
 
     @property
     def job_id(self) -> str:
         return job_id(self.job_name, self.pair)
 
-    def rows(self, items: list[Item], *, stream: bool = False) -> list[dict]:
+    def rows(self, items: list[Item], *, stream: bool = False) -> list[dict[str, Any]]:
         """One store request row per item, with a fresh id (both backends)."""
         now = time.time_ns() // 1000
         rows = []
         for i, item in enumerate(items):
-            params = {**self.gen, "_row": now + i, "_source": "langchain"}
+            params = {**self.gen, **item.render_params(), "_row": now + i, "_source": "langchain"}
             if self.job_metadata is not None:
                 params["_metadata"] = self.job_metadata
             if stream:
@@ -110,7 +144,7 @@ class Call:
             )
         return rows
 
-    def save(self, rows: list[dict]) -> None:
+    def save(self, rows: list[dict[str, Any]]) -> None:
         """The rows, under the call's store job."""
         from specdec_llm import store
 
@@ -150,6 +184,6 @@ def mark(request_id: str, status: str, error: str) -> None:
 
 
 class Backend(Protocol):
-    def generate(self, items: list[Item], call: Call) -> list[dict | Exception]: ...
+    def generate(self, items: list[Item], call: Call) -> list[dict[str, Any] | Exception]: ...
 
     def stream(self, item: Item, call: Call, cancel: threading.Event) -> Iterator[tuple[str, Any]]: ...

@@ -10,8 +10,9 @@ import contextvars
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from dataclasses import fields
+from typing import Any, Literal, TypeVar
 
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
@@ -23,6 +24,7 @@ from specdec_llm.settings import get_settings
 from .backend import Backend, Call, Item, clean
 
 PROVIDER = "specdec"
+T = TypeVar("T")
 # generation_info keys, from the result and its stats
 INFO_FIELDS = (
     "prompt_tokens",
@@ -38,34 +40,6 @@ INFO_FIELDS = (
     "drafter",
     "drafter_tokens",
 )
-# the fields that are generation parameters (checked at construction), by the engine's names
-GENERATION_FIELDS = {
-    "max_new_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "seed": "seed",
-    "k": "k",
-    "drafter": "drafter",
-    "stop": "stop",
-    "chat": "chat",
-    "decoding": "mode",
-}
-CALL_OPTIONS = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "k",
-    "drafter",
-    "chat",
-    "decoding",
-    "timeout",
-    "job_name",
-    "job_metadata",
-    "category",
-)
 
 
 def get_backend(name: str) -> Backend:
@@ -79,7 +53,7 @@ def get_backend(name: str) -> Backend:
     return LocalBackend()
 
 
-def check_generation(gen: dict) -> None:
+def check_generation(gen: dict[str, Any]) -> None:
     """``RequestError`` naming the first bad generation parameter in ``gen`` (the engine's
     names, any subset): ``GenerationRequest.validate``'s rules and the seed torch takes.
     The LangChain field ``decoding`` is named as such, not as the engine's ``mode``."""
@@ -145,7 +119,7 @@ class SpecDecBase(BaseModel):
             bad = [err for err in e.errors() if err["loc"] and err["loc"][0] in GENERATION_FIELDS]
             if not bad:
                 raise
-            name, value = bad[0]["loc"][0], bad[0].get("input")
+            name, value = str(bad[0]["loc"][0]), bad[0].get("input")
             check_generation({GENERATION_FIELDS[name]: value})  # the engine's message, when its rules refuse it
             raise RequestError(name, f"{value!r}: {bad[0]['msg']}") from None
         self._check({name: getattr(self, name) for name in CALL_OPTIONS}, list(self.stop or []), messages=False)
@@ -164,7 +138,7 @@ class SpecDecBase(BaseModel):
         return values
 
     # -- LangChain plumbing ---------------------------------------------------------------------
-    def _spec_fields(self) -> dict:
+    def _spec_fields(self) -> dict[str, Any]:
         try:
             from specdec_llm.pairs import get_spec
 
@@ -179,18 +153,12 @@ class SpecDecBase(BaseModel):
             "pair": self.pair,
             **self._spec_fields(),
             "backend": self.effective_backend(),
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "k": self.k,
-            "drafter": self.drafter,
-            "decoding": self.decoding,
-            "chat": self.chat,
+            **{name: getattr(self, name) for name in GENERATION_FIELDS if name != "stop"},
         }
 
-    def _ls(self, model_type: str, stop: list[str] | None, kwargs: dict) -> LangSmithParams:
+    def _ls(
+        self, model_type: Literal["chat", "llm"], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> LangSmithParams:
         params = LangSmithParams(
             ls_provider=PROVIDER,
             ls_model_type=model_type,
@@ -210,21 +178,11 @@ class SpecDecBase(BaseModel):
         return "remote" if get_settings().broker_url else "local"
 
     @staticmethod
-    def _check(opt: dict, stop: list[str], *, messages: bool) -> dict:
+    def _check(opt: dict[str, Any], stop: list[str], *, messages: bool) -> dict[str, Any]:
         """The generation parameters of ``opt`` (``CALL_OPTIONS``' values), checked, with
         its job metadata and timeout: ``RequestError`` naming the first bad one."""
-        gen = dict(
-            max_new_tokens=opt["max_new_tokens"],
-            temperature=opt["temperature"],
-            top_p=opt["top_p"],
-            top_k=opt["top_k"],
-            seed=opt["seed"],
-            k=opt["k"],
-            drafter=opt["drafter"],
-            stop=stop,
-            chat=bool(opt["chat"]) and not messages,
-            mode=opt["decoding"],
-        )
+        gen = {engine: opt[name] for name, engine in GENERATION_FIELDS.items() if name != "stop"}
+        gen.update(stop=stop, chat=bool(opt["chat"]) and not messages)
         check_generation(gen)
         if opt["job_metadata"] is not None:
             try:
@@ -236,7 +194,7 @@ class SpecDecBase(BaseModel):
             raise RequestError("timeout", f"{timeout!r}: use a number of seconds > 0, or None")
         return gen
 
-    def _resolve(self, stop: list[str] | None, kwargs: dict, *, messages: bool) -> Call:
+    def _resolve(self, stop: list[str] | None, kwargs: dict[str, Any], *, messages: bool) -> Call:
         """This call's settings: fields, overridden by the call's keyword arguments."""
         kwargs = dict(kwargs)
         kwargs.pop("stream", None)  # a chat model's stream flag: not a generation parameter
@@ -268,12 +226,12 @@ class SpecDecBase(BaseModel):
         )
 
     # -- running a call: a list of results (plain dicts) --------------------------------------------
-    def _run(self, items: list[Item], call: Call) -> list[dict | Exception]:
+    def _run(self, items: list[Item], call: Call) -> list[dict[str, Any] | Exception]:
         """A result per item, or in its place the error of that item alone: text no store
         keeps is refused before any work, a prompt over the context fails its row, and the
         other items run all the same (in one submission). An error of the whole call (its
         timeout, the broker, the pair) is raised."""
-        outcomes: list[dict | Exception] = []
+        outcomes: list[dict[str, Any] | Exception] = []
         runs = []  # the items that passed their checks, by position
         for i, item in enumerate(items):
             try:
@@ -289,7 +247,7 @@ class SpecDecBase(BaseModel):
                 outcomes[i] = r if isinstance(r, Exception) else {**r, "text": clean(r["text"]), "pair": call.pair}
         return outcomes
 
-    def _run_one(self, item: Item, call: Call) -> dict:
+    def _run_one(self, item: Item, call: Call) -> dict[str, Any]:
         """One item's result; its error raised."""
         [outcome] = self._run([item], call)
         if isinstance(outcome, Exception):
@@ -303,11 +261,30 @@ class SpecDecBase(BaseModel):
             yield kind, (clean(value) if kind == "text" else {**value, "text": clean(value["text"]), "pair": call.pair})
 
 
-async def aiter_in_thread(make: Callable[[threading.Event], Iterator]) -> AsyncIterator:
+# The generation parameters are the engine request's fields that the models above declare under
+# the same name (``mode`` as ``decoding``), as ``client.rows.PARAMS`` derives a row's; not
+# declared: ``prompt`` (the call's input), ``scope`` (the client's, per job) and a field a call
+# sets itself (tests/test_langchain_tools.py names them, so a new engine field is not missed).
+ENGINE_FIELDS = tuple(f.name for f in fields(GenerationRequest))
+RENAMED = {"mode": "decoding"}  # engine name -> field name
+GENERATION_FIELDS = {
+    RENAMED.get(name, name): name for name in ENGINE_FIELDS if RENAMED.get(name, name) in SpecDecBase.model_fields
+}
+# a call's options: the generation parameters (``stop`` is a call argument of its own) and its settings
+CALL_OPTIONS = (
+    *(name for name in GENERATION_FIELDS if name != "stop"),
+    "timeout",
+    "job_name",
+    "job_metadata",
+    "category",
+)
+
+
+async def aiter_in_thread(make: Callable[[threading.Event], Generator[T, None, None]]) -> AsyncIterator[T]:
     """Run a blocking iterator in a thread and yield its items here: the event loop never
     waits on a worker, a socket or the model."""
     loop = asyncio.get_running_loop()
-    items: asyncio.Queue = asyncio.Queue()
+    items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     cancel = threading.Event()
 
     def post(kind: str, value: Any) -> None:
@@ -344,7 +321,7 @@ async def aiter_in_thread(make: Callable[[threading.Event], Iterator]) -> AsyncI
         cancel.set()
 
 
-def info(result: dict) -> dict:
+def info(result: dict[str, Any]) -> dict[str, Any]:
     """A result's ``generation_info``: its figures, the speedup and its basis, ids."""
     stats = result.get("stats") or {}
     out = {"finish_reason": result.get("finish_reason") or stats.get("finish_reason")}
@@ -356,7 +333,7 @@ def info(result: dict) -> dict:
     return out
 
 
-def usage(results: list[dict]) -> dict:
+def usage(results: list[dict[str, Any]]) -> dict[str, Any]:
     """LangChain's ``token_usage`` over ``results``."""
     prompt = sum(int((r.get("stats") or {}).get("prompt_tokens") or 0) for r in results)
     output = sum(int((r.get("stats") or {}).get("output_tokens") or 0) for r in results)

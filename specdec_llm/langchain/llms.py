@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -37,7 +37,7 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._ls("llm", stop, kwargs)
 
-    def _result(self, prompts: list[str], outcomes: list[dict | Exception]) -> LLMResult:
+    def _result(self, prompts: list[str], outcomes: list[dict[str, Any] | Exception]) -> LLMResult:
         """The call's LLMResult; where a prompt failed, ``failed_prompt``'s error (the
         others' results ride on it, for ``batch(..., return_exceptions=True)``)."""
         if any(isinstance(o, Exception) for o in outcomes):
@@ -56,9 +56,9 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         if self.streaming and len(prompts) == 1:  # callbacks get every token
-            final = None
+            final = GenerationChunk(text="")
             for chunk in self._stream(prompts[0], stop, run_manager, **kwargs):
-                final = chunk if final is None else final + chunk
+                final += chunk
             figures = final.generation_info or {}
             tokens = {
                 "prompt_tokens": figures.get("prompt_tokens") or 0,
@@ -118,7 +118,7 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
         except Exception as e:  # noqa: BLE001
             return per_prompt(e, len(inputs))
 
-    def _chunks(self, prompt: str, call: Call, cancel: threading.Event) -> Iterator[GenerationChunk]:
+    def _chunks(self, prompt: str, call: Call, cancel: threading.Event) -> Generator[GenerationChunk, None, None]:
         for kind, value in self._events(Item(prompt=prompt), call, cancel):
             if kind == "text":
                 yield GenerationChunk(text=value)
@@ -156,7 +156,7 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
             yield chunk
 
 
-def failed_prompt(prompts: list[str], outcomes: list[dict | Exception]) -> Exception:
+def failed_prompt(prompts: list[str], outcomes: list[dict[str, Any] | Exception]) -> Exception:
     """The error a call raises when some of its prompts failed: the first failed prompt's
     own (its class, e.g. ``RequestError``), its message naming that prompt when the call had
     several (which one, how it begins, how many others failed or were generated). Every
@@ -199,7 +199,7 @@ def split(config: RunnableConfig | list[RunnableConfig] | None, count: int) -> b
     return get_config_list(config, count)[0].get("max_concurrency") is not None
 
 
-def per_prompt(error: Exception, count: int) -> list:
+def per_prompt(error: Exception, count: int) -> list[Any]:  # texts and errors (batch's list[str], typed as LangChain's)
     """``batch(..., return_exceptions=True)``'s answer to ``error``: each prompt's text or
     its own error, from the ``outcomes`` on it; an error of the whole call in every place."""
     outcomes = getattr(error, "outcomes", None)

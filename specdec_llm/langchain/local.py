@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from specdec_llm import store
@@ -21,11 +22,11 @@ from .backend import PROMPT_ERRORS, Call, Item, mark
 
 
 class LocalBackend:
-    def generate(self, items: list[Item], call: Call) -> list[dict | Exception]:
+    def generate(self, items: list[Item], call: Call) -> list[dict[str, Any] | Exception]:
         """A result per item, or the error of that item alone (its row failed); an error of
         the whole call (the deadline, the pair) is raised and the rows not run are cancelled."""
         rows = self._rows(items, call)
-        out: list[dict | Exception] = []
+        out: list[dict[str, Any] | Exception] = []
         try:
             for row in rows:
                 try:
@@ -41,7 +42,7 @@ class LocalBackend:
     def stream(self, item: Item, call: Call, cancel: threading.Event) -> Iterator[tuple[str, Any]]:
         """The server's thread calls back with text; this generator hands it over."""
         [row] = self._rows([item], call)
-        events: queue.Queue = queue.Queue()
+        events: queue.Queue[str | None] = queue.Queue()
         pair, fut = self._submit(row, call, on_text=events.put)
         fut.add_done_callback(lambda _: events.put(None))
         finished = False
@@ -65,13 +66,15 @@ class LocalBackend:
                     mark(row["id"], "cancelled", "cancelled: the stream's consumer stopped reading")
 
     # -------------------------------------------------------------------------------------------
-    def _rows(self, items: list[Item], call: Call) -> list[dict]:
+    def _rows(self, items: list[Item], call: Call) -> list[dict[str, Any]]:
         rows = call.rows(items)
         if call.record:
             call.save(rows)
         return rows
 
-    def _submit(self, row: dict, call: Call, on_text=None) -> tuple:
+    def _submit(
+        self, row: dict[str, Any], call: Call, on_text: Callable[[str], None] | None = None
+    ) -> tuple[Any, Future[Any]]:
         """(the loaded pair, the Future of the row's request on its server); a row that
         cannot start is failed and the error raised."""
         from specdec_llm import loaded
@@ -79,17 +82,17 @@ class LocalBackend:
 
         try:
             pair = loaded.get(call.pair)
-            request = build_request({**row, "params": call.gen}, pair.tokenizer)
+            request = build_request(row, pair.tokenizer)  # its params: call.gen and bookkeeping
             return pair, pair.server.submit(request, on_text=on_text, deadline=call.deadline)
         except BaseException as e:
             self._failed(row, call, e)
             raise
 
-    def _finish(self, row: dict, call: Call, pair, fut) -> dict:
+    def _finish(self, row: dict[str, Any], call: Call, pair: Any, fut: Future[Any]) -> dict[str, Any]:
         """The Future's result, recorded; or the row failed (timed out...) and the error raised."""
         rid = row["id"]
         try:
-            result = fut.result(timeout=call.remaining()).to_dict()
+            result: dict[str, Any] = fut.result(timeout=call.remaining()).to_dict()
         except TimeoutError:  # still waiting for the server, or dropped by it at the deadline
             pair.server.cancel(fut)
             error = call.timeout_error(f"request {rid}")
@@ -116,6 +119,6 @@ class LocalBackend:
             )
         return result
 
-    def _failed(self, row: dict, call: Call, e: BaseException) -> None:
+    def _failed(self, row: dict[str, Any], call: Call, e: BaseException) -> None:
         if call.record:
             mark(row["id"], "failed", str(e) if isinstance(e, RequestError) else f"{type(e).__name__}: {e}")

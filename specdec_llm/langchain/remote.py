@@ -9,6 +9,7 @@ yields it from there (``client.follow_stream``), not replayed at the end.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,11 +20,11 @@ from .backend import PROMPT_ERRORS, BrokerUnavailable, Call, GenerationFailed, G
 
 
 class RemoteBackend:
-    def generate(self, items: list[Item], call: Call) -> list[dict | Exception]:
+    def generate(self, items: list[Item], call: Call) -> list[dict[str, Any] | Exception]:
         """A result per item, or the error of that item alone (the worker failed its row);
         the call's timeout or an unreachable broker is raised for the whole call."""
         sent = self._submit(items, call)
-        out: list[dict | Exception] = []
+        out: list[dict[str, Any] | Exception] = []
         try:
             for rid, result in sent:
                 try:
@@ -35,7 +36,7 @@ class RemoteBackend:
             raise
         return out
 
-    def stream(self, item: Item, call: Call, cancel=None) -> Iterator[tuple[str, Any]]:
+    def stream(self, item: Item, call: Call, cancel: threading.Event | None = None) -> Iterator[tuple[str, Any]]:
         [(rid, result)] = self._submit([item], call, stream=True)
         streamed = []
         try:
@@ -79,8 +80,8 @@ class RemoteBackend:
             store.mark_request(rid, "failed", error=error)
         raise BrokerUnavailable(error)
 
-    def _wait(self, rid: str, result, call: Call) -> dict:
-        from celery.exceptions import TimeoutError as CeleryTimeout
+    def _wait(self, rid: str, result: Any, call: Call) -> dict[str, Any]:
+        from celery.exceptions import TimeoutError as CeleryTimeout  # type: ignore[import-untyped]
 
         while True:  # the task's result; or the row finished by another delivery (its first worker was lost)
             remaining = call.remaining()
@@ -109,7 +110,7 @@ class RemoteBackend:
         why = (out.get("error") or status) if isinstance(out, dict) else out
         raise GenerationFailed(f"request {rid} failed: {why}")
 
-    def _from_store(self, rid: str, call: Call) -> dict:
+    def _from_store(self, rid: str, call: Call) -> dict[str, Any]:
         while True:
             row = store.get_request(rid)
             if row and row["status"] == "ok" and row["output"]:

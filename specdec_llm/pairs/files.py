@@ -127,6 +127,15 @@ def part_file(package: str) -> Path | None:
     return Path(dist.locate_file(data[0]))
 
 
+def available(name: str) -> bool:
+    """Whether ``file:NAME`` is here without a download: assembled already, or its parts installed."""
+    src = sources().get(name)
+    if src is None:
+        return False
+    out = cached_path(name)
+    return (out.is_file() and out.stat().st_size == src.size) or all(part_file(p) for p in src.packages())
+
+
 def assemble(src: FileSource, progress: Callable[[str], None] | None = None) -> Path:
     """The file, from the cache where it was assembled already, else assembled now from its
     installed part packages and checked (size, SHA-256) before it takes its name."""

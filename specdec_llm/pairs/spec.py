@@ -220,10 +220,39 @@ CHAT_TEMPLATES = {  # by name, for pairs whose tokenizer has no template (chat_t
         "{{ '<start_of_turn>' + role + '\\n' + m['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
     ),
+    # ChatML with tools in Qwen2.5's (Hermes') layout: the tool schemas in the system turn,
+    # an assistant's calls as <tool_call>{"name", "arguments"}</tool_call>, results as
+    # <tool_response> in a user turn. Without tools it is plain ChatML.
+    "chatml-tools": (
+        "{% if tools %}<|im_start|>system\n"
+        "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+        "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+        "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+        "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+        'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, '
+        '"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+        "{% endif %}"
+        "{% for m in messages %}"
+        "{% if m['role'] == 'system' and loop.first and tools %}"
+        "{% elif m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant"
+        "{% if m['content'] %}{{ '\\n' + m['content'] }}{% endif %}"
+        "{% for call in m['tool_calls'] %}{% set call = call['function'] if call['function'] is defined else call %}"
+        "{{ '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+        "{{ call['arguments'] | tojson }}{{ '}\\n</tool_call>' }}{% endfor %}<|im_end|>\n"
+        "{% elif m['role'] == 'tool' %}"
+        "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+        "{{ '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+        "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+        "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
 }
 
 
-CHAT_TURN_ENDS = {"gemma": "<end_of_turn>"}  # the token a named template's model turn ends with
+# the token a named template's model turn ends with
+CHAT_TURN_ENDS = {"gemma": "<end_of_turn>", "chatml-tools": "<|im_end|>"}
 
 
 def draft_kind(ref: str | None) -> str:
