@@ -32,13 +32,13 @@ DrafterOpt = Annotated[str | None, typer.Option("--drafter", help=DRAFTER_HELP.f
 
 class DrafterHelp(TyperCommand):
     """A command whose ``--drafter`` help names every registered drafter
-    (``engine.registry.known()``). Read when the help is shown, not when the command is built:
+    (``engine.drafting.registry.known()``). Read when the help is shown, not when the command is built:
     the registry imports torch (seconds), which no other start of a command should pay."""
 
     def format_help(self, ctx: Any, formatter: Any) -> None:  # (typer's own click's types)
         for param in self.params:
             if param.name == "drafter" and isinstance(param, TyperOption):
-                from .engine.registry import known  # (the engine's package does not export it)
+                from .engine.drafting.registry import known
 
                 param.help = DRAFTER_HELP.format(known=", ".join(known()))
         super().format_help(ctx, formatter)

@@ -211,7 +211,7 @@ def test_data_readme_figures_are_the_corpus_shards():
 def test_drafter_help_names_every_registered_drafter(cli, command, monkeypatch):
     """``--drafter``'s help lists the registry's drafters when it is shown, one registered
     after the CLI was built included (no list written by hand)."""
-    from specdec_llm.engine.registry import known, register_drafter, unregister_drafter
+    from specdec_llm.engine.drafting.registry import known, register_drafter, unregister_drafter
 
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")  # (the app's callback sets them)
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")

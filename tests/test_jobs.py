@@ -79,10 +79,17 @@ def test_submit_persists_every_row_then_enqueues(embedded, tmp_path):
     assert (st["total"], st["counts"]["failed"], st["status"]) == (3, 1, "running")
 
 
+NOT_OPTIONS = {
+    "prompt": "the command's argument (generate) or the file's rows (submit, run)",
+    "scope": "a job's own id, set by the worker",
+    "response_format": "a JSON object: a row's params in the input file, no command-line option yet",
+}
+
+
 def test_submit_passes_every_generation_option_on(embedded, tmp_path):
-    """Each ``GenerationRequest`` field but the prompt and the scope (a job's own id) is an
-    option of ``generate``, ``submit`` and ``run``, and reaches the job as given; options left
-    out, ``--chat`` off and ``--drafter auto`` are no parameter."""
+    """Each ``GenerationRequest`` field is an option of ``generate``, ``submit`` and ``run``
+    (but those ``NOT_OPTIONS`` names, each with its reason), and reaches the job as given;
+    options left out, ``--chat`` off and ``--drafter auto`` are no parameter."""
     from dataclasses import fields
     from inspect import signature
 
@@ -90,7 +97,7 @@ def test_submit_passes_every_generation_option_on(embedded, tmp_path):
     from specdec_llm.client.cli import run, submit
     from specdec_llm.engine import GenerationRequest
 
-    wanted = {f.name for f in fields(GenerationRequest)} - {"prompt", "scope"}
+    wanted = {f.name for f in fields(GenerationRequest)} - set(NOT_OPTIONS)
     for command in (generate, submit, run):
         assert wanted - set(signature(command).parameters) == set(), command.__name__
     path = jsonl(tmp_path / "in.jsonl", {"prompt": "one"})

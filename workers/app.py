@@ -5,16 +5,23 @@ shared with the client that sends), the task (``tasks.py``), the lease heartbeat
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+from typing import Any
+
 from specdec_llm.client.broker import broker_display, celery_config, config_key, is_embedded
 from specdec_llm.client.protocol import CANCEL_COMMAND, TASK, queue_name
 from specdec_llm.settings import get_settings
 
 __all__ = ["TASK", "broker_display", "get_app", "is_embedded", "queue_name"]
 
-_apps: dict[tuple, object] = {}
+_apps: dict[tuple[Any, ...], Celery] = {}
 
 
-def get_app():
+def get_app() -> Celery:
     """The worker's Celery app for the current settings (one per configuration, made on first use)."""
     key = config_key()
     if key not in _apps:
@@ -35,7 +42,7 @@ def get_app():
     return _apps[key]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Celery:
     if name == "app":  # `celery -A workers.app ...`: made when asked for, not at import
         return get_app()
     raise AttributeError(name)

@@ -33,6 +33,7 @@ import threading
 import time
 from collections import Counter, deque
 from datetime import datetime
+from typing import Any
 
 from specdec_llm.store import jobs, utcnow
 
@@ -131,7 +132,7 @@ class CancelFlags:
 flags = CancelFlags()
 
 
-def on_cancel(state, job_id: str | None = None) -> dict:
+def on_cancel(state: Any, job_id: str | None = None) -> dict[str, Any]:
     """The control command ``protocol.CANCEL_COMMAND`` (``app.control.broadcast`` from
     ``specdec_llm.client.jobs.cancel``), run in the worker's main process."""
     announce()

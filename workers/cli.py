@@ -90,7 +90,7 @@ def worker(
     with user_errors():
         spec = get_spec(pair or get_settings().default_pair)  # reads the registry only: no model, no CUDA
     max_wait_ms = get_settings().max_wait_ms if max_wait_ms is None else max_wait_ms
-    max_batch = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
+    batching = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
     if max_wait_ms < 0:
         fail("max-wait-ms: use 0 or more")
     if metrics_port is not None and not 0 < metrics_port < 65536:
@@ -112,7 +112,7 @@ def worker(
             queues=queues,
             price_per_hour=price,
             calibrate=calibrate,
-            max_batch=max_batch,
+            max_batch=batching,
             max_wait_ms=max_wait_ms,
             metrics_port=metrics_port,
             metrics_host=metrics_host,
@@ -170,27 +170,8 @@ def start_worker(
     runtime.configure(options)
     queue_list = queues or queue_name(pair)
     if metrics_port is not None:  # before the pool forks: its processes write where this one reads
-        from . import metrics
-
-        try:
-            folder = metrics.serve(metrics_port, pair, queue_name(pair), addr=metrics_host)
-        except OSError as e:
-            fail(f"metrics-host/metrics-port: cannot serve on {metrics_host} port {metrics_port}: {e.strerror or e}")
-        shown = f"[{metrics_host}]" if ":" in metrics_host else metrics_host
-        print(
-            f"specdec worker: Prometheus metrics on http://{shown}:{metrics_port}/metrics "
-            f"(multiprocess folder {folder})",
-            file=sys.stderr,
-        )
-    if options.pool == "threads":  # one process, B task threads feeding one batch (no fork: torch may load here)
-        from specdec_llm.engine.serve import AUTO_CAP
-
-        size = "the size measured fastest here" if max_batch == "auto" else max_batch
-        shape = f"batches of up to {size} (threads pool, max wait {max_wait_ms:g} ms)"
-        # auto: the server decodes as many rows as measured fastest (at most AUTO_CAP); the rest wait their turn
-        pool_size = AUTO_CAP if max_batch == "auto" else max_batch
-    else:
-        shape, pool_size = f"concurrency {concurrency}", concurrency
+        _serve_metrics(pair, metrics_port, metrics_host)
+    shape, pool_size = _pool_shape(options.pool, max_batch, max_wait_ms, concurrency)
     print(
         f"specdec worker: pair {pair} on {device}, queues {queue_list}, {shape}, broker {broker_display()}"
         + (", sending task events" if events else ""),
@@ -202,6 +183,34 @@ def start_worker(
         print(f"error: worker stopped: could not load pair {pair} (see the CRITICAL line above)", file=sys.stderr)
         return runtime.LOAD_FAILED_EXIT
     return code or 0
+
+
+def _serve_metrics(pair: str, port: int, host: str) -> None:
+    """Serve the Prometheus metrics on ``host``:``port`` (one line and exit 2 if it cannot), and say where."""
+    from . import metrics
+
+    try:
+        folder = metrics.serve(port, pair, queue_name(pair), addr=host)
+    except OSError as e:
+        fail(f"metrics-host/metrics-port: cannot serve on {host} port {port}: {e.strerror or e}")
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"specdec worker: Prometheus metrics on http://{shown}:{port}/metrics (multiprocess folder {folder})",
+        file=sys.stderr,
+    )
+
+
+def _pool_shape(pool: str, max_batch: int | str, max_wait_ms: float, concurrency: int) -> tuple[str, int]:
+    """How the worker's pool runs, in words, and its size: the threads pool is one process, B
+    task threads feeding one batch (no fork: torch may load here); else ``concurrency`` processes."""
+    if pool != "threads":
+        return f"concurrency {concurrency}", concurrency
+    from specdec_llm.engine.serve import AUTO_CAP
+
+    size = "the size measured fastest here" if max_batch == "auto" else max_batch
+    shape = f"batches of up to {size} (threads pool, max wait {max_wait_ms:g} ms)"
+    # auto: the server decodes as many rows as measured fastest (at most AUTO_CAP); the rest wait their turn
+    return shape, AUTO_CAP if max_batch == "auto" else int(max_batch)
 
 
 def _celery_argv(pair: str, pool: str, pool_size: int, queues: str, loglevel: str, events: bool) -> list[str]:

@@ -12,6 +12,11 @@ heartbeat: ``workers`` shows it stopped at once, with every row it recorded.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
 import logging
 import threading
 import time
@@ -52,7 +57,7 @@ class Meter:
 meter = Meter()
 
 
-def beat(rt) -> None:
+def beat(rt: Runtime) -> None:
     """One heartbeat of the runtime ``rt`` (``runtime.Runtime``)."""
     admin.heartbeat_worker(
         rt.worker,
@@ -70,7 +75,7 @@ _writing = threading.Lock()  # a beat and the stop never overlap (the stop is th
 _started = False
 
 
-def start(rt) -> threading.Thread:
+def start(rt: Runtime) -> threading.Thread:
     """Beat now, then every ``SPECDEC_LEASE_HEARTBEAT_S``, until ``stop`` or the process ends."""
     global _started
     _started = True
@@ -91,7 +96,7 @@ def start(rt) -> threading.Thread:
     return thread
 
 
-def stop(rt) -> None:
+def stop(rt: Runtime) -> None:
     """This process stops cleanly: no more beats; its final counts, marked stopped (when it beat)."""
     _stopping.set()
     if not _started:

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from celery import bootsteps
 from celery.worker import state
@@ -50,22 +51,22 @@ class LeaseStep(bootsteps.StartStopStep):
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
-    def __init__(self, c, **kwargs):
+    def __init__(self, c: Any, **kwargs: Any) -> None:  # c: Celery's consumer
         self.tref = None
         super().__init__(c, **kwargs)
 
-    def start(self, c):
+    def start(self, c: Any) -> None:
         interval = get_settings().lease_heartbeat_s
         self.tref = c.timer.call_repeatedly(interval, self.beat, (c,), priority=10)
 
-    def stop(self, c):
+    def stop(self, c: Any) -> None:
         if self.tref is not None:
             self.tref.cancel()
             self.tref = None
 
     shutdown = stop
 
-    def beat(self, c) -> None:
+    def beat(self, c: Any) -> None:
         try:
             if jobs.renew_leases(held_request_ids(TASK), c.hostname):  # a held row's job was cancelled --now
                 cancels.announce()

@@ -36,6 +36,11 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specdec_llm.engine.serve import BatchServer
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +48,7 @@ ENV = "PROMETHEUS_MULTIPROC_DIR"
 SAMPLE_S = 0.5  # how often a decoding process writes its batch-size gauges
 
 _enabled = False  # set in the worker's main process; pool children inherit it (fork)
-_metrics: dict | None = None
+_metrics: dict[str, Any] | None = None
 _sampler: threading.Thread | None = None
 
 
@@ -64,7 +69,12 @@ def serve(port: int, pair: str, queue: str, addr: str = "0.0.0.0") -> str:
         folder = tempfile.mkdtemp(prefix="specdec-metrics-")
         os.environ[ENV] = folder
         owner = os.getpid()  # (a forked pool process inherits the handler: only the creator removes it)
-        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, True))
+
+        def remove() -> None:
+            if os.getpid() == owner:
+                shutil.rmtree(folder, True)
+
+        atexit.register(remove)
     # prometheus_client picks its multiprocess storage when first imported: only now
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.multiprocess import MultiProcessCollector
@@ -83,7 +93,7 @@ class _QueueDepth:
     def __init__(self, pair: str, queue: str):
         self.pair, self.queue = pair, queue
 
-    def collect(self):
+    def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
         family = GaugeMetricFamily(
@@ -101,7 +111,7 @@ class _QueueDepth:
         yield family
 
 
-def _get() -> dict:
+def _get() -> dict[str, Any]:
     """The metrics by key, made on first use (prometheus_client is imported then)."""
     global _metrics
     if _metrics is None:
@@ -109,10 +119,10 @@ def _get() -> dict:
     return _metrics
 
 
-def _counters() -> dict:
+def _counters() -> dict[str, Any]:
     from prometheus_client import Counter
 
-    def counter(name, doc, *labels):
+    def counter(name: str, doc: str, *labels: str) -> Counter:
         return Counter(name, doc, ["pair", *labels])
 
     return {
@@ -132,10 +142,10 @@ def _counters() -> dict:
     }
 
 
-def _histograms() -> dict:
+def _histograms() -> dict[str, Any]:
     from prometheus_client import Histogram
 
-    def histogram(name, doc, buckets):
+    def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(name, doc, ["pair"], buckets=buckets)
 
     latency = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
@@ -171,10 +181,10 @@ def _histograms() -> dict:
     }
 
 
-def _gauges() -> dict:
+def _gauges() -> dict[str, Any]:
     from prometheus_client import Gauge
 
-    def gauge(name, doc):  # summed over the live processes
+    def gauge(name: str, doc: str) -> Gauge:  # summed over the live processes
         return Gauge(name, doc, ["pair"], multiprocess_mode="livesum")
 
     return {
@@ -184,7 +194,7 @@ def _gauges() -> dict:
     }
 
 
-def record(pair: str, stats: dict, queue_wait_s: float | None = None) -> None:
+def record(pair: str, stats: dict[str, Any], queue_wait_s: float | None = None) -> None:
     """One finished request's ``Stats`` (as a dict)."""
     if not _enabled:
         return
@@ -221,17 +231,17 @@ class running:
     def __init__(self, pair: str):
         self.gauge = _get()["running"].labels(pair) if _enabled else None
 
-    def __enter__(self):
+    def __enter__(self) -> running:
         if self.gauge is not None:
             self.gauge.inc()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         if self.gauge is not None:
             self.gauge.dec()
 
 
-def watch(pair: str, server) -> None:
+def watch(pair: str, server: BatchServer) -> None:
     """In a decoding process: write its ``BatchServer``'s batch size and waiting requests
     to the gauges every ``SAMPLE_S`` seconds (a daemon thread)."""
     global _sampler

@@ -30,12 +30,18 @@ The pair, its decoder and its server come from the project's one cache of loaded
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specdec_llm.engine.serve import BatchServer
+
 import copy
 import logging
 import os
 import signal
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from celery.signals import celeryd_after_setup, worker_process_init, worker_process_shutdown, worker_shutdown
 
@@ -76,12 +82,13 @@ class Runtime:
     device: str
     dtype: str
     loaded: loaded_pairs.Loaded  # the pair, its decoder, and the BatchServer every task's request goes through
-    worker: dict  # store.worker_info(...)
+    worker: dict[str, Any]  # store.worker_info(...)
     price_per_hour: float | None
 
     @property
-    def server(self):
-        return self.loaded.server
+    def server(self) -> BatchServer:
+        server: BatchServer = self.loaded.server
+        return server
 
 
 _options: WorkerOptions | None = None  # set in the parent; forked children inherit it
@@ -205,7 +212,7 @@ def memory_text(rt: Runtime) -> str:
     return ", ".join(parts)
 
 
-def calibrate(rt: Runtime, tokens: int = 32) -> dict:
+def calibrate(rt: Runtime, tokens: int = 32) -> dict[str, Any]:
     """Target-only and speculative tokens/s on a short greedy prompt, one request at a time
     (through the server, which owns the decoder); the target-only figure becomes the
     pair's baseline on this device kind and dtype. Run it before tasks arrive."""
@@ -247,7 +254,7 @@ def stop_worker(reason: str) -> None:
 
 
 @worker_process_init.connect
-def _load_after_fork(**_) -> None:
+def _load_after_fork(**_: Any) -> None:
     if _options is None or _options.pool != "prefork":
         return
     try:
@@ -261,14 +268,14 @@ def _load_after_fork(**_) -> None:
 
 
 @worker_process_shutdown.connect
-def _metrics_process_exit(pid=None, **_) -> None:
+def _metrics_process_exit(pid: int | None = None, **_: Any) -> None:
     metrics.process_exit(pid)
     if _runtime is not None:  # a prefork pool child that beat: it stops cleanly
         heartbeat.stop(_runtime)
 
 
 @worker_shutdown.connect
-def _stopped(**_) -> None:
+def _stopped(**_: Any) -> None:
     """The worker's warm shutdown is over: the threads pool's process (the one that beat)
     says it stopped (``specdec-llm workers``)."""
     if _runtime is not None and _options is not None and _options.pool == "threads":
@@ -276,7 +283,7 @@ def _stopped(**_) -> None:
 
 
 @celeryd_after_setup.connect
-def _load_before_threads(**_) -> None:
+def _load_before_threads(**_: Any) -> None:
     """The threads pool has no fork: load (and calibrate) once in the worker process itself,
     before its pool and consumer start. A failure stops the worker before it takes a message.
     With ``--max-batch auto`` the server chooses the batch size from the measured costs (the

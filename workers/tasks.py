@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import kombu.exceptions
 from celery import Task, shared_task
@@ -74,9 +75,11 @@ BACKOFF_MAX = 60  # s
 
 
 class GenerateTask(Task):
-    def on_failure(self, exc, task_id, args, kwargs, einfo):
+    def on_failure(
+        self, exc: BaseException, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], einfo: Any
+    ) -> None:
         """Out of retries or an unexpected error: the row fails with it (if the store lets us)."""
-        request_id = args[0] if args else kwargs.get("request_id")
+        request_id = str(args[0] if args else kwargs.get("request_id"))
         try:
             store.mark_request(request_id, "failed", error=f"{type(exc).__name__}: {exc}")
         except Exception as e:  # noqa: BLE001 - the store is what failed; `retry JOB` recovers the row
@@ -96,7 +99,9 @@ class GenerateTask(Task):
     retry_jitter=True,
     resultrepr_maxsize=160,  # the worker log shows the start of each result, not all its token ids
 )
-def generate(self, request_id: str, pair: str, enqueued_at: float | None = None, result: dict | None = None) -> dict:
+def generate(
+    self: Task, request_id: str, pair: str, enqueued_at: float | None = None, result: dict[str, Any] | None = None
+) -> dict[str, Any]:
     started, clock = time.time(), time.monotonic()
     if not runtime.serves(pair):  # routed to a worker of another pair: pass it on
         self.app.send_task(TASK, **task_message(request_id, pair, enqueued_at=enqueued_at))
@@ -117,16 +122,7 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
             log.warning("request %s is not in the store; nothing to do", request_id)
             return {"request_id": request_id, "status": "missing"}
         if not row["taken"]:
-            if row["status"] in FINISHED:  # a redelivered message, or cancelled meanwhile
-                return _finished(row)
-            if row["attempts"] >= MAX_ATTEMPTS:  # running, its worker lost every time
-                error = (
-                    f"gave up after {row['attempts']} attempts that ended without a result "
-                    "(the worker died each time: out of memory?)"
-                )
-                store.mark_request(request_id, "failed", error=error)
-                return {"request_id": request_id, "status": "failed", "error": error}
-            return {"request_id": request_id, "status": "running elsewhere", "duplicate": True}
+            return _not_taken(request_id, row)
         result, ended = _generate_row(self, row, rt, pair, clock)
         if ended is not None:
             return ended
@@ -159,7 +155,24 @@ def generate(self, request_id: str, pair: str, enqueued_at: float | None = None,
     }
 
 
-def _generate_row(task: Task, row: dict, rt: runtime.Runtime, pair: str, clock: float) -> tuple[dict, dict | None]:
+def _not_taken(request_id: str, row: dict[str, Any]) -> dict[str, Any]:
+    """What the task says of a row it could not take: finished (a redelivered message, or
+    cancelled meanwhile), failed now (running, its worker lost every time), or running elsewhere."""
+    if row["status"] in FINISHED:
+        return _finished(row)
+    if row["attempts"] >= MAX_ATTEMPTS:
+        error = (
+            f"gave up after {row['attempts']} attempts that ended without a result "
+            "(the worker died each time: out of memory?)"
+        )
+        store.mark_request(request_id, "failed", error=error)
+        return {"request_id": request_id, "status": "failed", "error": error}
+    return {"request_id": request_id, "status": "running elsewhere", "duplicate": True}
+
+
+def _generate_row(
+    task: Task, row: dict[str, Any], rt: runtime.Runtime, pair: str, clock: float
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Generate a taken row through the process's BatchServer: ``(result, None)``, or
     ``({}, what the task returns)`` when the row ended otherwise: failed (bad input, time-out)
     or cancelled mid-way (``cancel --now``: the server asks ``cancels.flags`` before each
@@ -203,10 +216,11 @@ def soft_time_limit(task: Task) -> float | None:
     """Seconds this delivery may generate: the message's own soft limit, else the task's,
     else the app's (``task_soft_time_limit``)."""
     _, soft = task.request.timelimit or (None, None)
-    return soft or task.soft_time_limit or task.app.conf.task_soft_time_limit
+    limit = soft or task.soft_time_limit or task.app.conf.task_soft_time_limit
+    return None if limit is None else float(limit)
 
 
-def _finished(row: dict) -> dict:
+def _finished(row: dict[str, Any]) -> dict[str, Any]:
     out = {"request_id": row["id"], "status": row["status"], "duplicate": True}
     if row["status"] == "ok" and row.get("output"):
         out.update(

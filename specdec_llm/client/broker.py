@@ -25,12 +25,19 @@ lowercase names (operations: TLS, Sentinel; tests: a short visibility timeout).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from celery import Celery
+
 import importlib
 import logging
 import os
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 from specdec_llm.errors import SpecDecError
 from specdec_llm.settings import Settings, get_settings
@@ -43,7 +50,7 @@ VISIBILITY_TIMEOUT = 2 * TIME_LIMIT  # s: Redis redelivers an unacknowledged mes
 CONFIG_ENV = "SPECDEC_CELERY_CONFIG"
 URL_FIELDS = ("transport", "hostname", "port", "userid", "password", "virtual_host")  # kombu's, not a query's
 
-_apps: dict[tuple, object] = {}
+_apps: dict[tuple[Any, ...], object] = {}
 log = logging.getLogger(__name__)
 
 
@@ -101,7 +108,7 @@ def check_broker_url(settings: Settings | None = None) -> None:
         raise QueueError(f"SPECDEC_BROKER_URL: {shown} has {clash[0]}= in its query, which kombu cannot take; {fix}")
 
 
-def celery_config(settings: Settings) -> dict:
+def celery_config(settings: Settings) -> dict[str, Any]:
     conf = dict(
         task_serializer="json",
         result_serializer="json",
@@ -143,7 +150,7 @@ def celery_config(settings: Settings) -> dict:
         )
     else:
         check_broker_url(settings)
-        broker = settings.broker_url
+        broker = settings.broker_url or ""  # (check_broker_url: set, and one kombu reads)
         backend = settings.result_backend or (broker if broker.startswith(("redis://", "rediss://")) else None)
         conf.update(
             broker_url=broker,
@@ -158,7 +165,7 @@ def celery_config(settings: Settings) -> dict:
     return conf
 
 
-def config_key() -> tuple:
+def config_key() -> tuple[Any, ...]:
     """What a Celery app's configuration depends on (one app per distinct key)."""
     settings = get_settings()
     return (
@@ -170,7 +177,7 @@ def config_key() -> tuple:
     )
 
 
-def get_app():
+def get_app() -> Celery:
     """A Celery app for the current settings that sends by task name (no task registered
     here; one per configuration, made on first use)."""
     key = config_key()
@@ -184,7 +191,7 @@ def get_app():
 
 
 @contextmanager
-def reaching(what: str = "", then: str = ""):
+def reaching(what: str = "", then: str = "") -> Iterator[None]:
     """kombu's OperationalError (the broker cannot be reached) as a ``QueueError`` that says
     what to do: "``what``: the broker at ... is unreachable (...); check ...``then``"."""
     from kombu.exceptions import OperationalError
@@ -233,6 +240,6 @@ def queue_size(pair: str) -> int | None:
     try:
         with get_app().connection_for_read() as conn:
             # (not passive: Redis has no key for an empty queue, so a passive look says "not found")
-            return conn.default_channel.queue_declare(queue=queue_name(pair)).message_count
+            return int(conn.default_channel.queue_declare(queue=queue_name(pair)).message_count)
     except Exception:  # noqa: BLE001 - unknown: the caller does nothing
         return None

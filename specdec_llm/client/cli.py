@@ -11,6 +11,11 @@ failure a person can fix prints one line (``error: ...``) on stderr and exits 2
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .local import LocalWorker
+
 import json
 import sys
 import time
@@ -67,7 +72,7 @@ def _params(options: dict[str, Any]) -> dict[str, Any]:
     return {key: v for key, v in params.items() if v is not None}
 
 
-def _fmt(v, spec: str, none: str = "-") -> str:
+def _fmt(v: object, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
@@ -242,7 +247,7 @@ def run(
 
     pair = pair or get_settings().default_pair
     device = check_device(device)
-    max_batch = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
+    batching = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
     out = out or Path(f"{file.stem}.results.{'csv' if fmt == 'csv' else 'jsonl'}")
     _check_output(fmt, out)  # before generating anything, not after
     with user_errors():  # the price (the flag, else SPECDEC_PRICE_PER_HOUR): now, not after the job
@@ -258,13 +263,15 @@ def run(
         sub = client.submit(file, pair, params, name=name, hold_s=client.JOB_HOLD_S)
         job = sub["job_id"]
         with client.holding(job):
-            _run_to_the_end(sub, pair, device=device, concurrency=concurrency, max_batch=max_batch)
+            _run_to_the_end(sub, pair, device=device, concurrency=concurrency, max_batch=batching)
             _export(client.results(job), fmt, out, job=job)
             st = client.status(job, price_per_hour=price_per_hour or None)
     _print_run_summary(st, out, wall=time.time() - t0)
 
 
-def _run_to_the_end(sub: dict, pair: str, *, device: str | None, concurrency: int, max_batch) -> None:
+def _run_to_the_end(
+    sub: dict[str, Any], pair: str, *, device: str | None, concurrency: int, max_batch: int | str
+) -> None:
     """`run`'s middle: a worker (a reachable one, or a local one started and stopped here)
     takes the submitted job's rows; a progress bar on stderr until none is pending."""
     from rich.console import Console
@@ -278,7 +285,7 @@ def _run_to_the_end(sub: dict, pair: str, *, device: str | None, concurrency: in
         f"({sub['done']} done before); broker {client.broker_display()}{_cancelled_note(job, sub['cancelled'])}"
     )
 
-    def start():  # also for a local worker killed (SIGKILL, OOM killer): its rows come back by lease
+    def start() -> LocalWorker:  # also for a local worker killed (SIGKILL, OOM killer): its rows come back by lease
         return client.start_local_worker(pair, device=device, concurrency=concurrency, max_batch=max_batch)
 
     try:
@@ -300,7 +307,7 @@ def _run_to_the_end(sub: dict, pair: str, *, device: str | None, concurrency: in
         with Progress(*columns, console=err) as progress:
             bar = progress.add_task(f"{pair}", total=sub["rows"], detail="")
 
-            def show(c):
+            def show(c: dict[str, int]) -> None:
                 done = c["ok"] + c["failed"] + c["cancelled"]
                 progress.update(bar, completed=done, detail=f"ok {c['ok']} failed {c['failed']}")
 
@@ -317,7 +324,7 @@ def _run_to_the_end(sub: dict, pair: str, *, device: str | None, concurrency: in
             client.stop_local_worker(p)
 
 
-def _print_run_summary(st: dict, out: Path, *, wall: float) -> None:
+def _print_run_summary(st: dict[str, Any], out: Path, *, wall: float) -> None:
     job, c = st["job_id"], st["counts"]
     print(
         f"job {job}: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled; results in {out}"
@@ -398,7 +405,7 @@ def _cannot_write(out: Path) -> str | None:
         return e.strerror or str(e)
 
 
-def _export(items: list[dict], fmt: str, out: Path | None, job: str | None = None) -> None:
+def _export(items: list[dict[str, Any]], fmt: str, out: Path | None, job: str | None = None) -> None:
     from specdec_llm import client
 
     if fmt not in client.FORMATS:

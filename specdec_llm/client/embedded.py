@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import uuid
+from queue import Empty  # (what kombu's filesystem channel raises: the standard library's)
 from time import monotonic
+from typing import Any
 
 from kombu.transport import filesystem
 from kombu.utils.encoding import bytes_to_str, str_to_bytes
@@ -18,14 +20,15 @@ class EmbeddedChannel(filesystem.Channel):
     rename wins). Upstream writes in place and moves claimed files to /tmp, where a reader
     can catch a half-written file or two readers can copy the same one."""
 
-    def _put(self, queue, payload, **kwargs):
+    # (as filesystem.Channel._put, which renames AbstractChannel._put's `message`: kombu's own mismatch)
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         tmp = os.path.join(self.data_folder_out, f".{name}.tmp")
         with open(tmp, "wb") as f:
             f.write(str_to_bytes(dumps(payload)))
         os.replace(tmp, os.path.join(self.data_folder_out, name))
 
-    def _get(self, queue):
+    def _get(self, queue: str, timeout: float | None = None) -> Any:
         folder = self.data_folder_in
         for name in sorted(os.listdir(folder)):
             if name.startswith(".") or name.partition(".")[2] != f"{queue}.msg":
@@ -39,7 +42,7 @@ class EmbeddedChannel(filesystem.Channel):
                 payload = f.read()
             os.remove(claimed)
             return loads(bytes_to_str(payload))
-        raise filesystem.Empty()
+        raise Empty()
 
 
 class EmbeddedTransport(filesystem.Transport):

@@ -12,21 +12,21 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TextIO
 
 from specdec_llm import store
 from specdec_llm.settings import get_settings
 from specdec_llm.store import jobs
-from specdec_llm.store.jobs import job_requests
+from specdec_llm.store.jobs import job_requests as job_requests  # (the client exports it)
 
 from . import rows as R
 from .broker import QueueError, broadcast_cancel, check_broker_url, get_app, queue_size, reaching
-from .local import log_tail
+from .local import LocalWorker, log_tail
 from .protocol import FINISHED, MAX_ATTEMPTS, TASK, task_message
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,8 @@ RESULT_FIELDS = (
 
 # -- submit -----------------------------------------------------------------------------------
 def submit(
-    path: Path, pair: str, params: dict | None = None, *, name: str | None = None, hold_s: float | None = None
-) -> dict:
+    path: Path, pair: str, params: dict[str, Any] | None = None, *, name: str | None = None, hold_s: float | None = None
+) -> dict[str, Any]:
     """Persist every row of ``path`` as a job for ``pair``, then enqueue the rows still to do.
     ``hold_s``: the job is also held that long against ``prune``, from the same transaction
     (``run`` does, then keeps it held with ``holding``).
@@ -102,7 +102,7 @@ def submit(
     }
 
 
-def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False, check_pair: bool = True) -> list:
+def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False, check_pair: bool = True) -> list[Any]:
     """One message per request on the pair's queue (rows must already be in the store).
 
     Bulk jobs read their results from the store, so by default the workers do not also
@@ -171,7 +171,7 @@ def job_counts(job_id: str, *, leases: bool = False) -> dict[str, int]:
     return counts if leases else {k: counts[k] for k in (*PENDING, *FINISHED)}
 
 
-def get_job(job_id: str) -> dict:
+def get_job(job_id: str) -> dict[str, Any]:
     store.check_schema()
     job = store.get_job(job_id)
     if job is None:
@@ -179,7 +179,7 @@ def get_job(job_id: str) -> dict:
     return job
 
 
-def status(job_id: str, price_per_hour=None) -> dict:
+def status(job_id: str, price_per_hour: object = None) -> dict[str, Any]:
     """Counts by state, progress, speed, acceptance and cost so far, and an ETA."""
     from specdec_llm.store import summary
 
@@ -215,7 +215,7 @@ def status(job_id: str, price_per_hour=None) -> dict:
     }
 
 
-def results(job_id: str, *, failed_only: bool = False) -> list[dict]:
+def results(job_id: str, *, failed_only: bool = False) -> list[dict[str, Any]]:
     """One dict per row, in input order (``failed_only``: the failed rows only): the row's
     id, outcome and key stats (``RESULT_FIELDS``,
     what the jsonl and csv formats write), and what the openai format adds: ``request_id``,
@@ -249,7 +249,7 @@ def results(job_id: str, *, failed_only: bool = False) -> list[dict]:
 FORMATS = ("jsonl", "csv", "openai")
 
 
-def write_results(items: list[dict], fmt: str, out) -> None:
+def write_results(items: list[dict[str, Any]], fmt: str, out: TextIO) -> None:
     """``jsonl``: one object per line (``RESULT_FIELDS``); ``csv``: one row per result,
     metadata as JSON text; ``openai``: OpenAI Batch output lines (``openai_batch.output_line``)."""
     if fmt == "jsonl":
@@ -272,7 +272,7 @@ def write_results(items: list[dict], fmt: str, out) -> None:
 
 
 # -- retry and cancel --------------------------------------------------------------------------
-def retry(job_id: str, *, cancelled: bool = False) -> dict:
+def retry(job_id: str, *, cancelled: bool = False) -> dict[str, Any]:
     """Re-enqueue failed rows (not those refused at submit: they would fail again) and lost
     ones (queued: a message lost with its broker; running with an expired lease: a worker
     lost), in one UPDATE; ``cancelled``: cancelled rows too (else they stay cancelled, and
@@ -293,7 +293,7 @@ def retry(job_id: str, *, cancelled: bool = False) -> dict:
     }
 
 
-def cancel(job_id: str, *, now: bool = False) -> dict:
+def cancel(job_id: str, *, now: bool = False) -> dict[str, Any]:
     """Rows not started are cancelled, in one UPDATE (workers skip them); a row being
     generated finishes, unless ``now``: then its worker ends it at its next iteration as
     cancelled, keeping its partial text. Returns ``{"job_id", "cancelled", "stopping",
@@ -308,7 +308,7 @@ def cancel(job_id: str, *, now: bool = False) -> dict:
     return {"job_id": job_id, "cancelled": cancelled, "stopping": stopping, "finished": False}
 
 
-def reclaim_and_enqueue(max_attempts: int = MAX_ATTEMPTS) -> list[dict]:
+def reclaim_and_enqueue(max_attempts: int = MAX_ATTEMPTS) -> list[dict[str, Any]]:
     """Requeue rows whose lease expired and send a message for each; returns them. (Every
     worker's lease step and a waiting ``run`` call it: whoever comes first.)"""
     rows = jobs.reclaim(get_settings().lease_timeout_s, max_attempts=max_attempts)
@@ -368,14 +368,14 @@ STORE_GRACE_S = 300  # s: how long `wait` keeps looking while the database canno
 def wait(
     job_id: str,
     *,
-    workers: list[subprocess.Popen] = (),
-    on_progress=None,
+    workers: list[LocalWorker] | None = None,
+    on_progress: Callable[[dict[str, int]], object] | None = None,
     poll_s: float = 0.3,
     timeout_s: float | None = None,
     requeue_lost_after_s: float | None = None,
-    restart=None,
+    restart: Callable[[LocalWorker], LocalWorker] | None = None,
     max_restarts: int = 20,
-) -> dict:
+) -> dict[str, Any]:
     """Until no row of the job is queued or running; returns the counts by state.
     ``on_progress(counts)`` after each look. Raises RuntimeError when every local worker in
     ``workers`` has stopped first, TimeoutError after ``timeout_s``. A database that cannot
@@ -386,6 +386,7 @@ def wait(
     list, updated in place). ``requeue_lost_after_s``: when no row has finished for that
     long, none is running and some are queued, ``requeue_lost`` (rows whose message is
     gone, e.g. with a broker that lost its data, are sent again)."""
+    workers = [] if workers is None else workers
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last_read = progress_at = reclaimed_at = time.monotonic()
     last_done, restarts = -1, 0
@@ -417,27 +418,34 @@ def wait(
             _requeue_lost_quietly(job_id)
         if counts["running"] and time.monotonic() - reclaimed_at > get_settings().lease_heartbeat_s:
             reclaimed_at = time.monotonic()
-            try:
-                reclaim_and_enqueue()
-            except Exception as e:  # noqa: BLE001 - the database or broker is away: a worker or the next look does it
-                log.debug("requeueing lost rows: %s", e)
+            _reclaim_quietly()
         restarts = _restart_killed(workers, restart, restarts, max_restarts)
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} not finished after {timeout_s} s: {counts}")
         time.sleep(poll_s)
 
 
+def _reclaim_quietly() -> None:
+    """Requeue the rows whose worker's lease expired (as every worker does: whoever comes first)."""
+    try:
+        reclaim_and_enqueue()
+    except Exception as e:  # noqa: BLE001 - the database or broker is away: a worker or the next look does it
+        log.debug("requeueing lost rows: %s", e)
+
+
 def _requeue_lost_quietly(job_id: str) -> None:
     """``requeue_lost``, logged when it sent something; a store or broker away: not now."""
     try:
         n = requeue_lost(job_id)
-    except (*store.TRANSIENT_ERRORS, QueueError):  # not now; look again later
+    except store.TRANSIENT_ERRORS + (QueueError,):  # not now; look again later
         return
     if n:
         log.warning("job %s: %d queued rows had no message (lost with the broker); enqueued again", job_id, n)
 
 
-def _restart_killed(workers: list[subprocess.Popen], restart, restarts: int, max_restarts: int) -> int:
+def _restart_killed(
+    workers: list[LocalWorker], restart: Callable[[LocalWorker], LocalWorker] | None, restarts: int, max_restarts: int
+) -> int:
     """A new local worker (``restart(proc)``) for each in ``workers`` killed by a signal, while
     ``restarts`` < ``max_restarts``; raises RuntimeError when every one has stopped. Returns
     the restarts so far."""

@@ -14,15 +14,21 @@ from pathlib import Path
 from specdec_llm.settings import get_settings
 
 
+class LocalWorker(subprocess.Popen[bytes]):
+    """A local worker's process, and the file its output goes to."""
+
+    log_path: Path
+
+
 def start_local_worker(
     pair: str,
     *,
     device: str | None = None,
     concurrency: int = 1,
-    max_batch: int | None = None,
+    max_batch: int | str | None = None,
     log_path: Path | None = None,
     extra: list[str] | None = None,
-) -> subprocess.Popen:
+) -> LocalWorker:
     """``specdec-llm worker`` for ``pair`` as a child process with this environment; its
     output goes to ``log_path`` (default: ``<data_dir>/logs/worker-<pair>-<time>.log``).
     ``max_batch`` > 1: one batching process (``--max-batch``; None: the settings' default).
@@ -49,9 +55,7 @@ def start_local_worker(
     if max_batch is not None:
         cmd += ["--max-batch", str(max_batch)]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
+        proc = LocalWorker(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     proc.log_path = log_path
     return proc
 
@@ -76,7 +80,7 @@ def _dying_with_this_process() -> list[str]:
     return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid())]
 
 
-def stop_local_worker(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:
+def stop_local_worker(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int | None:
     """Warm shutdown (SIGTERM: the running task finishes, unacknowledged messages go back to
     the queue); SIGKILL to its process group after ``timeout`` s."""
     if proc.poll() is None:
@@ -89,7 +93,7 @@ def stop_local_worker(proc: subprocess.Popen, timeout: float = 30.0) -> int | No
     return proc.returncode
 
 
-def log_tail(proc: subprocess.Popen, lines: int = 12) -> str:
+def log_tail(proc: LocalWorker, lines: int = 12) -> str:
     """The worker's last critical message if it logged one (why it stopped), else its last lines."""
     try:
         text = Path(proc.log_path).read_text(errors="replace").splitlines()

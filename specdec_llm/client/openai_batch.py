@@ -18,9 +18,15 @@ holds the same error as the OpenAI API would return it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .rows import Row
+
 import calendar
 import dataclasses
 import json
+from typing import Any
 
 from specdec_llm.checks import check_seed, check_text
 from specdec_llm.engine import GenerationRequest, RequestError
@@ -66,12 +72,12 @@ TELEMETRY = (
 )
 
 
-def is_batch_line(obj: dict) -> bool:
+def is_batch_line(obj: dict[str, Any]) -> bool:
     """An OpenAI Batch input line (our own rows have no ``custom_id``)."""
     return "custom_id" in obj
 
 
-def fill(row, obj: dict) -> str | None:
+def fill(row: Row, obj: dict[str, Any]) -> str | None:
     """Copy an OpenAI Batch input line into ``row`` (a ``rows.Row``; its id is already the
     ``custom_id``); the first problem as text (naming the field as the line spells it), else None."""
     unknown = [k for k in obj if k not in LINE_KEYS]
@@ -123,7 +129,7 @@ def fill(row, obj: dict) -> str | None:
     return None
 
 
-def _messages(row, messages) -> str | None:
+def _messages(row: Row, messages: Any) -> str | None:
     if not isinstance(messages, list) or not messages:
         return 'body.messages: must be a non-empty list of {"role", "content"}'
     turns = []
@@ -154,7 +160,7 @@ def _messages(row, messages) -> str | None:
     return None
 
 
-def _prompt(row, prompt) -> str | None:
+def _prompt(row: Row, prompt: Any) -> str | None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, list):
@@ -174,7 +180,7 @@ def _prompt(row, prompt) -> str | None:
 
 
 # -- out ---------------------------------------------------------------------------------------------
-def output_line(item: dict) -> dict:
+def output_line(item: dict[str, Any]) -> dict[str, Any]:
     """One OpenAI Batch output line for one ``client.results`` item."""
     rid, endpoint = item["request_id"], item.get("endpoint") or (CHAT if item.get("chat") else COMPLETIONS)
     line = {"id": f"batch_req_{rid}", "custom_id": item["id"], "response": None, "error": None}
@@ -222,7 +228,7 @@ def output_line(item: dict) -> dict:
     return line
 
 
-def _speedup(item: dict) -> dict:
+def _speedup(item: dict[str, Any]) -> dict[str, Any]:
     """The row's speedup over target-only decoding and its basis (None for a row recorded
     before per-request counterfactuals)."""
     from specdec_llm.store.reports import SPEEDUP_BASIS

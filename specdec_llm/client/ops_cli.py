@@ -8,6 +8,11 @@ option and the fix, exit 2 (``specdec_llm.cli_common``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console, Group, RenderableType
+
 import json
 import sys
 import time
@@ -230,7 +235,7 @@ def prune_cmd(
             print("nothing deleted (add --yes to delete without asking)")
             raise typer.Exit(1)
 
-    def progress(freed: dict) -> None:
+    def progress(freed: dict[str, Any]) -> None:
         print(f"  ... {freed['rows']} rows, {freed['jobs']} jobs deleted", file=sys.stderr)
 
     with user_errors():
@@ -272,7 +277,7 @@ def watch_status(job: str, *, interval: float, as_json: bool, price_per_hour: An
     print(f"job {job}: done: {c['ok']} ok, {c['failed']} failed, {c['cancelled']} cancelled", file=said)
 
 
-def _look(st: dict, interval: float, price_per_hour: Any) -> tuple[dict, str]:
+def _look(st: dict[str, Any], interval: float, price_per_hour: Any) -> tuple[dict[str, Any], str]:
     """Wait, then the job's status again; a store away for a moment keeps the last one, and says so."""
     from specdec_llm import client
     from specdec_llm.errors import SpecDecError
@@ -284,7 +289,7 @@ def _look(st: dict, interval: float, price_per_hour: Any) -> tuple[dict, str]:
         return st, f"(cannot read the store: {e}; looking again)"
 
 
-def _watch_live(st: dict, console, interval: float, price_per_hour: Any) -> dict:
+def _watch_live(st: dict[str, Any], console: Console, interval: float, price_per_hour: Any) -> dict[str, Any]:
     from rich.live import Live
 
     with Live(_view(st), console=console, auto_refresh=False) as live:
@@ -294,7 +299,7 @@ def _watch_live(st: dict, console, interval: float, price_per_hour: Any) -> dict
     return st
 
 
-def _watch_json(st: dict, console, interval: float, price_per_hour: Any) -> dict:
+def _watch_json(st: dict[str, Any], console: Console, interval: float, price_per_hour: Any) -> dict[str, Any]:
     print(_json(st), flush=True)
     while st["status"] != "done":
         st, note = _look(st, interval, price_per_hour)
@@ -303,7 +308,7 @@ def _watch_json(st: dict, console, interval: float, price_per_hour: Any) -> dict
     return st
 
 
-def _watch_lines(st: dict, console, interval: float, price_per_hour: Any) -> dict:
+def _watch_lines(st: dict[str, Any], console: Console, interval: float, price_per_hour: Any) -> dict[str, Any]:
     """Not a terminal (a file, a pipe): one plain line per look, written as it is seen."""
     print(_line(st), flush=True)
     while st["status"] != "done":
@@ -312,7 +317,7 @@ def _watch_lines(st: dict, console, interval: float, price_per_hour: Any) -> dic
     return st
 
 
-def _line(st: dict, note: str = "") -> str:
+def _line(st: dict[str, Any], note: str = "") -> str:
     """One look at a job as one plain line (``_view``'s content)."""
     c, total = st["counts"], st["total"]
     acc, eta = st["acceptance_rate"], "-" if st["eta_s"] is None else ago(st["eta_s"])
@@ -327,7 +332,7 @@ def _line(st: dict, note: str = "") -> str:
     return f"{line} {note}" if note else line
 
 
-def _view(st: dict, note: str = ""):
+def _view(st: dict[str, Any], note: str = "") -> Group:
     """One look at a job: a progress bar, its rows by state, speed, acceptance and ETA."""
     from rich.console import Group
     from rich.progress_bar import ProgressBar
@@ -344,7 +349,7 @@ def _view(st: dict, note: str = ""):
     )
     rate, acc = _rate(st["throughput_tokens_per_s"]), st["acceptance_rate"]
     eta = "-" if st["eta_s"] is None else ago(st["eta_s"])
-    lines = [
+    lines: list[RenderableType] = [
         head,
         Text(", ".join(f"{k} {v}" for k, v in c.items())),
         Text(

@@ -31,9 +31,10 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from specdec_llm.checks import check_messages, check_seed, check_text
 from specdec_llm.engine import GenerationRequest, RequestError
@@ -56,8 +57,8 @@ class Row:
     line: int  # where it is in the file, from 1 (for messages)
     id: str
     prompt: str | None = None
-    messages: list | None = None
-    params: dict = field(default_factory=dict)
+    messages: list[Any] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
     metadata: Any = None
     category: str | None = None
     error: str | None = None
@@ -126,7 +127,7 @@ class _Bad:
     preview: str
 
 
-def _lines(f):
+def _lines(f: BinaryIO) -> Iterator[tuple[int, str | _Bad]]:
     """``(line number, text)`` for each line of binary file ``f`` (line ending dropped), never
     holding more than ``MAX_LINE_BYTES`` of one line: an over-long line, or one that is
     not UTF-8, comes as a ``_Bad`` instead of its text."""
@@ -164,8 +165,8 @@ def _lines(f):
             )
 
 
-def _jsonl(lines) -> list[Row]:
-    rows = []
+def _jsonl(lines: Iterable[tuple[int, str | _Bad]]) -> list[Row]:
+    rows: list[Row] = []
     for n, line in lines:
         if isinstance(line, _Bad):
             rows.append(Row(len(rows), n, "", prompt=line.preview, error=line.error))
@@ -195,7 +196,7 @@ def _jsonl(lines) -> list[Row]:
     return rows
 
 
-def _unstorable(value, where: str = "") -> str | None:
+def _unstorable(value: Any, where: str = "") -> str | None:
     """What in a parsed row cannot be stored as JSON text (NaN or infinity: not JSON; a lone
     surrogate such as "\\ud800": not UTF-8), else None."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -223,7 +224,7 @@ def _bad_at(text: str) -> int:
     return next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
 
 
-def _sanitize(value):
+def _sanitize(value: Any) -> Any:
     """A JSON-safe, UTF-8-safe copy of ``value`` (for storing a bad row as it came)."""
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
@@ -239,11 +240,11 @@ def _sanitize(value):
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _dumps_safe(value) -> str:
+def _dumps_safe(value: Any) -> str:
     return json.dumps(_sanitize(value))[:PREVIEW_CHARS]
 
 
-def _fill(row: Row, obj: dict) -> str | None:
+def _fill(row: Row, obj: dict[str, Any]) -> str | None:
     """Copy a JSON object's fields into ``row``; the first problem as text, else None."""
     unknown = sorted(set(obj) - set(ROW_KEYS) - set(PARAMS))
     row.prompt, row.messages = obj.get("prompt"), obj.get("messages")
@@ -272,7 +273,7 @@ def _fill(row: Row, obj: dict) -> str | None:
     return None
 
 
-def _valid_messages(messages) -> bool:
+def _valid_messages(messages: Any) -> bool:
     return (
         isinstance(messages, list)
         and bool(messages)
@@ -288,10 +289,10 @@ CSV_BAD_LINE = (
 )
 
 
-def _csv(lines, path: Path) -> list[Row]:
+def _csv(lines: Iterable[tuple[int, str | _Bad]], path: Path) -> list[Row]:
     bad_lines: dict[int, _Bad] = {}
 
-    def text():
+    def text() -> Iterator[str]:
         for n, line in lines:
             if isinstance(line, _Bad):  # keep the line count; the record that holds it fails
                 bad_lines[n] = line
@@ -307,7 +308,8 @@ def _csv(lines, path: Path) -> list[Row]:
         raise InputError(f"{path}: cannot read the CSV header ({e})") from None
     if not fieldnames or "prompt" not in fieldnames:
         raise InputError(f"{path}: a CSV file needs a header with a 'prompt' column (found: {fieldnames})")
-    rows, start = [], reader.line_num + 1
+    rows: list[Row] = []
+    start = reader.line_num + 1
     while True:
         try:
             record = next(reader)
@@ -324,34 +326,42 @@ def _csv(lines, path: Path) -> list[Row]:
             start = reader.line_num + 1
             continue
         line, start = start, reader.line_num + 1
-        extra = {k: v for k, v in record.items() if k not in ("id", "prompt", "category") and k is not None}
-        surplus = record.get(None)  # more fields than the header names: never dropped silently
-        row = Row(
-            len(rows),
-            line,
-            record.get("id") or "",
-            prompt=record.get("prompt"),
-            metadata=extra or None,
-            category=record.get("category") or None,
-        )
-        values = [v for v in record.values() if isinstance(v, str)]
         bad = [bad_lines[n] for n in range(line, start) if n in bad_lines]
-        if bad or any(CSV_BAD_LINE in v for v in values):
-            problem = bad[0] if bad else _Bad("a line of this record cannot be read", "")
-            row.id, row.prompt, row.metadata, row.category, row.error = "", problem.preview, None, None, problem.error
-        elif surplus:
-            row.error = (
-                f"{len(fieldnames) + len(surplus)} fields, but the header names {len(fieldnames)}; "
-                'quote a prompt that holds commas ("like, this"), or name the extra columns in the header'
-            )
-        elif not (row.prompt or "").strip():
-            row.error = "empty prompt"
+        row = _csv_row(record, len(rows), line, len(fieldnames), bad)
         rows.append(row)
     return rows
 
 
+def _csv_row(record: dict[str | None, Any], index: int, line: int, header: int, bad: list[_Bad]) -> Row:
+    """One CSV record as a row: ``line`` its first line, ``header`` the number of fields the
+    header names, ``bad`` its lines that could not be read. A record with such a line, more
+    fields than the header or no prompt fails alone (``error``)."""
+    extra = {k: v for k, v in record.items() if k not in ("id", "prompt", "category") and k is not None}
+    surplus = record.get(None)  # more fields than the header names: never dropped silently
+    row = Row(
+        index,
+        line,
+        record.get("id") or "",
+        prompt=record.get("prompt"),
+        metadata=extra or None,
+        category=record.get("category") or None,
+    )
+    values = [v for v in record.values() if isinstance(v, str)]
+    if bad or any(CSV_BAD_LINE in v for v in values):
+        problem = bad[0] if bad else _Bad("a line of this record cannot be read", "")
+        row.id, row.prompt, row.metadata, row.category, row.error = "", problem.preview, None, None, problem.error
+    elif surplus:
+        row.error = (
+            f"{header + len(surplus)} fields, but the header names {header}; "
+            'quote a prompt that holds commas ("like, this"), or name the extra columns in the header'
+        )
+    elif not (row.prompt or "").strip():
+        row.error = "empty prompt"
+    return row
+
+
 # -- checks and ids ------------------------------------------------------------------------
-def check_params(params: dict, *, messages: bool = False) -> None:
+def check_params(params: dict[str, Any], *, messages: bool = False) -> None:
     """RequestError naming the first bad generation parameter."""
     unknown = sorted(set(params) - set(PARAMS))
     if unknown:
@@ -361,7 +371,7 @@ def check_params(params: dict, *, messages: bool = False) -> None:
     check_seed(params.get("seed"))
 
 
-def check_rows(rows: list[Row], job_params: dict) -> None:
+def check_rows(rows: list[Row], job_params: dict[str, Any]) -> None:
     """Set ``error`` on each row whose merged parameters are bad (context length is the
     worker's check: it needs the tokenizer)."""
     for r in rows:
@@ -374,7 +384,7 @@ def check_rows(rows: list[Row], job_params: dict) -> None:
                 r.error = str(e)
 
 
-def job_id_for(path: Path, pair: str, params: dict) -> str:
+def job_id_for(path: Path, pair: str, params: dict[str, Any]) -> str:
     """Same file content, pair and parameters -> same job: running it again resumes it."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -388,7 +398,7 @@ def request_id(job_id: str, row: Row) -> str:
     return f"{job_id}-{row.index + 1}"
 
 
-def to_request(job_id: str, row: Row, job_params: dict) -> dict:
+def to_request(job_id: str, row: Row, job_params: dict[str, Any]) -> dict[str, Any]:
     """The ``store.create_job`` item for ``row``. A bad row is stored as it came, made safe to
     store (NaN as text, unpaired surrogates replaced), with its error."""
     params = {**job_params, **row.params, "_row": row.index, "_id": row.id}
@@ -421,12 +431,12 @@ def to_request(job_id: str, row: Row, job_params: dict) -> dict:
     return item
 
 
-def generation_params(params: dict | None) -> dict:
+def generation_params(params: dict[str, Any] | None) -> dict[str, Any]:
     """The ``GenerationRequest`` fields of a stored row's params."""
     return {k: v for k, v in (params or {}).items() if not k.startswith("_")}
 
 
-def build_request(row: dict, tokenizer) -> GenerationRequest:
+def build_request(row: dict[str, Any], tokenizer: Any) -> GenerationRequest:
     """A stored request row -> GenerationRequest (chat messages rendered to token ids here,
     with the pair's chat template, so the engine needs no notion of turns)."""
     from specdec_llm.engine.chat import render_chat, render_user_prompt

@@ -17,7 +17,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from specdec_llm.settings import get_settings
 
@@ -39,7 +41,7 @@ def _stream_redis_url() -> str | None:
     return None
 
 
-def _redis(url: str):
+def _redis(url: str) -> Any:  # (a redis.Redis)
     key = (os.getpid(), url)  # a forked worker child opens its own connections
     if key not in _redis_clients:
         import redis
@@ -58,7 +60,7 @@ class StreamWriter:
     def __init__(self, request_id: str):
         self.request_id, self.url, self.broken = request_id, _stream_redis_url(), False
 
-    def _put(self, entry: dict) -> None:
+    def _put(self, entry: dict[str, Any]) -> None:
         if self.broken:
             return
         data = json.dumps(entry, ensure_ascii=False)
@@ -85,7 +87,9 @@ class StreamWriter:
         self._put({"end": 1})
 
 
-def follow_stream(request_id: str, done, *, timeout_s: float | None = None, poll_s: float = 0.1):
+def follow_stream(
+    request_id: str, done: Callable[[], bool], *, timeout_s: float | None = None, poll_s: float = 0.1
+) -> Iterator[str]:
     """The client's end: yield each text delta as the worker publishes it, until the end
     marker, or until ``done()`` (the task is over; e.g. a worker that died publishes no end)
     and nothing more is there. Raises TimeoutError after ``timeout_s``."""

@@ -81,7 +81,7 @@ class RemoteBackend:
         raise BrokerUnavailable(error)
 
     def _wait(self, rid: str, result: Any, call: Call) -> dict[str, Any]:
-        from celery.exceptions import TimeoutError as CeleryTimeout  # type: ignore[import-untyped]
+        from celery.exceptions import TimeoutError as CeleryTimeout
 
         while True:  # the task's result; or the row finished by another delivery (its first worker was lost)
             remaining = call.remaining()

@@ -137,56 +137,63 @@ def read_toml(text: str, source: str) -> dict[str, PairSpec]:
     known = set(PairSpec.__dataclass_fields__) - {"name", "source"}
     out = {}
     for name, fields in data.items():
-        if not isinstance(fields, dict):
-            raise PairError(
-                f"{source}: pair {name!r} must be a table ([pairs.{name}] with target = ...), not {fields!r}"
-            )
-        unknown = set(fields) - known
-        if unknown:
-            raise PairError(f"{source}: pair {name!r} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        if "target" not in fields:
-            raise PairError(f"{source}: pair {name!r} needs a 'target' (model dir, hub id or .gguf file)")
-        for key, value in fields.items():
-            kind = KEY_TYPES.get(key)
-            if kind and not has_type(value, kind):
-                raise PairError(
-                    f"{source}: pair {name!r}: {key} must be {WORDS[kind]}, not {value!r} ({toml_type(value)})"
-                )
-        k = fields.get("k", "auto")
-        if k != "auto" and k < 0:
-            raise PairError(f'{source}: pair {name!r}: k must be "auto" or an integer >= 0, not {k!r}')
-        draft = fields.get("draft")
-        quantized = isinstance(draft, str) and draft.startswith(QUANTIZED)
-        if quantized:
-            quantization_scheme(draft, f"{source}: pair {name!r}")
-        if fields.get("compile_draft", False) and not quantized:
-            raise PairError(
-                f"{source}: pair {name!r}: compile_draft must be true or false, and needs "
-                f'draft = "quantized:int4" (it compiles the quantized draft\'s step)'
-            )
-        draft_quantize = fields.get("draft_quantize")
-        if draft_quantize is not None:
-            quantization_scheme(QUANTIZED + draft_quantize, f"{source}: pair {name!r}: draft_quantize")
-            if draft_kind(draft) != "model":
-                raise PairError(
-                    f"{source}: pair {name!r}: draft_quantize needs a draft model of its own (draft = a model "
-                    f'dir, hub id or .gguf); for the target\'s own weights use draft = "quantized:{draft_quantize}"'
-                )
-        draft_vocab = fields.get("draft_vocab")
-        if draft_vocab is not None and not (draft_vocab > 0 and (quantized or draft_quantize)):
-            raise PairError(
-                f"{source}: pair {name!r}: draft_vocab must be a positive number of tokens, e.g. 32768, "
-                f'and needs draft = "quantized:int4" or draft_quantize (it narrows the quantized draft\'s head)'
-            )
-        drafters = fields.get("drafters")
-        if drafters is not None:
-            from ..engine.drafting import registry as drafter_registry
-
-            why = drafter_registry.check(drafters, draft_kind(draft))
-            if why:
-                raise PairError(f"{source}: pair {name!r}: {why}")
+        where = f"{source}: pair {name!r}"
+        _check_keys(where, name, fields, known)
+        _check_drafting(where, fields)
         out[name] = PairSpec(name=name, source=source, **fields)
     return out
+
+
+def _check_keys(where: str, name: str, fields: object, known: set[str]) -> None:
+    """A pair's table: only known keys, a target, and each key of its type (``where`` names the pair in errors)."""
+    if not isinstance(fields, dict):
+        raise PairError(f"{where} must be a table ([pairs.{name}] with target = ...), not {fields!r}")
+    unknown = set(fields) - known
+    if unknown:
+        raise PairError(f"{where} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    if "target" not in fields:
+        raise PairError(f"{where} needs a 'target' (model dir, hub id or .gguf file)")
+    for key, value in fields.items():
+        kind = KEY_TYPES.get(key)
+        if kind and not has_type(value, kind):
+            raise PairError(f"{where}: {key} must be {WORDS[kind]}, not {value!r} ({toml_type(value)})")
+
+
+def _check_drafting(where: str, fields: dict) -> None:
+    """A pair's drafting keys agree: k, the draft and its quantization, compile_draft, draft_vocab, drafters."""
+    k = fields.get("k", "auto")
+    if k != "auto" and k < 0:
+        raise PairError(f'{where}: k must be "auto" or an integer >= 0, not {k!r}')
+    draft = fields.get("draft")
+    quantized = isinstance(draft, str) and draft.startswith(QUANTIZED)
+    if quantized:
+        quantization_scheme(draft, where)
+    if fields.get("compile_draft", False) and not quantized:
+        raise PairError(
+            f"{where}: compile_draft must be true or false, and needs "
+            f'draft = "quantized:int4" (it compiles the quantized draft\'s step)'
+        )
+    draft_quantize = fields.get("draft_quantize")
+    if draft_quantize is not None:
+        quantization_scheme(QUANTIZED + draft_quantize, f"{where}: draft_quantize")
+        if draft_kind(draft) != "model":
+            raise PairError(
+                f"{where}: draft_quantize needs a draft model of its own (draft = a model "
+                f'dir, hub id or .gguf); for the target\'s own weights use draft = "quantized:{draft_quantize}"'
+            )
+    draft_vocab = fields.get("draft_vocab")
+    if draft_vocab is not None and not (draft_vocab > 0 and (quantized or draft_quantize)):
+        raise PairError(
+            f"{where}: draft_vocab must be a positive number of tokens, e.g. 32768, "
+            f'and needs draft = "quantized:int4" or draft_quantize (it narrows the quantized draft\'s head)'
+        )
+    drafters = fields.get("drafters")
+    if drafters is not None:
+        from ..engine.drafting import registry as drafter_registry
+
+        why = drafter_registry.check(drafters, draft_kind(draft))
+        if why:
+            raise PairError(f"{where}: {why}")
 
 
 def registry() -> dict[str, PairSpec]:

@@ -324,6 +324,31 @@ def create_job(
     Returns ``{"job_id", "request_ids" (input order), "created" (new rows)}``.
     """
     job_id = job_id or str(uuid.uuid4())
+    rows = _request_rows(requests)
+    with writing(url) as s:
+        pair_id = _pair_id(s, pair) if pair else None
+        _ensure_job(s, job_id, hold_s=hold_s, name=name, pair_id=pair_id, params=params)
+        now = utcnow()
+        for r in rows:
+            r.update(job_id=job_id, pair_id=pair_id, status="queued", attempts=0, created_at=now)
+        # which keys and ids exist already (then the insert skips them, and any
+        # row a concurrent caller slipped in meanwhile)
+        keys = [r["idempotency_key"] for r in rows if r["idempotency_key"]]
+        by_key = _ids_by_key(s, keys)
+        known_ids: set[str] = set()
+        for chunk in chunks([r["id"] for r in rows]):
+            known_ids.update(s.scalars(select(Request.id).where(Request.id.in_(chunk))))
+        new = [r for r in rows if r["idempotency_key"] not in by_key and r["id"] not in known_ids]
+        if new:
+            s.execute(dialect_insert(s, Request).on_conflict_do_nothing(), new)
+        by_key = _ids_by_key(s, keys)  # again: a concurrent caller may have won a key
+        refresh_job(s, job_id)
+    request_ids = [by_key.get(r["idempotency_key"], r["id"]) if r["idempotency_key"] else r["id"] for r in rows]
+    return {"job_id": job_id, "request_ids": request_ids, "created": len(new)}
+
+
+def _request_rows(requests: Iterable[dict[str, Any] | str]) -> list[dict[str, Any]]:
+    """``create_job``'s requests as rows of the requests table (their job's columns to come)."""
     rows = []
     for item in requests:
         item = {"prompt": item} if isinstance(item, str) else dict(item)
@@ -339,34 +364,17 @@ def create_job(
                 "params": item.get("params"),
             }
         )
-    with writing(url) as s:
-        pair_id = _pair_id(s, pair) if pair else None
-        _ensure_job(s, job_id, hold_s=hold_s, name=name, pair_id=pair_id, params=params)
-        now = utcnow()
-        for r in rows:
-            r.update(job_id=job_id, pair_id=pair_id, status="queued", attempts=0, created_at=now)
-        # which keys and ids exist already (then the insert skips them, and any
-        # row a concurrent caller slipped in meanwhile)
-        keys = [r["idempotency_key"] for r in rows if r["idempotency_key"]]
-        by_key: dict[str | None, str] = {}
-        for chunk in chunks(keys):
-            by_key.update(
-                s.execute(select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))).all()
-            )
-        ids = [r["id"] for r in rows]
-        known_ids: set[str] = set()
-        for chunk in chunks(ids):
-            known_ids.update(s.scalars(select(Request.id).where(Request.id.in_(chunk))))
-        new = [r for r in rows if r["idempotency_key"] not in by_key and r["id"] not in known_ids]
-        if new:
-            s.execute(dialect_insert(s, Request).on_conflict_do_nothing(), new)
-        for chunk in chunks(keys):  # resolve again: a concurrent caller may have won a key
-            by_key.update(
-                s.execute(select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))).all()
-            )
-        refresh_job(s, job_id)
-    request_ids = [by_key.get(r["idempotency_key"], r["id"]) if r["idempotency_key"] else r["id"] for r in rows]
-    return {"job_id": job_id, "request_ids": request_ids, "created": len(new)}
+    return rows
+
+
+def _ids_by_key(s: Session, keys: list[str]) -> dict[str | None, str]:
+    """The ids of the stored requests with these idempotency keys, by key."""
+    by_key: dict[str | None, str] = {}
+    for chunk in chunks(keys):
+        by_key.update(
+            s.execute(select(Request.idempotency_key, Request.id).where(Request.idempotency_key.in_(chunk))).all()
+        )
+    return by_key
 
 
 def _text(value: str | None) -> str | None:

@@ -115,9 +115,28 @@ def seed_finished_jobs(
     engine = get_engine(url)
     pg = engine.dialect.name == "postgresql"
 
-    def when(dt: datetime) -> Any:
-        return dt if pg else dt.strftime("%Y-%m-%d %H:%M:%S.%f")  # SQLAlchemy's SQLite format
+    job_rows = _finished_jobs(jobs, rows_per_job, created_at, prefix, pair_id)
+    with session_scope(url) as s:
+        s.execute(insert(Job), job_rows)
+    keys: Iterator[tuple[str, datetime, int]] = (
+        (str(j["id"]), created_at + timedelta(seconds=i), r)
+        for i, j in enumerate(job_rows)
+        for r in range(rows_per_job)
+    )
+    total = 0
+    while batch := list(islice(keys, chunk)):
+        _copy_rows(engine, pg, _finished_rows(batch, pair_id, pg))
+        total += len(batch)
+    with engine.connect() as conn:
+        conn.execute(text("ANALYZE"))
+        conn.commit()
+    return total
 
+
+def _finished_jobs(
+    jobs: int, rows_per_job: int, created_at: datetime, prefix: str, pair_id: int
+) -> list[dict[str, Any]]:
+    """``seed_finished_jobs``'s job rows: done, every row ok, finished 60 s after their creation."""
     job_rows = []
     for i in range(jobs):
         created = created_at + timedelta(seconds=i)
@@ -135,36 +154,29 @@ def seed_finished_jobs(
                 finished_at=created + timedelta(seconds=60),
             )
         )
-    with session_scope(url) as s:
-        s.execute(insert(Job), job_rows)
+    return job_rows
+
+
+def _finished_rows(
+    batch: list[tuple[str, datetime, int]], pair_id: int, pg: bool
+) -> list[tuple[str, Sequence[str], list[tuple[Any, ...]]]]:
+    """The request, output and telemetry rows of ``batch`` ((job id, its creation, row number)
+    each), by table, for ``_copy_rows``."""
+
+    def when(dt: datetime) -> Any:
+        return dt if pg else dt.strftime("%Y-%m-%d %H:%M:%S.%f")  # SQLAlchemy's SQLite format
+
     tel_columns = [c.name for c in Telemetry.__table__.columns]
-    keys: Iterator[tuple[str, datetime, int]] = (
-        (str(j["id"]), created_at + timedelta(seconds=i), r)
-        for i, j in enumerate(job_rows)
-        for r in range(rows_per_job)
-    )
-    total = 0
-    while batch := list(islice(keys, chunk)):
-        reqs: list[tuple[Any, ...]] = []
-        outs: list[tuple[Any, ...]] = []
-        tels: list[tuple[Any, ...]] = []
-        for job_id, created, r in batch:
-            rid, done = f"{job_id}-{r}", when(created + timedelta(seconds=60))
-            reqs.append((rid, job_id, pair_id, "ok", 1, 0, when(created), when(created), done))
-            outs.append((rid, "x", "[1, 2, 3]", 8, 3 + r % 61, "length", done))
-            tel = _telemetry(rid, job_id, pair_id, done, output_tokens=3 + r % 61)
-            tels.append(tuple(tel.get(c) for c in tel_columns))
-        tables: list[tuple[str, Sequence[str], list[tuple[Any, ...]]]] = [
-            ("requests", _REQUEST_COLUMNS, reqs),
-            ("outputs", _OUTPUT_COLUMNS, outs),
-            ("telemetry", tel_columns, tels),
-        ]
-        _copy_rows(engine, pg, tables)
-        total += len(batch)
-    with engine.connect() as conn:
-        conn.execute(text("ANALYZE"))
-        conn.commit()
-    return total
+    reqs: list[tuple[Any, ...]] = []
+    outs: list[tuple[Any, ...]] = []
+    tels: list[tuple[Any, ...]] = []
+    for job_id, created, r in batch:
+        rid, done = f"{job_id}-{r}", when(created + timedelta(seconds=60))
+        reqs.append((rid, job_id, pair_id, "ok", 1, 0, when(created), when(created), done))
+        outs.append((rid, "x", "[1, 2, 3]", 8, 3 + r % 61, "length", done))
+        tel = _telemetry(rid, job_id, pair_id, done, output_tokens=3 + r % 61)
+        tels.append(tuple(tel.get(c) for c in tel_columns))
+    return [("requests", _REQUEST_COLUMNS, reqs), ("outputs", _OUTPUT_COLUMNS, outs), ("telemetry", tel_columns, tels)]
 
 
 def _telemetry(request_id: str, job_id: str, pair_id: int, finished: Any, *, output_tokens: int) -> dict[str, Any]:

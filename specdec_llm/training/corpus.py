@@ -274,20 +274,8 @@ def grow(
     encoded, skipped_long = _encoded_prompts(tokenizer, prompts, max_prompt_tokens)
     items = _work_order(encoded, samples, done, batch_size, seed)
     model = target.to(getattr(torch, dtype))
-    meta = {
-        "target": target_ref or reference(target),
-        "target_fingerprint": fp,
-        "dtype": dtype,
-        "device": str(model.device),
-        "mode": "greedy" if samples == 0 else "greedy+sampled",
-        "temperature": temperature,  # of the sampled records (None in an all-greedy shard)
-        "max_prompt_tokens": max_prompt_tokens,
-        "seed": seed,
-        "seed_rule": SEED_RULE,
-        "max_new_tokens": max_new_tokens,
-        "source": "corpus.grow",
-        "version": package_version(),
-    }
+    meta = _grow_meta(target_ref or reference(target), fp, str(model.device), dtype, samples, temperature, seed)
+    meta.update(max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens)
     stats = {"fingerprint": fp, "dir": str(corpus.root), "present": len(done), "todo": len(items)}
     stats.update(skipped_long=skipped_long, written=0, shards=0, answer_tokens=0)
     for b, i in enumerate(range(0, len(items), batch_size)):
@@ -306,6 +294,22 @@ def grow(
     return stats
 
 
+def _grow_meta(target: str, fp: str, device: str, dtype: str, samples: int, temperature: float, seed: int) -> dict:
+    """The provenance of the shards ``grow`` writes (each sets its own ``mode``)."""
+    return {
+        "target": target,
+        "target_fingerprint": fp,
+        "dtype": dtype,
+        "device": device,
+        "mode": "greedy" if samples == 0 else "greedy+sampled",
+        "temperature": temperature,  # of the sampled records (None in an all-greedy shard)
+        "seed": seed,
+        "seed_rule": SEED_RULE,
+        "source": "corpus.grow",
+        "version": package_version(),
+    }
+
+
 def _mode(batch: Iterable[tuple[str, int]]) -> str:
     kinds = {"greedy" if v == 0 else "sampled" for _, v in batch}
     return kinds.pop() if len(kinds) == 1 else "mixed"
@@ -321,9 +325,7 @@ def import_datastore(data_dir: Path | str, root: Path | str, provenance: dict, t
     manifest's config (``distill.work_blocks``: the data phase's fixed batch order), and is
     checked against the row's stored prompt ids (the pool prompt, chat-encoded by
     ``tokenizer`` and cut as the data phase cut it); a mismatch is an error, not a guess."""
-    from safetensors.numpy import load_file
-
-    from .distill import chat_ids, work_blocks
+    from .distill import work_blocks
 
     data_dir = Path(data_dir)
     manifest_path = data_dir / "manifest.json"
@@ -340,47 +342,63 @@ def import_datastore(data_dir: Path | str, root: Path | str, provenance: dict, t
     stats = {"fingerprint": fp, "dir": str(corpus.root), "datastore_shards": manifest.get("shards", 0)}
     stats.update(written=0, skipped=0, shards=0, answer_tokens=0)
     for n in range(manifest.get("shards", 0)):  # the manifest is saved after its shards: all complete
-        t = load_file(str(data_dir / f"shard-{n:05d}.safetensors"))
-        block = blocks[n]
-        if len(block) != len(t["prompt_len"]):
-            raise CorpusError(f"import: {data_dir} shard {n} has {len(t['prompt_len'])} rows, its batch {len(block)}")
-        rows = []
-        for r, (i, v) in enumerate(block):
-            seq = t["seq"][t["starts"][r] : t["starts"][r + 1]].astype(np.int64).tolist()
-            plen = int(t["prompt_len"][r])
-            if seq[:plen] != chat_ids(tokenizer, pool[i])[:cut]:
-                raise CorpusError(
-                    f"import: {data_dir} shard {n} row {r} is not prompt {i} of prompts.jsonl as this tokenizer "
-                    "encodes it; was the data phase run with another tokenizer or config?"
-                )
-            key = prompt_key(pool[i])
-            if (key, v) in done:
-                stats["skipped"] += 1
-                continue
-            done.add((key, v))
-            rows.append((key, v, seq[:plen], seq[plen:]))
+        path = data_dir / f"shard-{n:05d}.safetensors"
+        rows = _imported_rows(path, blocks[n], pool, tokenizer, cut, done)
+        stats["skipped"] += len(blocks[n]) - len(rows)
         if rows:
-            mode = _mode((k, v) for k, v, _, _ in rows)
-            generated = os.path.getmtime(data_dir / f"shard-{n:05d}.safetensors")
-            meta = {
-                "format": FORMAT,
-                **provenance,
-                "mode": mode,
-                "generated": datetime.fromtimestamp(generated, UTC).isoformat(),
-                "temperature": None if mode == "greedy" else cfg.get("temperature"),
-                "max_prompt_tokens": cut,
-                "seed": cfg.get("seed", 0),
-                "seed_rule": "distill.build_data: torch.manual_seed(seed + items before the batch), one stream per batch",
-                "max_new_tokens": cfg.get("max_new_tokens"),
-                "dtype": cfg.get("dtype"),
-                "source": f"distill data phase, shard-{n:05d}",
-                "version": package_version(),
-            }
-            write_shard(corpus.root, rows, provenance.get("vocab_size", 65535), meta)
+            write_shard(
+                corpus.root, rows, provenance.get("vocab_size", 65535), _imported_meta(path, rows, cfg, provenance)
+            )
             stats["written"] += len(rows)
             stats["shards"] += 1
             stats["answer_tokens"] += sum(len(r[3]) for r in rows)
     return stats
+
+
+def _imported_rows(path: Path, block: list, pool: list[str], tokenizer, cut: int, done: set) -> list[tuple]:
+    """The corpus rows of one DataStore shard that the corpus lacks (``done``, updated): each
+    row checked to be the pool prompt its place in the batch order (``block``) says it is."""
+    from safetensors.numpy import load_file
+
+    from .distill import chat_ids
+
+    t = load_file(str(path))
+    if len(block) != len(t["prompt_len"]):
+        raise CorpusError(f"import: {path} has {len(t['prompt_len'])} rows, its batch {len(block)}")
+    rows = []
+    for r, (i, v) in enumerate(block):
+        seq = t["seq"][t["starts"][r] : t["starts"][r + 1]].astype(np.int64).tolist()
+        plen = int(t["prompt_len"][r])
+        if seq[:plen] != chat_ids(tokenizer, pool[i])[:cut]:
+            raise CorpusError(
+                f"import: {path} row {r} is not prompt {i} of prompts.jsonl as this tokenizer "
+                "encodes it; was the data phase run with another tokenizer or config?"
+            )
+        key = prompt_key(pool[i])
+        if (key, v) not in done:
+            done.add((key, v))
+            rows.append((key, v, seq[:plen], seq[plen:]))
+    return rows
+
+
+def _imported_meta(path: Path, rows: list[tuple], cfg: dict, provenance: dict) -> dict:
+    """An imported shard's provenance: the target's (``provenance``), the data phase's config
+    (``cfg``) and when its DataStore shard was written."""
+    mode = _mode((k, v) for k, v, _, _ in rows)
+    return {
+        "format": FORMAT,
+        **provenance,
+        "mode": mode,
+        "generated": datetime.fromtimestamp(os.path.getmtime(path), UTC).isoformat(),
+        "temperature": None if mode == "greedy" else cfg.get("temperature"),
+        "max_prompt_tokens": cfg.get("max_prompt_tokens", 384),
+        "seed": cfg.get("seed", 0),
+        "seed_rule": "distill.build_data: torch.manual_seed(seed + items before the batch), one stream per batch",
+        "max_new_tokens": cfg.get("max_new_tokens"),
+        "dtype": cfg.get("dtype"),
+        "source": f"distill data phase, {path.stem}",
+        "version": package_version(),
+    }
 
 
 # -- teacher signals ----------------------------------------------------------------------
@@ -533,25 +551,42 @@ def widen(
     RAG-style questions over numbered passages, templated from target-written text
     (``answers``: (prompt, answer text) pairs from the corpus) and the seed prompts. Nothing
     is read from any benchmark. Returns {"prompt", "kind", "source"} rows."""
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # (one stream, drawn kind after kind: the same rows for the same seed)
     good = [(p, c) for p, a in answers if (c := _clean_answer(a))]
-    out: list[dict] = []
-    # translation: short passages (1-4 sentences of an answer, or a seed prompt)
+    out = _translations(rng, good, seed_prompts, n_translate)
+    out += _summaries(rng, tokenizer, good, n_summarize)
+    out += _rag_questions(rng, good, n_rag)
+    seen, unique = set(), []
+    for row in out:
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            unique.append(row)
+    return unique
+
+
+def _translations(rng: random.Random, good: list[tuple[str, str]], seed_prompts: list[str], n: int) -> list[dict]:
+    """Translation prompts over short passages: 1-4 sentences of an answer, or a seed prompt."""
     passages = []
     for _, a in good:
         sents = _sentences(a)
         if sents:
-            n = rng.randint(1, min(4, len(sents)))
-            j = rng.randrange(len(sents) - n + 1)
-            passages.append((" ".join(sents[j : j + n]), "target answer"))
+            k = rng.randint(1, min(4, len(sents)))
+            j = rng.randrange(len(sents) - k + 1)
+            passages.append((" ".join(sents[j : j + k]), "target answer"))
     passages += [(s, "seed prompt") for s in seed_prompts if 5 <= len(s.split()) <= 120]
     rng.shuffle(passages)
-    for text, src in passages[:n_translate]:
+    out = []
+    for text, src in passages[:n]:
         tmpl, lang = rng.choice(TRANSLATE), rng.choice(LANGUAGES)
         out.append({"prompt": tmpl.format(lang=lang, text=text), "kind": "translation", "source": src})
-    # summarization: several target answers joined into one 300-900 token document
+    return out
+
+
+def _summaries(rng: random.Random, tokenizer, good: list[tuple[str, str]], n: int) -> list[dict]:
+    """Summarization prompts: several distinct target answers joined into one 300-900 token document."""
     lens = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) for _, a in good]
-    for _ in range(n_summarize if good else 0):
+    out = []
+    for _ in range(n if good else 0):
         want = rng.randint(300, 900)
         parts, total = [], 0
         for j in rng.sample(range(len(good)), min(64, len(good))):  # distinct answers
@@ -560,27 +595,25 @@ def widen(
             if total + lens[j] <= 900:
                 parts.append(good[j][1])
                 total += lens[j]
-        if total < 300:
-            continue
-        doc = "\n\n".join(parts)
-        out.append(
-            {"prompt": rng.choice(SUMMARIZE).format(text=doc), "kind": "summarization", "source": "target answers"}
-        )
-    # RAG: 3-5 numbered passages (target answers); the question is the prompt one of them answers
+        if total >= 300:
+            doc = "\n\n".join(parts)
+            out.append(
+                {"prompt": rng.choice(SUMMARIZE).format(text=doc), "kind": "summarization", "source": "target answers"}
+            )
+    return out
+
+
+def _rag_questions(rng: random.Random, good: list[tuple[str, str]], n: int) -> list[dict]:
+    """RAG prompts: 3-5 numbered passages (target answers); the question is the prompt one of them answers."""
     usable = [(p, a) for p, a in good if 4 <= len(p.split()) <= 60 and len(a.split()) <= 220]
-    for _ in range(n_rag if len(usable) >= 5 else 0):
+    out = []
+    for _ in range(n if len(usable) >= 5 else 0):
         docs = rng.sample(usable, rng.randint(3, 5))
         q, _ = docs[rng.randrange(len(docs))]
         body = "\n\n".join(f"[{i + 1}] {a}" for i, (_, a) in enumerate(docs))
-        tmpl = rng.choice(RAG)
-        prompt = tmpl.format(docs=body, q=q)
+        prompt = rng.choice(RAG).format(docs=body, q=q)
         out.append({"prompt": prompt, "kind": "rag", "source": "target answers (the question is one's prompt)"})
-    seen, unique = set(), []
-    for row in out:
-        if row["prompt"] not in seen:
-            seen.add(row["prompt"])
-            unique.append(row)
-    return unique
+    return out
 
 
 def corpus_answers(corpus: Corpus, tokenizer, prompts: dict[str, str]) -> list[tuple[str, str]]:

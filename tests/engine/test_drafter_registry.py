@@ -114,4 +114,6 @@ def test_a_pairs_file_names_a_drafter_from_an_entry_point(tmp_path, tiny_pair_di
     )
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("ok ['echo', 'lookup', 'grammar']"), res.stdout  # (every speculative decoder has 'grammar')
+    assert res.stdout.startswith("ok ['echo', 'lookup', 'grammar']"), (
+        res.stdout
+    )  # (every speculative decoder has 'grammar')
