@@ -28,7 +28,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import compiled, costcache, grammar, hf, requests, schedule
+from . import compiled, costcache, grammar, hf, requests, schedule, tree
 from .accounting import PlainClock
 from .calibration import Calibration
 from .costs import CostModel
@@ -86,8 +86,10 @@ class SpeculativeDecoder:
         cost_cache: Path | str | None = None,
         compile_draft: bool = False,
         target_file: str | None = None,
+        trees: bool = True,
     ) -> None:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.trees = trees  # verify trees of the drafters' proposals where they pay (tree.py)
         self.kernels: dict[str, Any] = {}  # the matmul kernel chosen per weight shape and row count (CPU)
         models = [target] + ([registry.runnable(draft)] if draft is not None else [])
         for model in models:
@@ -263,6 +265,7 @@ class Batch:
         self.chooser = schedule.Chooser({d.name: d for d in dec.drafters}, dec.plain)
         self.clock = PlainClock()
         self.joining: list[RaggedCache] = []  # the target caches of rows that joined since the last step
+        self.chains: dict[int, Proposal] = {}  # this iteration's proposals as drafted (before trees)
 
     def add(self, request: GenerationRequest, on_text: TextCallback | None = None, tag: Any = None) -> Row:
         """Join the batch (validates first: a RequestError leaves the batch untouched). The
@@ -306,9 +309,9 @@ class Batch:
         for b, r in enumerate(rows):
             k, prop = widths[b], props.get(b)
             r.stats.target_time_s += verify_s * (k + 1) / (len(rows) + sum(widths))
-            n, nxt = r.accept(prop, logits[b, big_k - k :])
-            outcomes.append((n, (prop.tokens[:n] if prop else []) + [nxt]))
-            r.ledger.iteration(r.stats, prop.drafter if prop else None, k, n, len(rows))
+            path, nxt = r.accept(prop, logits[b, big_k - k :])
+            outcomes.append((path, [prop.tokens[i] for i in path] + [nxt] if prop else [nxt]))
+            r.ledger.iteration(r.stats, prop.drafter if prop else None, k, len(path), len(rows))
         self.commit(props, offers, outcomes, big_k)
         for r, (_, new) in zip(rows, outcomes):
             r.advance(new)
@@ -336,6 +339,26 @@ class Batch:
         for b, prop in props.items():  # a row's grammar cuts its proposal before a token it rejects
             if (g := self.rows[b].grammar) is not None:
                 props[b] = grammar.cut(prop, g)
+        self.chains = dict(props)  # what each drafter proposed (trees widen them below)
+        return self.widen(props, offers) if self.dec.trees else props
+
+    def widen(self, props: dict[int, Proposal], offers: schedule.Offers) -> dict[int, Proposal]:
+        """Each chain with the other drafters' offers for its row as branches, where they pay
+        (tree.grow): one target forward verifies them all. A row with a grammar, or sampled
+        with a draft distribution, keeps its chain (tree.py's exact rules are for
+        deterministic drafts)."""
+        cost, rows = self.dec.costs[len(self.rows)], self.rows
+        big_k = max((len(p.tokens) for p in props.values()), default=0)
+        token_s = cost.verify(big_k) / sum(tree.expected(props[b]) if b in props else 1.0 for b in range(len(rows)))
+
+        def price(w: int) -> float:  # rows are padded to the widest: within it, width is free
+            return cost.verify(max(w, big_k))
+
+        for b, prop in props.items():
+            r = rows[b]
+            others = [o for name, o in offers[b].items() if name != prop.drafter]
+            if others and r.grammar is None and (r.req.greedy or prop.q is None):
+                props[b] = tree.grow(prop, others, price, token_s, self.dec.max_k)
         return props
 
     def charge(self, name: str, drafts: Drafts) -> None:
@@ -355,32 +378,42 @@ class Batch:
             costs[len(self.rows)].observe_drafting(name, sum(f.seconds for f in steps), longest)
 
     def verify(self, props: dict[int, Proposal], widths: list[int]) -> tuple[Any, float]:
-        """ONE target forward over every row's [last token] + proposal (right-aligned to the widest)."""
+        """ONE target forward over every row's [last token] + proposal (right-aligned to the
+        widest; a tree's nodes each see their ancestors only)."""
         dec, big_k = self.dec, max(widths)
         inputs = [[r.seq[-1]] + (props[b].tokens if b in props else []) for b, r in enumerate(self.rows)]
+        trees = {b: p.parents for b, p in props.items() if p.parents is not None}
         with Timer() as t:
-            logits = self.tcache.forward(inputs, big_k + 1)[..., : dec.vocab_size]
+            logits = self.tcache.forward(inputs, big_k + 1, trees=trees or None)[..., : dec.vocab_size]
             hf.sync(dec.target)
         dec.costs[len(self.rows)].observe_verify(big_k, t.seconds)
         return logits, t.seconds
 
     def commit(
-        self, props: dict[int, Proposal], offers: schedule.Offers, outcomes: list[tuple[int, list[int]]], big_k: int
+        self,
+        props: dict[int, Proposal],
+        offers: schedule.Offers,
+        outcomes: list[tuple[list[int], list[int]]],
+        big_k: int,
     ) -> None:
-        """Row ``b`` accepted ``n`` drafts (``new``: its tokens of this iteration): the target's
-        cache keeps [last] + those, and every session hears it (``Accepted``): the drafter
-        verified rolls back, free drafters whose proposals were not verified learn what they
-        would have got, a feature-level one gets the target's features."""
+        """Row ``b`` accepted the drafts at ``path`` (``new``: its tokens of this iteration):
+        the target's cache keeps [last] + those, and every session hears it (``Accepted``): the
+        drafter verified (with how many of its own chain's tokens were accepted) rolls back,
+        free drafters whose proposals were not verified learn what they would have got, a
+        feature-level one gets the target's features."""
         events: dict[str, list[Event]] = {name: [] for name in self.sessions}
         start, features = self.tcache.width - (big_k + 1), self.tcache.last_features
-        for b, (r, (n, new)) in enumerate(zip(self.rows, outcomes)):
-            prop = props.get(b)
-            lo = big_k - (len(prop.tokens) if prop else 0)  # the row's [last] + proposal is right-aligned
-            self.tcache.drop(b, range(start + lo + 1 + n, start + big_k + 1))
-            f = features[b, lo : lo + n + 1] if features is not None else None
+        for b, (r, (path, new)) in enumerate(zip(self.rows, outcomes)):
+            prop, chain = props.get(b), self.chains.get(b)
+            width = len(prop.tokens) if prop else 0
+            lo = big_k - width  # the row's [last] + proposal is right-aligned
+            kept = set(path)
+            self.tcache.drop(b, [start + lo + 1 + i for i in range(width) if i not in kept])
+            n = sum(1 for i, node in enumerate(path) if node == i and chain and i < len(chain.tokens))
+            f = features[b, [lo] + [lo + 1 + i for i in path]] if features is not None else None
             for name, out in events.items():
-                verified = prop is not None and prop.drafter == name
-                mine = prop if verified else offers[b].get(name)
+                verified = chain is not None and chain.drafter == name
+                mine = chain if verified else offers[b].get(name)
                 out.append(Accepted(b, r.view, mine, n if verified else None, new, f))
         for name, session in self.sessions.items():
             session.update(events[name])

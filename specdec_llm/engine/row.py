@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import tree
 from .accounting import Ledger
 from .drafting.base import Proposal, RowView, Sampling
 from .grammar import RowGrammar
@@ -57,17 +58,25 @@ class Row:
     def room(self) -> int:
         return min(self.req.max_new_tokens - len(self.out), self.context_length - len(self.seq))
 
-    def accept(self, prop: Proposal | None, logits: torch.Tensor) -> tuple[int, int]:
-        """(accepted drafts, the target's next token) from the verification's logits."""
+    def accept(self, prop: Proposal | None, logits: torch.Tensor) -> tuple[list[int], int]:
+        """(the accepted drafts' indices in ``prop``, the target's next token) from the
+        verification's logits: a chain's first n, or a tree's accepted path (tree.py)."""
         req = self.req
         drafts = prop.tokens if prop else []
+        if prop is not None and prop.parents is not None:
+            if req.greedy:
+                return tree.accept_greedy(drafts, prop.parents, logits)
+            p = probs(logits, req.temperature, req.top_k, req.top_p)
+            return tree.accept_sampled(drafts, prop.parents, p, self.gen)
         if self.grammar is not None:
             logits = self.grammar.mask(logits, drafts)
         if req.greedy:
-            return accept_greedy(drafts, logits)
-        p = probs(logits, req.temperature, req.top_k, req.top_p)
-        q = torch.stack(prop.q) if prop and prop.q is not None else None
-        return accept_sampled(drafts, q, p, self.gen)
+            n, nxt = accept_greedy(drafts, logits)
+        else:
+            p = probs(logits, req.temperature, req.top_k, req.top_p)
+            q = torch.stack(prop.q) if prop and prop.q is not None else None
+            n, nxt = accept_sampled(drafts, q, p, self.gen)
+        return list(range(n)), nxt
 
     def advance(self, new: list[int]) -> None:
         """Append the iteration's tokens; decide whether the row is finished; stream."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
-from helpers import TV_BOUND
+from conftest import check_caches, exact_two_token_distribution, greedy_reference, perturbed, tiny_llama
+from helpers import TV_BOUND, N, V, assert_target_distribution, sampled_requests, sharpen
 
-from specdec_llm.engine import tree
+from specdec_llm.engine import GenerationRequest, SpeculativeDecoder, tree
+from specdec_llm.engine.decoder import Batch
+from specdec_llm.engine.drafting import FreeDrafter
 from specdec_llm.engine.ragged import RaggedCache
 from specdec_llm.engine.sampling import accept_greedy
 
@@ -22,7 +24,7 @@ def test_depths_and_ancestry():
     seen = tree.ancestry(PARENTS)
     assert seen[6].nonzero().flatten().tolist() == [0, 1, 2, 6]  # node 5: root, node 0, node 1, itself
     assert seen[4].nonzero().flatten().tolist() == [0, 4]
-    assert tree.ancestry(tree.chain(4)).equal(torch.ones(5, 5, dtype=torch.bool).tril())
+    assert tree.ancestry(tree.chain_parents(4)).equal(torch.ones(5, 5, dtype=torch.bool).tril())
 
 
 def path_to(node: int) -> list[int]:
@@ -72,7 +74,10 @@ def test_greedy_tree_acceptance_follows_the_targets_argmax():
         logits[row, best] = 1.0
     assert tree.accept_greedy(TOKENS, PARENTS, logits) == ([0, 2], 0)
     chain_logits = logits[[0, 1, 2]]
-    assert tree.accept_greedy([7, 8], tree.chain(2), chain_logits) == ([0], accept_greedy([7, 8], chain_logits)[1])
+    assert tree.accept_greedy([7, 8], tree.chain_parents(2), chain_logits) == (
+        [0],
+        accept_greedy([7, 8], chain_logits)[1],
+    )
 
 
 @pytest.mark.parametrize("siblings", [[3], [3, 5], [5, 3, 6]])
@@ -87,3 +92,69 @@ def test_sampled_tree_acceptance_keeps_the_targets_distribution(siblings):
         counts[siblings[path[0]] if path else nxt] += 1
     tv = float(0.5 * (counts / n - p[0]).abs().sum())
     assert tv < TV_BOUND / 2, tv
+
+
+# -- trees in the decode loop -----------------------------------------------------------------------
+class Fixed(FreeDrafter):
+    """A free drafter that always offers the same continuation (deterministic, not shared)."""
+
+    def __init__(self, name: str, tokens: list[int]):
+        super().__init__(prior=0.5)
+        self.name, self.tokens = name, tokens
+
+    def continuation(self, row, k):
+        out = self.tokens[:k]
+        return out, list(range(len(out)))
+
+
+def flat(dec: SpeculativeDecoder, rows: int = 1) -> None:
+    """This machine's verification cost made flat in width: trees always pay (as on a GPU)."""
+    dec.ensure_calibrated(rows)
+    cost = dec.costs[rows]
+    cost.verify_s = dict.fromkeys(cost.verify_s, cost.verify_s[0])
+    cost.width_ratio.clear()
+
+
+def count_trees(monkeypatch) -> list[int]:
+    seen = [0]
+    verify = Batch.verify
+
+    def counting(self, props, widths):
+        seen[0] += sum(1 for p in props.values() if p.parents is not None)
+        return verify(self, props, widths)
+
+    monkeypatch.setattr(Batch, "verify", counting)
+    return seen
+
+
+def test_trees_in_the_loop_stay_greedy_identical_with_exact_caches(monkeypatch):
+    target = tiny_llama(0)
+    dec = SpeculativeDecoder(target, perturbed(target, 0.2, 3), drafters=["model", "lookup", "suffix"])
+    dec.drafters.append(Fixed("fixed", [9, 8, 9, 8]))
+    flat(dec, 1)
+    flat(dec, 2)
+    trees = count_trees(monkeypatch)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 8, 9, 9, 8, 9], [20, 21, 22, 23, 24, 20, 21]]
+    for i in range(2):  # one row alone, then rows side by side
+        batch = Batch(dec)
+        rows = [batch.add(GenerationRequest(prompt=p, max_new_tokens=30)) for p in (prompts if i else prompts[:1])]
+        while batch.rows:
+            batch.step()
+            check_caches(batch)
+        for row in rows:
+            assert row.result.token_ids == greedy_reference(target, row.prompt, 30)
+    assert trees[0] > 10
+
+
+def test_sampled_rows_verified_as_trees_keep_the_target_distribution(monkeypatch):
+    prompt = [1, 2, 1, 2, 1]
+    target = tiny_llama(11, vocab=V, hidden=32)
+    sharpen(target)
+    exact = exact_two_token_distribution(target, prompt, 1.0, 0, 1.0)
+    dec = SpeculativeDecoder(target, None, drafters=["lookup"])
+    dec.drafters += [Fixed("fixed", [3, 4]), Fixed("other", [5, 6])]
+    flat(dec)
+    trees = count_trees(monkeypatch)
+    out = dec.generate_many(sampled_requests(prompt, N))
+    assert trees[0] > N // 2
+    assert_target_distribution(out, exact)
