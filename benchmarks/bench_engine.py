@@ -8,7 +8,8 @@ Same prompts, same pair, same prepared weights, one run, methods interleaved per
 Methods: transformers ``generate`` (target only), transformers prompt lookup
 (``prompt_lookup_num_tokens=10``), transformers assisted generation (the pair's draft), the
 engine at k=0, the engine with each of the pair's drafters alone (k=auto), and the engine's
-default (every drafter, chosen per iteration) and the default in one level (the draft model
+default (every drafter, chosen per iteration, their offers verified as a tree where it pays),
+the default verifying chains only (``chains``), and the default in one level (the draft model
 drafts one token per forward, never checking the free drafters' proposals: what it was
 before two-level drafting); for a quantized self-draft, ``quantized`` and the default again
 with the draft's one-token step compiled (``compile_draft``); and, when ``llama-cpp-python``
@@ -85,7 +86,7 @@ def main() -> None:
     ref_dec = pair.decoder()  # prepares the weights (kernels measured on this machine) for every method
     eos = set(ref_dec.eos_token_ids)
 
-    def decoder(drafters, compile_draft=False, levels=2):
+    def decoder(drafters, compile_draft=False, levels=2, trees=True):
         d = SpeculativeDecoder(
             pair.target,
             pair.draft,
@@ -94,6 +95,7 @@ def main() -> None:
             vocab_size=pair.vocab_size,
             compile_draft=compile_draft,
             target_file=gguf if gguf.endswith(".gguf") else None,
+            trees=trees,
         )
         for drafter in d.drafters:
             if not drafter.free:
@@ -112,8 +114,8 @@ def main() -> None:
 
         return run
 
-    def engine(drafters, k="auto", compile_draft=False, levels=2):
-        dec = decoder(drafters, compile_draft, levels)
+    def engine(drafters, k="auto", compile_draft=False, levels=2, trees=True):
+        dec = decoder(drafters, compile_draft, levels, trees)
 
         def run(ids):
             compiled.ENABLED = compile_draft  # the compiled step serves its own methods only
@@ -131,6 +133,7 @@ def main() -> None:
     for name in names:
         builders[f"engine {name}"] = lambda name=name: engine([name])
     builders["engine default (" + "+".join(names) + ")"] = lambda: engine(names)
+    builders["engine default chains"] = lambda: engine(names, trees=False)  # no tree verification
     if pair.draft is not None:
         builders["engine default one-level"] = lambda: engine(names, levels=1)
     if pair.spec.quantized:  # its one-token step compiled (engine/compiled.py), where measured faster
