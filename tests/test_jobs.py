@@ -82,7 +82,7 @@ def test_submit_persists_every_row_then_enqueues(embedded, tmp_path):
 NOT_OPTIONS = {
     "prompt": "the command's argument (generate) or the file's rows (submit, run)",
     "scope": "a job's own id, set by the worker",
-    "response_format": "a JSON object: a row's params in the input file, no command-line option yet",
+    "response_format": "a row's params in the input file, or --json-schema FILE on submit and run",
 }
 
 
@@ -211,3 +211,64 @@ def test_a_worker_that_cannot_load_its_pair_stops_and_rows_stay_queued(embedded,
     assert "the local worker stopped" in res.stderr and "could not load pair broken" in res.stderr
     job = job_id_for(path, "broken", {})
     assert client.job_counts(job)["queued"] == 2  # not failed: the rows were not at fault
+
+
+SMALL = {  # a schema a random model completes in a few dozen tokens (bounded strings, numbers, enums)
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 4},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "kind": {"enum": ["fox", "dog"]},
+    },
+    "required": ["name", "n", "kind"],
+    "additionalProperties": False,
+}
+
+
+def test_a_structured_job_parses_every_row_and_fails_bad_ones_alone(embedded, tmp_path):
+    """--json-schema for the job, a row's own response_format (OpenAI's form, also in a Batch
+    line), a row whose schema does not compile and one too short to finish: the good rows'
+    results carry the parsed object; each bad row fails alone, saying why."""
+    schema = tmp_path / "small.json"
+    schema.write_text(json.dumps(SMALL))
+    own = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "pair",
+            "schema": {"type": "array", "maxItems": 2, "items": {"type": "integer", "minimum": 0, "maximum": 99}},
+        },
+    }
+    rows = [{"id": f"r{i}", "prompt": f"The quick brown fox {i}"} for i in range(4)]
+    rows += [
+        {"id": "own", "prompt": "Two numbers", "response_format": own},
+        {"id": "bad-schema", "prompt": "x", "response_format": {"type": "regex", "regex": "(ab"}},
+        {"id": "short", "prompt": "The lazy dog", "max_new_tokens": 3},
+        {
+            "custom_id": "batch",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 80,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL}},
+            },
+        },
+    ]
+    path = jsonl(tmp_path / "structured.jsonl", *rows)
+    out = tmp_path / "out.jsonl"
+    res = invoke("run", path, "--pair", "tiny", "--max-new-tokens", "80", "--json-schema", schema, "--out", out)
+    assert res.exit_code == 0, res.output
+    items = {i["id"]: i for i in map(json.loads, out.read_text().splitlines())}
+    for rid in ("r0", "r1", "r2", "r3"):
+        assert items[rid]["status"] == "ok", items[rid]
+        assert items[rid]["parsed"] == json.loads(items[rid]["text"]) and set(items[rid]["parsed"]) == set(
+            SMALL["required"]
+        )
+    assert isinstance(items["own"]["parsed"], list) and isinstance(items["batch"]["parsed"], dict)
+    assert (
+        items["bad-schema"]["status"] == "failed"
+        and "response_format: does not compile" in items["bad-schema"]["error"]
+    )
+    assert items["short"]["status"] == "failed" and "raise max_new_tokens" in items["short"]["error"]
+    bad = invoke("run", path, "--pair", "tiny", "--json-schema", tmp_path / "none.json")
+    assert bad.exit_code == 2 and "json-schema: cannot read" in bad.output

@@ -186,7 +186,10 @@ def _generate_row(
         # on_text (the stream) and stop are called from the server's thread
         with metrics.running(pair):
             future = rt.server.submit(req, on_text=stream, deadline=clock + limit if limit else None, stop=stop)
-            result = future.result().to_dict()
+            res = future.result()
+            if why := res.incomplete(req):  # a constrained row out of tokens: it fails alone, saying so
+                raise RequestError("response_format", why)
+            result = res.to_dict()
     except RequestError as e:
         metrics.failed(pair, "bad_input")
         store.mark_request(request_id, "failed", error=str(e))

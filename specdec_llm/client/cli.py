@@ -47,6 +47,14 @@ KOpt = Annotated[str | None, typer.Option("--k", help="Draft length: an integer 
 StopOpt = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")]
 ModeOpt = Annotated[str | None, typer.Option(help="speculative | baseline (target only)")]
 PriceOpt = Annotated[list[str], typer.Option("--price-per-hour", help="USD per device-hour: 2.5, or cuda=2.5 (repeat)")]
+JsonSchemaOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--json-schema",
+        help="A JSON schema file: every row's output is JSON that satisfies it (constrained decoding); "
+        "a row's own response_format wins",
+    ),
+]
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: the pair's device)")]
 FormatOpt = Annotated[str, typer.Option("--format", "-f", help="jsonl, csv or openai (OpenAI Batch output lines)")]
 MaxBatchOpt = Annotated[
@@ -64,12 +72,27 @@ def _params(options: dict[str, Any]) -> dict[str, Any]:
     """A job's generation parameters: those of a command's ``options`` (its ``locals()``) the
     command line gave, by ``GenerationRequest``'s field names (``request_options``)."""
     params = request_options(options)
+    if options.get("json_schema") is not None:
+        params["response_format"] = json_schema_format(options["json_schema"])
     params["k"] = parse_k(params.get("k"))
     params["stop"] = list(params.get("stop") or []) or None
     params["chat"] = params.get("chat") or None  # a flag: off is no parameter
     if params.get("drafter") == "auto":  # auto is the default: the same job as without
         params["drafter"] = None
     return {key: v for key, v in params.items() if v is not None}
+
+
+def json_schema_format(path: Path) -> dict[str, Any]:
+    """``--json-schema FILE`` as a response_format (OpenAI's json_schema form)."""
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        fail(f"json-schema: cannot read {path} ({e.strerror})")
+    except ValueError as e:
+        fail(f"json-schema: {path} is not JSON ({e}); give a JSON schema file")
+    if not isinstance(schema, dict):
+        fail(f"json-schema: {path} holds {type(schema).__name__}, not a JSON schema object")
+    return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
 
 
 def _fmt(v: object, spec: str, none: str = "-") -> str:
@@ -96,6 +119,7 @@ def submit(
     stop: StopOpt = None,
     mode: ModeOpt = None,
     drafter: DrafterOpt = None,
+    json_schema: JsonSchemaOpt = None,
 ) -> None:
     """Persist every row as a job, enqueue them, print the job id."""
     params = _params(locals())
@@ -232,6 +256,7 @@ def run(
     stop: StopOpt = None,
     mode: ModeOpt = None,
     drafter: DrafterOpt = None,
+    json_schema: JsonSchemaOpt = None,
     device: DeviceOpt = None,
     concurrency: Annotated[int, typer.Option(help="Processes of a local worker, if one is started")] = 1,
     max_batch: MaxBatchOpt = None,

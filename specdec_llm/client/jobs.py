@@ -46,6 +46,7 @@ RESULT_FIELDS = (
     "wall_time_s",
     "time_to_first_token_s",
     "metadata",
+    "parsed",
 )
 
 
@@ -232,6 +233,7 @@ def results(job_id: str, *, failed_only: bool = False) -> list[dict[str, Any]]:
         params = r["params"] or {}
         item = {k: r.get(k) for k in (*RESULT_FIELDS, *TELEMETRY)}
         item["id"] = params.get("_id", r["id"])
+        item["parsed"] = parsed(item.get("text"), params.get("response_format")) if r["status"] == "ok" else None
         item["metadata"] = params.get("_metadata")
         item.update(
             request_id=r["id"],
@@ -244,6 +246,16 @@ def results(job_id: str, *, failed_only: bool = False) -> list[dict[str, Any]]:
         )
         out.append(item)
     return out
+
+
+def parsed(text: str | None, fmt: dict[str, Any] | None) -> Any:
+    """A JSON response format's output as the object it is (None for other rows)."""
+    if text is None or not fmt or fmt.get("type") not in ("json_schema", "json_object"):
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:  # (a complete constrained output always parses; a row written before it did not)
+        return None
 
 
 FORMATS = ("jsonl", "csv", "openai")
@@ -261,7 +273,8 @@ def write_results(items: list[dict[str, Any]], fmt: str, out: TextIO) -> None:
         writer = csv.DictWriter(out, fieldnames=RESULT_FIELDS, lineterminator="\n", extrasaction="ignore")
         writer.writeheader()
         for item in items:
-            writer.writerow({**item, "metadata": None if item["metadata"] is None else json.dumps(item["metadata"])})
+            as_text = {k: None if item[k] is None else json.dumps(item[k]) for k in ("metadata", "parsed")}
+            writer.writerow({**item, **as_text})
     elif fmt == "openai":
         from .openai_batch import output_line
 

@@ -5,8 +5,8 @@ In: a JSONL line ``{"custom_id", "method": "POST", "url", "body"}`` for ``/v1/ch
 (``rows.Row``): ``custom_id`` is its id, ``max_tokens`` / ``max_completion_tokens`` its
 ``max_new_tokens``, and ``temperature``, ``top_p``, ``seed``, ``stop`` keep their names.
 ``model`` is ignored (the job's pair generates every row). A body field we cannot honour
-(``tools``, ``n`` > 1, ``logprobs``, ``response_format`` other than text, ...) fails that row
-alone, with an error naming the field.
+(``tools``, ``n`` > 1, ``logprobs``, ...) fails that row alone, with an error naming the field.
+``response_format`` (json_schema or json_object) is decoded under its grammar (engine/grammar.py).
 
 Out: ``results --format openai`` writes one OpenAI Batch output line per row, in input
 order: ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``.
@@ -41,6 +41,7 @@ PARAMS = {
     "top_p": "top_p",
     "seed": "seed",
     "stop": "stop",
+    "response_format": "response_format",  # json_schema, json_object (text: no constraint)
 }
 IGNORED = ("model", "user", "metadata", "store", "service_tier")  # no effect on the text we generate
 # fields we do not support, accepted at the value that asks for nothing (null is always accepted)
@@ -113,8 +114,8 @@ def fill(row: Row, obj: dict[str, Any]) -> str | None:
             )
         return f"body.{name}: not supported by specdec-llm; remove it (supported: {wanted}, {', '.join(PARAMS)})"
     params, source = {}, {}
-    for name in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop"):  # the last wins
-        if body.get(name) is not None:
+    for name in PARAMS:  # (max_tokens and max_completion_tokens: the last wins)
+        if body.get(name) is not None and body[name] != NEUTRAL.get(name):
             params[PARAMS[name]], source[PARAMS[name]] = body[name], name
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]

@@ -111,5 +111,9 @@ class Row:
         st.finish_reason = self.finish_reason
         self.ledger.close(st, time.perf_counter() - self.t0, len(self.out), self.finish_reason == "stop")
         self.result = GenerationResult(
-            text=self.text, token_ids=list(self.out), finish_reason=st.finish_reason, stats=st
+            text=self.text,
+            token_ids=list(self.out),
+            finish_reason=st.finish_reason,
+            stats=st,
+            complete=None if self.grammar is None else self.grammar.complete,
         )

@@ -189,10 +189,14 @@ SPEEDUP_BASIS = "same-process target-only step cost at the same batch size"
 
 @dataclass
 class GenerationResult:
+    """``complete``: for a row with a ``response_format``, whether its text is a whole sentence
+    of the grammar (False: it ran out of tokens first); None without one."""
+
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
     stats: Stats
+    complete: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -200,7 +204,17 @@ class GenerationResult:
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
+            "complete": self.complete,
         }
+
+    def incomplete(self, request: GenerationRequest) -> str | None:
+        """Why a constrained row's output cannot be used (None: it can), said of ``response_format``."""
+        if self.complete is not False:
+            return None
+        return (
+            f"the output is not complete after {len(self.token_ids)} tokens (finish_reason "
+            f"{self.finish_reason!r}); raise max_new_tokens (it was {request.max_new_tokens})"
+        )
 
 
 def expected_tokens_per_iteration(acceptance: float, k: int) -> float:
