@@ -348,7 +348,9 @@ class Batch:
         with a draft distribution, keeps its chain (tree.py's exact rules are for
         deterministic drafts)."""
         cost, rows = self.dec.costs[len(self.rows)], self.rows
-        big_k = max((len(p.tokens) for p in props.values()), default=0)
+        if not props or not cost.calibrated:  # (unmeasured: nothing says a wider forward pays)
+            return props
+        big_k = max(len(p.tokens) for p in props.values())
         token_s = cost.verify(big_k) / sum(tree.expected(props[b]) if b in props else 1.0 for b in range(len(rows)))
 
         def price(w: int) -> float:  # rows are padded to the widest: within it, width is free
