@@ -32,9 +32,14 @@ install: $(ALL)
 demo: $(ALL)
 	$(BIN)/specdec-llm run examples/demo_prompts.jsonl --chat --max-new-tokens 48 --out runs/demo_results.jsonl
 
+# The tests on TEST_PROCS processes (pytest-xdist): much of the suite waits (worker fleets,
+# leases, servers stopped and started, subprocesses importing torch), so more processes than
+# cores. Tests that share a module's fixture stay on one process, the slow ones start first
+# (tests/conftest.py). TEST_PROCS=0: one process, as plain pytest.
+TEST_PROCS ?= 4
 test: $(TEST)
 	./scripts/services.sh
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_PROCS) --dist loadgroup --no-loadscope-reorder
 
 # ruff (lint and format) and mypy, configured in pyproject.toml; .ci/run runs it before the tests
 lint: $(TEST)

@@ -18,6 +18,43 @@ CHAT_TEMPLATE = (
 )
 
 
+# conftest's module fixtures below: a private redis-server (each test its own database number),
+# a pairs file, an upgraded SQLite file copied per test, a PostgreSQL database emptied per test
+SHARED_CHEAPLY = {"redis_url", "pairs_toml", "sqlite_template", "postgres_db"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs the tests on several processes (pytest-xdist, ``--dist loadgroup``):
+    - a test that uses a module- or class-scoped fixture (a fleet of workers, a model, a
+      database) runs in one process with the rest of its module, in the module's order, so that
+      fixture is built once and sees what it saw in a serial run; every other test goes to
+      whichever process is free (``SHARED_CHEAPLY``: module fixtures that each process may
+      build for itself, none keeping one test's state for the next);
+    - the long ones are handed out first, so none of them starts last and alone: the tests
+      marked ``slow`` (minutes of waiting: fleets, faults, the GPU-check dry run), then the
+      20,000-sample distribution tests (helpers.py; named ``*distribution*``), each with its
+      group (``--no-loadscope-reorder`` keeps this order; a serial run gets it too)."""
+    unit, rank = {}, {}
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        unit[item] = item.nodeid
+        if any(
+            d.scope in ("module", "class", "package") and d.argname not in SHARED_CHEAPLY
+            for fd in defs.values()
+            for d in fd
+        ):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+            unit[item] = item.path.stem
+        own = 0 if item.get_closest_marker("slow") else 1 if "distribution" in item.name else 2
+        rank[unit[item]] = min(own, rank.get(unit[item], own))
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(unit[item], i)
+    order = {item: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank[unit[item]], first[unit[item]], order[item]))
+
+
 def tiny_llama(seed: int, vocab: int = 256, layers: int = 2, hidden: int = 64, eos: int | None = None, ctx: int = 512):
     from transformers import LlamaConfig, LlamaForCausalLM
 
