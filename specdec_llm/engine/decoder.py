@@ -28,7 +28,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import compiled, costcache, grammar, hf, requests, schedule, tree
+from . import branches, compiled, costcache, grammar, hf, requests, schedule
 from .accounting import PlainClock
 from .calibration import Calibration
 from .costs import CostModel
@@ -47,6 +47,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["Batch", "Row", "SpeculativeDecoder", "TextCallback"]
+
+
+def end_tokens(target: PreTrainedModel, tokenizer: Any) -> list[int]:
+    """The generation config's end-of-sequence tokens, plus the tokenizer's (chat end-of-turn)."""
+    eos = target.generation_config.eos_token_id if target.generation_config else None
+    out = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        out.append(tokenizer.eos_token_id)
+    return out
 
 
 class SpeculativeDecoder:
@@ -101,30 +110,11 @@ class SpeculativeDecoder:
         if drafters is None:
             drafters = ["model"] if draft is not None else []
         self.context_length = context_length or getattr(target.config, "max_position_embeddings", None) or 2048
-        if drafters and tokenizer is not None and "grammar" not in drafters:
-            drafters = [*drafters, "grammar"]  # forced tokens of constrained rows, free (drafting/forced.py)
-        names = [d for d in drafters if isinstance(d, str)]
-        context = DraftContext(
-            draft,
-            self.vocab_size,
-            tokenizer,
-            target_file,
-            self.context_length,
-            self.offers,
-            self.draft_seconds,
-            self.grammar if tokenizer is not None else None,
-        )
-        built = iter(registry.build(names, context))
-        self.drafters: list[Drafter] = [next(built) if isinstance(d, str) else d for d in drafters]
+        self.drafters: list[Drafter] = self._build(drafters, draft, tokenizer, target_file)
         # the target layers whose outputs a feature-level drafter reads (eagle.py): every
         # target forward returns them (a pair has one draft, so at most one such drafter)
         self.feature_layers: tuple[int, ...] = next((d.feature_layers for d in self.drafters if d.feature_layers), ())
-        if eos_token_ids is None:  # the generation config's, plus the tokenizer's (chat end-of-turn)
-            eos = target.generation_config.eos_token_id if target.generation_config else None
-            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-            if tokenizer is not None and tokenizer.eos_token_id is not None:
-                eos_token_ids.append(tokenizer.eos_token_id)
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else end_tokens(target, tokenizer))
         self.max_k = max_k if self.drafters else 0
         self.default_k, self.seeded_k = default_k, seeded_k
         if cost_cache is None and kernel_cache is not None:
@@ -133,6 +123,28 @@ class SpeculativeDecoder:
         self.calibration = Calibration(target, self.drafters, self.vocab_size, self.max_k, self.cost_cache)
         self.costs = self.calibration.costs
         self.plain = PlainIterations()  # forced plain iterations, per batch-size bucket (schedule.py)
+
+    def _build(
+        self, drafters: list[str | Drafter], draft: Any, tokenizer: Any, target_file: str | None
+    ) -> list[Drafter]:
+        """The drafters by name (or given built); with a tokenizer, the grammar's too (forced
+        tokens of constrained rows, free: drafting/forced.py) when there is any drafting."""
+        if drafters and tokenizer is not None and "grammar" not in drafters:
+            drafters = [*drafters, "grammar"]
+        names = [d for d in drafters if isinstance(d, str)]
+        grammar = self.grammar if tokenizer is not None else None
+        context = DraftContext(
+            draft,
+            self.vocab_size,
+            tokenizer,
+            target_file,
+            self.context_length,
+            self.offers,
+            self.draft_seconds,
+            grammar,
+        )
+        built = iter(registry.build(names, context))
+        return [next(built) if isinstance(d, str) else d for d in drafters]
 
     @property
     def cost(self) -> CostModel:
@@ -344,14 +356,14 @@ class Batch:
 
     def widen(self, props: dict[int, Proposal], offers: schedule.Offers) -> dict[int, Proposal]:
         """Each chain with the other drafters' offers for its row as branches, where they pay
-        (tree.grow): one target forward verifies them all. A row with a grammar, or sampled
+        (branches.grow): one target forward verifies them all. A row with a grammar, or sampled
         with a draft distribution, keeps its chain (tree.py's exact rules are for
         deterministic drafts)."""
         cost, rows = self.dec.costs[len(self.rows)], self.rows
         if not props or not cost.calibrated:  # (unmeasured: nothing says a wider forward pays)
             return props
         big_k = max(len(p.tokens) for p in props.values())
-        token_s = cost.verify(big_k) / sum(tree.expected(props[b]) if b in props else 1.0 for b in range(len(rows)))
+        token_s = cost.verify(big_k) / sum(branches.expected(props[b]) if b in props else 1.0 for b in range(len(rows)))
 
         def price(w: int) -> float:  # rows are padded to the widest: within it, width is free
             return cost.verify(max(w, big_k))
@@ -360,7 +372,7 @@ class Batch:
             r = rows[b]
             others = [o for name, o in offers[b].items() if name != prop.drafter]
             if others and r.grammar is None and (r.req.greedy or prop.q is None):
-                props[b] = tree.grow(prop, others, price, token_s, self.dec.max_k)
+                props[b] = branches.grow(prop, others, price, token_s, self.dec.max_k)
         return props
 
     def charge(self, name: str, drafts: Drafts) -> None:
