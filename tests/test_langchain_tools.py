@@ -331,3 +331,26 @@ def test_structured_output_all_three_methods(closing_local):
         tools_local.with_structured_output(Sum, method="xml")
     with pytest.raises(RequestError, match="schema"):
         tools_local.with_structured_output(None, method="function_calling")
+
+
+@pytest.mark.parametrize("drafter", ["auto", "model", "lookup", "suffix", "grammar"])
+def test_tool_calls_with_speculation_equal_k0_streamed_or_not(closing_local, drafter):
+    """The tool-calling regression suite: with every drafter of the tiny pair (and all of them,
+    chosen per iteration), a forced call and a structured answer are what k = 0 gives, invoked
+    and streamed (the field's speculative decoders corrupt calls; an exact one must not)."""
+    question = [HumanMessage("What is 1 + 2? Then look up 'fox'.")]
+    plain = closing_local.model_copy(update={"k": 0})
+    fast = closing_local.model_copy(update={"drafter": drafter})
+    for choice in ("any", "lookup"):
+        want = plain.bind_tools([add, lookup], tool_choice=choice).invoke(question)
+        assert want.tool_calls, want  # (valid by construction)
+        bound = fast.bind_tools([add, lookup], tool_choice=choice)
+        got = bound.invoke(question)
+        streamed = None
+        for chunk in bound.stream(question):
+            streamed = chunk if streamed is None else streamed + chunk
+        for msg in (got, streamed):
+            assert [(c["name"], c["args"]) for c in msg.tool_calls] == [(c["name"], c["args"]) for c in want.tool_calls]
+            assert msg.content == want.content
+    want = plain.with_structured_output(Sum).invoke(question)
+    assert fast.with_structured_output(Sum).invoke(question) == want
