@@ -11,12 +11,23 @@ torch is imported on first use, not with this module.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 _cache: dict[tuple, Loaded] = {}
 _lock = threading.Lock()  # callers on many threads wait for one load
+EXIT_WAIT_S = 60.0  # at exit, how long a server may take to end the work in hand (a calibration)
+
+
+@atexit.register
+def _close_servers() -> None:
+    """Servers end before the interpreter does: a server thread still inside torch when the
+    process finalizes aborts it (std::terminate) instead of exiting with its code."""
+    for entry in list(_cache.values()):
+        if entry.server is not None:
+            entry.server.close(EXIT_WAIT_S)
 
 
 @dataclass

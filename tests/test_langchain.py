@@ -283,12 +283,13 @@ def test_one_bad_prompt_fails_alone_in_process(local):
 
 # -- remote mode: a real worker -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def lc_pairs(tiny_pair_dir, tiny_tools_pair_dir, tmp_path_factory) -> Path:
+def lc_pairs(tiny_pair_dir, closing_tools_pair_dir, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("lc_pairs") / "pairs.toml"
     target, draft = tiny_pair_dir / "target", tiny_pair_dir / "draft"
     path.write_text(
         f'[pairs.tiny]\ntarget = "{target}"\ndraft = "{draft}"\n'
-        f'[pairs.tiny-idle]\ntarget = "{target}"\ndraft = "{draft}"\n' + tools_pair("tiny-tools", tiny_tools_pair_dir)
+        f'[pairs.tiny-idle]\ntarget = "{target}"\ndraft = "{draft}"\n'
+        + tools_pair("tiny-tools", closing_tools_pair_dir)
     )  # no worker serves tiny-idle
     return path
 
@@ -477,10 +478,10 @@ def test_remote_tool_calls_match_local(remote):
     remote.start_worker("tools-worker", args=("--pair", "tiny-tools"))  # the last --pair wins
     ChatSpecDec(pair="tiny-tools", max_new_tokens=1, timeout=120).invoke("warm up")
     for choice in ("auto", "any"):
-        chat = ChatSpecDec(pair="tiny-tools", max_new_tokens=24, job_name="lc-tools").bind_tools(
+        chat = ChatSpecDec(pair="tiny-tools", max_new_tokens=64, job_name="lc-tools").bind_tools(
             [add], tool_choice=choice
         )
-        local = ChatSpecDec(pair="tiny-tools", max_new_tokens=24, backend="local", record=False)
+        local = ChatSpecDec(pair="tiny-tools", max_new_tokens=64, backend="local", record=False)
         expected = local.bind_tools([add], tool_choice=choice).invoke(history)
         msg = chat.invoke(history)
         assert msg.usage_metadata == expected.usage_metadata  # the same prompt: tools, tool turns, prefill

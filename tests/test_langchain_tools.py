@@ -175,8 +175,10 @@ def lookup(key: str) -> str:
 
 
 @pytest.fixture
-def tools_local(tiny_tools_pair_dir, tiny_pair_dir, tmp_path, monkeypatch):
-    yield from local_chat(tiny_tools_pair_dir, tiny_pair_dir, tmp_path, monkeypatch)
+def tools_local(closing_local):
+    """The tiny tools pair in local mode: models that close what they open (conftest's
+    ``closing``), and room for a whole call, which a forced call needs (an incomplete one fails)."""
+    return closing_local
 
 
 @pytest.fixture
@@ -262,7 +264,7 @@ def test_what_the_model_wrote_is_read_as_calls_invoke_and_stream_alike(tools_loc
         shown = [s for s in schemas if choice != "lookup" or s["function"]["name"] == "lookup"]
         ids = tools_local_ids(tools_local, question, shown, prefill)
         fmt = plan(shown, choice, None).response_format  # a forced call: its JSON schema, enforced
-        request = GenerationRequest(ids, max_new_tokens=24, response_format=fmt)
+        request = GenerationRequest(ids, max_new_tokens=tools_local.max_new_tokens, response_format=fmt)
         engine = loaded.get("tiny-tools").server.submit(request).result().text
         expected = parse(prefill + engine.replace("\x00", "\ufffd"), NAMES)
         assert msg.content == expected.content

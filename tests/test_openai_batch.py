@@ -105,8 +105,8 @@ def test_lines_become_rows(tmp_path):
         (chat_line("x", n=True), "body.n: true is not supported"),
         (chat_line("x", logprobs=True, top_logprobs=2), "body.logprobs: true is not supported"),
         (
-            chat_line("x", response_format={"type": "json_object"}),
-            'body.response_format: {"type": "json_object"} is not',
+            chat_line("x", response_format={"type": "xml"}),
+            "body.response_format: unknown type 'xml'",
         ),
         (chat_line("x", stream=True), "body.stream: true is not supported"),
         (chat_line("x", frequency_penalty=0.5), "body.frequency_penalty: 0.5 is not supported"),

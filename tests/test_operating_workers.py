@@ -48,14 +48,21 @@ def long_pairs(tmp_path_factory):
 
 STEP_S = 0.05  # s each row's step takes at least in the fleet's worker: 0.1 s per iteration of 2 rows
 # (a model's pace on a GPU, where an iteration outlasts a broadcast's delivery and one store read)
-PACED_STEPS = f"""
+# the embedded broker's row alone: a 1.5B model's pace on these CPUs (a step ~0.15 s), which its
+# filesystem fanout must beat on a machine as loaded as `make test`'s 4 processes leave it
+EMBEDDED_STEP_S = 0.15
+
+
+def paced_steps(step_s: float) -> str:
+    """A Celery config module making each row's step take at least ``step_s``."""
+    return f"""
 import time as _time
 import workers.cancels as _cancels
 
 _ask = _cancels.RowStop.__call__
 
 def _paced(self):  # the server asks each row's stop check before each of its steps
-    _time.sleep({STEP_S})
+    _time.sleep({step_s})
     return _ask(self)
 
 _cancels.RowStop.__call__ = _paced
@@ -65,9 +72,9 @@ _cancels.RowStop.__call__ = _paced
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def fleet(request, tmp_path_factory, redis_url, long_pairs):
     """One batching worker (2 rows per batch, task events on, a heartbeat a second), each
-    row's step at least ``STEP_S`` long (``PACED_STEPS``, loaded as its Celery config)."""
+    row's step at least ``STEP_S`` long (``paced_steps``, loaded as its Celery config)."""
     folder = tmp_path_factory.mktemp(f"ops_{request.param}")
-    (folder / "paced_steps.py").write_text(PACED_STEPS)
+    (folder / "paced_steps.py").write_text(paced_steps(STEP_S))
     with contextlib.ExitStack() as stack:
         if request.param == "postgresql":
             why = postgres_available()
@@ -229,9 +236,9 @@ def embedded(folder, pairs) -> Fleet:
 
 def test_cancel_now_over_the_embedded_broker(long_pairs, use, tmp_path):
     """The embedded broker broadcasts too (kombu's filesystem fanout): the row stops within two
-    iterations (paced as ``fleet``'s), long before the lease heartbeat (30 s) could find the flag."""
+    iterations (``EMBEDDED_STEP_S`` each), long before the lease heartbeat (30 s) could find the flag."""
     f = embedded(tmp_path, long_pairs)
-    (tmp_path / "paced_steps.py").write_text(PACED_STEPS)
+    (tmp_path / "paced_steps.py").write_text(paced_steps(EMBEDDED_STEP_S))
     paced = {"SPECDEC_CELERY_CONFIG": "paced_steps", "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     f.start_worker("embedded", args=("--max-batch", "2", "--max-wait-ms", "100"), **paced)
     try:

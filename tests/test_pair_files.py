@@ -250,8 +250,8 @@ def test_a_draft_model_of_its_own_held_in_int4_stays_exact(tmp_path, tiny_pair_d
         assert pair.draft_info["kind"] == "model" and pair.draft_info["scheme"] == "int4"
         assert any(isinstance(m, Int4Linear) for m in pair.draft.modules())
         dec = pair.decoder()
-        (drafter,) = dec.drafters
-        assert isinstance(drafter, ModelDrafter) and not isinstance(drafter, SelfDrafter)
+        drafter, grammar = dec.drafters  # (the grammar's forced tokens: every decoder with a tokenizer)
+        assert grammar.name == "grammar" and isinstance(drafter, ModelDrafter) and not isinstance(drafter, SelfDrafter)
         for prompt in ("The quick brown fox", "Speculative decoding"):
             spec = dec.generate(GenerationRequest(prompt, max_new_tokens=24, k=3))
             base = dec.generate(GenerationRequest(prompt, max_new_tokens=24, mode="baseline"))

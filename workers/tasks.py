@@ -187,7 +187,7 @@ def _generate_row(
         with metrics.running(pair):
             future = rt.server.submit(req, on_text=stream, deadline=clock + limit if limit else None, stop=stop)
             res = future.result()
-            if why := res.incomplete(req):  # a constrained row out of tokens: it fails alone, saying so
+            if why := res.incomplete():  # a constrained row out of tokens: it fails alone, saying so
                 raise RequestError("response_format", why)
             result = res.to_dict()
     except RequestError as e:

@@ -204,16 +204,16 @@ class GenerationResult:
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
-            "complete": self.complete,
+            **({} if self.complete is None else {"complete": self.complete}),
         }
 
-    def incomplete(self, request: GenerationRequest) -> str | None:
+    def incomplete(self) -> str | None:
         """Why a constrained row's output cannot be used (None: it can), said of ``response_format``."""
         if self.complete is not False:
             return None
         return (
             f"the output is not complete after {len(self.token_ids)} tokens (finish_reason "
-            f"{self.finish_reason!r}); raise max_new_tokens (it was {request.max_new_tokens})"
+            f"{self.finish_reason!r}); raise max_new_tokens"
         )
 
 

@@ -92,7 +92,10 @@ class LocalBackend:
         """The Future's result, recorded; or the row failed (timed out...) and the error raised."""
         rid = row["id"]
         try:
-            result: dict[str, Any] = fut.result(timeout=call.remaining()).to_dict()
+            res = fut.result(timeout=call.remaining())
+            if why := res.incomplete():  # a forced call or structured answer out of tokens (as a worker says)
+                raise RequestError("response_format", why)
+            result: dict[str, Any] = res.to_dict()
         except TimeoutError:  # still waiting for the server, or dropped by it at the deadline
             pair.server.cancel(fut)
             error = call.timeout_error(f"request {rid}")
