@@ -34,7 +34,7 @@ if ! (command -v pg_isready >/dev/null && pg_isready -q -h 127.0.0.1 -p 5432); t
   echo "services: PostgreSQL is not reachable on 127.0.0.1:5432 (apt install postgresql, trust auth for 127.0.0.1); PostgreSQL tests will skip"
 fi
 
-# Headless Chromium draws the HTML report in tests/test_report_render.py (a screenshot).
+# Headless Chromium draws the HTML report in tests/store/test_report_render.py (a screenshot).
 # Debian's package (~110 MB, ~20 s here); installed when this runs as root with apt-get, as
 # on CI. Without it that test skips and says why (under CI=true it fails).
 if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then

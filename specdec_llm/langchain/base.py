@@ -264,7 +264,7 @@ class SpecDecBase(BaseModel):
 # The generation parameters are the engine request's fields that the models above declare under
 # the same name (``mode`` as ``decoding``), as ``client.rows.PARAMS`` derives a row's; not
 # declared: ``prompt`` (the call's input), ``scope`` (the client's, per job) and a field a call
-# sets itself (tests/test_langchain_tools.py names them, so a new engine field is not missed).
+# sets itself (tests/langchain/test_langchain_tools.py names them, so a new engine field is not missed).
 ENGINE_FIELDS = tuple(f.name for f in fields(GenerationRequest))
 RENAMED = {"mode": "decoding"}  # engine name -> field name
 GENERATION_FIELDS = {

@@ -20,7 +20,7 @@ from specdec_llm.pairs import fingerprint
 from specdec_llm.training import corpus as C
 from specdec_llm.training import distill as D
 
-DATA = Path(__file__).resolve().parent.parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 PROMPTS = [
     "Tell me about the quick brown fox.",
     "Why do dogs sleep?",

@@ -7,7 +7,7 @@
   non-zero and leaves the rows queued for a good worker;
 - `specdec-llm run` interrupted (SIGINT) and run again: it resumes.
 
-(A 10 s database outage is tests/test_workers.py::test_database_outage_tasks_retry_and_finish.)
+(A 10 s database outage is tests/workers/test_workers.py::test_database_outage_tasks_retry_and_finish.)
 """
 
 from __future__ import annotations

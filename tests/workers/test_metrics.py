@@ -163,7 +163,7 @@ def test_metrics_are_scraped_from_a_decoding_worker(env, tmp_path, pool):
     drafters = {dict(ls)["drafter"] for (n, *ls) in final if n == "specdec_spec_decode_num_drafts_total"}
     assert drafters and drafters <= {"lookup", "suffix", "model"}
     # the Grafana dashboard reads metrics that exist (failures: none in this job)
-    dashboard = (Path(__file__).resolve().parents[1] / "examples" / "grafana_dashboard.json").read_text()
+    dashboard = (Path(__file__).resolve().parents[2] / "examples" / "grafana_dashboard.json").read_text()
     used = set(re.findall(r"specdec_[a-z0-9_]+", dashboard)) - {"specdec_request_failure_total"}
     assert used - {n for n, *_ in final} == set()
 

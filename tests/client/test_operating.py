@@ -1,7 +1,7 @@
 """Operating bulk jobs (#34) without a worker: `jobs`, `workers`, `prune`, `results
 --failed-only`, `cancel --now` and `status --watch` against SQLite and PostgreSQL stores, bad
 input (one line, exit 2), and the engine's per-row stop hook. The same commands with real
-workers: tests/test_operating_workers.py."""
+workers: tests/workers/test_operating_workers.py."""
 
 from __future__ import annotations
 

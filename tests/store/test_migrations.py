@@ -24,7 +24,7 @@ from specdec_llm.store import cli, db, record, reports
 from specdec_llm.store.models import Base
 from specdec_llm.store.testing import require_postgres, sqlite_url, temporary_postgres
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED_MIGRATIONS = db.MIGRATIONS_DIR
 TABLES = {"pairs", "workers", "jobs", "requests", "outputs", "telemetry", "baselines"}
 

@@ -1,7 +1,7 @@
 """Leases on running rows, and the job-wide store operations (no worker, no broker: fast).
 
 The end-to-end cases (worker SIGKILLed mid-row, Redis restarted, `run`'s embedded worker
-killed) are in tests/test_faults.py."""
+killed) are in tests/workers/test_faults.py."""
 
 from __future__ import annotations
 

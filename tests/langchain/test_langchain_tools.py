@@ -2,7 +2,7 @@
 formed, malformed, several, text around them, a bare JSON call), the same calls from a
 stream however its text is split, what ``tool_choice`` asks for, tool conversations rendered
 by the pair's chat template, and the tiny pair end to end in this process (remote mode:
-tests/test_langchain.py). A random tiny model does not write valid calls: the tests check
+tests/langchain/test_langchain.py). A random tiny model does not write valid calls: the tests check
 what was rendered and that what it wrote is read back as the parser reads that text."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the duplicates (0).
 The times scale with the lease: heartbeat a tenth of it, each outage three quarters of it (long
 enough that heartbeats fail, shorter than the lease), ``run``'s resend of lost rows after one
 lease. The run docs/operations.md reports (20 s leases, 15 s outages, 600 rows):
-``FLEET_LEASE_S=20 FLEET_ROWS=600 pytest tests/test_fleet_faults.py``."""
+``FLEET_LEASE_S=20 FLEET_ROWS=600 pytest tests/workers/test_fleet_faults.py``."""
 
 from __future__ import annotations
 
