@@ -33,6 +33,9 @@ class Lookup(FreeDrafter):
 
     name = "lookup"
 
+    # max_n 4: transformers' prompt lookup and vLLM's ngram drafter default to n-grams of 1-4
+    # (prompt_lookup_max = 4 in vLLM's SpeculativeConfig); a longer match is rarer and gains
+    # little, since a match's acceptance is learnt per match length (the buckets) anyway
     def __init__(self, max_n: int = 4, min_n: int = 1, prior: float = PRIOR):
         super().__init__(prior)
         self.max_n, self.min_n = max_n, min_n

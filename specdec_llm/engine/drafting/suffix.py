@@ -21,6 +21,10 @@ class SuffixIndex:
     counts. At most ``max_tokens`` tokens over all scopes; the oldest sequences are
     forgotten first (their counts subtracted), so memory stays bounded."""
 
+    # orders 2-8: contexts short enough to recur across requests, long enough to pick one
+    # continuation (SuffixDecoding's tree matches a few to tens of tokens); max_tokens 200,000:
+    # a bound on memory (about 5 counters per token and order, tens of MB), not a measured
+    # optimum: the oldest sequences are forgotten past it
     def __init__(self, max_tokens: int = 200_000, orders: tuple[int, ...] = (2, 3, 4, 6, 8)):
         self.max_tokens, self.orders = max_tokens, orders
         self.docs: OrderedDict[tuple[Hashable, int], list[int]] = (
@@ -96,6 +100,8 @@ class Suffix(FreeDrafter):
     name = "suffix"
     shared = True
 
+    # min_prob 0.1: a guess, not a measurement; a path below it is proposed rarely enough to be
+    # accepted that its verification width is better spent (the planner cuts by acceptance anyway)
     def __init__(self, max_tokens: int = 200_000, min_prob: float = 0.1, prior: float = PRIOR):
         super().__init__(prior)
         self.index = SuffixIndex(max_tokens)
