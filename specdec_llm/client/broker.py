@@ -225,8 +225,10 @@ def broadcast_cancel(job_id: str) -> bool:
         return False
 
 
-def live_workers(pair: str, timeout: float = 1.0) -> list[str]:
-    """Names of the running workers that consume ``pair``'s queue (none over the embedded broker)."""
+def live_workers(pair: str, timeout: float = 2.5) -> list[str]:
+    """Names of the running workers that consume ``pair``'s queue (none over the embedded broker).
+    ``timeout``: how long their replies may take; a worker on a loaded machine (every core busy
+    decoding) took over 1 s, and a miss starts a needless local worker."""
     if is_embedded():
         return []
     with reaching():

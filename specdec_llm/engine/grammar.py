@@ -108,23 +108,32 @@ class RowGrammar:
 
     def forced_after(self, drafts: list[int]) -> list[int]:
         """``forced()`` after ``drafts`` (which the grammar must accept), the matcher unchanged."""
-        for t in drafts:
-            self.m.consume_token(t)
+        consumed = sum(self._consume(t) for t in drafts)
         out = self.forced()
-        if drafts:
-            self.m.rollback(len(drafts))
+        self._rollback(consumed)
         return out
+
+    def _consume(self, token: int) -> int:
+        """1 when ``token`` was pushed. A finished grammar takes nothing: an end-of-sequence
+        token after it is accepted without a push, so rolling it back would undo a real token."""
+        if self.m.is_stopped():
+            return 0
+        self.m.consume_token(token)
+        return 1
+
+    def _rollback(self, n: int) -> None:
+        if n and not self.m.rollback(n):
+            raise RuntimeError(f"grammar matcher could not roll back {n} tokens: {self.m.get_error()}")
 
     def mask(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """``logits`` [len(drafts) + 1, V] masked: position i allows what the grammar
         allows after the row's tokens and ``drafts[:i]`` (all of which it must accept)."""
         bits = np.empty((len(drafts) + 1, self.words), dtype=np.int32)
+        consumed = 0
         for i in range(len(drafts) + 1):
             self.m.unsafe_compute_mask_ptr(bits[i].ctypes.data, bits[i].nbytes)
-            if i < len(drafts):
-                self.m.consume_token(drafts[i])
-        if drafts:
-            self.m.rollback(len(drafts))
+            consumed += self._consume(drafts[i]) if i < len(drafts) else 0
+        self._rollback(consumed)
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[-1]]
         return logits.masked_fill(torch.from_numpy(allowed == 0), float("-inf"))
 

@@ -146,3 +146,19 @@ def test_sampled_constrained_rows_keep_the_masked_target_distribution():
     out = dec.generate_many(requests)
     assert sum(r.stats.draft_tokens_proposed for r in out) > N // 50  # it did speculate
     assert_target_distribution(out, exact_masked(target, prompt))
+
+
+def test_checking_drafts_past_the_grammars_end_leaves_the_matcher_where_it_was(pair):
+    """A proposal may run past a finished grammar into an end-of-sequence token (a suffix
+    index learns outputs with their end): the masks are computed and the matcher is back where
+    it was, not a token short (a finished matcher takes the end without a push)."""
+    target, draft, tok = pair
+    dec = SpeculativeDecoder(target, draft, tok)
+    g = dec.grammar({"type": "regex", "regex": "fox jumps"})
+    ids, eos = tok.encode("fox jumps"), tok.eos_token_id
+    g.advance(ids[:2])
+    logits = torch.zeros(len(ids) - 2 + 2, dec.vocab_size)
+    masked = g.mask(logits, ids[2:] + [eos])
+    assert g.valid(ids[2:]) == len(ids) - 2 and not g.complete  # unchanged
+    assert torch.isfinite(masked[-1, eos]) and int(torch.isfinite(masked[-1]).sum()) == 1  # only the end after it
+    assert g.forced_after(ids[2:] + [eos]) == [] and g.valid(ids[2:]) == len(ids) - 2
