@@ -166,7 +166,7 @@ def load_figures(pair, seconds: float) -> dict:
             if k in ("VmRSS", "VmHWM")
         }
     held = model_bytes(pair.target) + (model_bytes(pair.draft, pair.target) if pair.draft is not None else 0)
-    out = {"seconds": round(seconds, 1), "weights_held_bytes": held}
+    out = {"seconds": round(seconds, 3), "weights_held_bytes": held}
     if status:
         out["resident_bytes"], out["peak_resident_bytes"] = status["VmRSS"], status["VmHWM"]
         out["peak_over_weights"] = round(status["VmHWM"] / held, 2)
