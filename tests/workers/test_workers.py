@@ -242,6 +242,9 @@ def test_run_uses_reachable_workers(sqlite_fleet, use, tmp_path):
     from specdec_llm.client.cli import register
 
     use(sqlite_fleet)
+    from specdec_llm import client
+
+    wait_for(lambda: client.live_workers("tiny"), 60)  # the fleet's worker answers (a loaded machine is slow to)
     app = typer.Typer()
     register(app)
     out = tmp_path / "out.csv"
