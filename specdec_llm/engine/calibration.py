@@ -25,8 +25,10 @@ if TYPE_CHECKING:
 # long enough to hold the holes real iterations leave (a forward's cost at these sizes is
 # its weights' bytes, not its context: docs/ARCHITECTURE's measured physics)
 CONTEXT = 64
-# up to this many rows every k (and draft width) is timed; wider batches a few points, the
-# rest interpolated: drafting seldom pays there, and each point costs rows * (k + 1) tokens
+# up to this many rows most k (and draft widths) are timed, every one up to 4; wider batches
+# a few points; the rest interpolated (live iterations correct each width's error: costs.py).
+# Drafting seldom pays in wide batches, and each point costs rows * (k + 1) tokens; every
+# point timed made make demo's first run spend 27 s calibrating for 3 s of decoding
 EVERY_K_UP_TO = 4
 
 
@@ -89,8 +91,7 @@ class Calibration:
         cost = self.costs[rows]
         rows = BatchCosts.bucket(rows)
         ids = [t % self.vocab_size for t in range(1, context + 1)]
-        tcache = RaggedCache(self.target, rows)
-        tcache.forward([ids] * rows, 1)
+        tcache = RaggedCache.filled(self.target, rows, ids)
         for b in range(rows):  # holes, as rolled-back drafts leave them: the masked path real iterations take
             tcache.drop(b, range(context // 2, context // 2 + 3))
 
@@ -106,6 +107,14 @@ class Calibration:
         forwards = {name: timer for name, (d, timer) in timers.items() if d.levels > 1}  # two levels: w tokens
         time_verify(0), [fn() for fn in steps.values()]  # warm up
         small = rows <= EVERY_K_UP_TO
-        points = range(self.max_k + 1) if small else sorted({0, 1, 2, 4, self.max_k})
-        widths = range(2, self.max_k + 1) if small else sorted({2, 4})
-        calibrate(cost, time_verify, steps, [p for p in points if p <= self.max_k], time_widths=forwards, widths=widths)
+        points = sorted({0, 1, 2, 3, 4, 6, self.max_k} if small else {0, 1, 2, 4, self.max_k})
+        widths = sorted({2, 3, 4, 6, self.max_k} if small else {2, 4})
+        calibrate(
+            cost,
+            time_verify,
+            steps,
+            [p for p in points if p <= self.max_k],
+            repeats=3 if small else 2,  # (a wide batch's forward is long: less disturbed)
+            time_widths=forwards,
+            widths=widths,
+        )

@@ -98,7 +98,9 @@ class SpeculativeDecoder:
         trees: bool = True,
     ) -> None:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
-        self.trees = trees  # verify trees of the drafters' proposals where they pay (tree.py)
+        # verify trees of the drafters' proposals where they pay (tree.py); not under ALiBi, whose
+        # key positions are read off one mask row (hf.alibi_from_masks), which a tree's leaf lacks
+        self.trees = trees and not hf.uses_alibi(target)
         self.kernels: dict[str, Any] = {}  # the matmul kernel chosen per weight shape and row count (CPU)
         models = [target] + ([registry.runnable(draft)] if draft is not None else [])
         for model in models:
@@ -323,7 +325,10 @@ class Batch:
             r.stats.target_time_s += verify_s * (k + 1) / (len(rows) + sum(widths))
             path, nxt = r.accept(prop, logits[b, big_k - k :])
             outcomes.append((path, [prop.tokens[i] for i in path] + [nxt] if prop else [nxt]))
-            r.ledger.iteration(r.stats, prop.drafter if prop else None, k, len(path), len(rows))
+            # a tree counts as its chain, or as the branch accepted deeper: the drafter proposed the
+            # chain, and a branch that lost costs the loop width, not the drafter acceptance
+            line = max(len(self.chains[b].tokens), len(path)) if prop else 0
+            r.ledger.iteration(r.stats, prop.drafter if prop else None, line, len(path), len(rows))
         self.commit(props, offers, outcomes, big_k)
         for r, (_, new) in zip(rows, outcomes):
             r.advance(new)
@@ -355,10 +360,10 @@ class Batch:
         return self.widen(props, offers) if self.dec.trees else props
 
     def widen(self, props: dict[int, Proposal], offers: schedule.Offers) -> dict[int, Proposal]:
-        """Each chain with the other drafters' offers for its row as branches, where they pay
-        (branches.grow): one target forward verifies them all. A row with a grammar, or sampled
-        with a draft distribution, keeps its chain (tree.py's exact rules are for
-        deterministic drafts)."""
+        """Each chain with the other drafters' offers for its row, and its own drafter's second
+        choices, as branches where they pay (branches.grow): one target forward verifies them
+        all. A row with a grammar, or sampled with a draft distribution, keeps its chain
+        (tree.py's exact rules are for deterministic drafts)."""
         cost, rows = self.dec.costs[len(self.rows)], self.rows
         if not props or not cost.calibrated:  # (unmeasured: nothing says a wider forward pays)
             return props
@@ -370,7 +375,7 @@ class Batch:
 
         for b, prop in props.items():
             r = rows[b]
-            others = [o for name, o in offers[b].items() if name != prop.drafter]
+            others = [o for name, o in offers[b].items() if name != prop.drafter] + branches.runner_ups(prop)
             if others and r.grammar is None and (r.req.greedy or prop.q is None):
                 props[b] = branches.grow(prop, others, price, token_s, self.dec.max_k)
         return props

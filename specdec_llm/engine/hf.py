@@ -236,6 +236,11 @@ def forward_rows(
     return logits.float(), (torch.cat(outs, -1).float() if features else None)
 
 
+def uses_alibi(model: PreTrainedModel) -> bool:
+    """Whether the model's position bias is ALiBi's (Bloom), built from a mask of valid columns."""
+    return getattr(model.get_decoder(), "build_alibi_tensor", None) is not None
+
+
 def alibi_from_masks(model: PreTrainedModel) -> None:
     """ALiBi families (Bloom) build their position bias from a 2-D mask of valid key columns
     (each key's position is the count of valid columns before it) and refuse the boolean
@@ -310,3 +315,32 @@ def weights_fingerprint(model: PreTrainedModel) -> str:
     emb = cast(torch.Tensor, model.get_input_embeddings().weight)
     h.update(emb[: min(512, emb.shape[0])].detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+@contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Within the block, transformers' GGUF loading parses each file once and builds gguf's
+    tensor-name map once per architecture. transformers 5.x parses the file's metadata on
+    every call (config, tokenizer, weights: three parses, ~4.5 s each for SmolLM2's 49k-token
+    vocabulary) and builds the name map once per module (~400 times, 5.7 s): most of a
+    conversion that dequantizes in 1.5 s. Both are read-only and looked up as ``gguf.X`` at
+    call time."""
+    import functools
+
+    import gguf
+
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def parsed(path: Any, mode: Any = "r") -> Any:
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    module: Any = gguf  # (its attributes replaced for the block)
+    module.GGUFReader, module.get_tensor_name_map = parsed, functools.lru_cache(maxsize=None)(names)
+    try:
+        yield
+    finally:
+        module.GGUFReader, module.get_tensor_name_map = reader, names

@@ -43,6 +43,17 @@ class RaggedCache:
         self.features = features
         self.last_features: torch.Tensor | None = None
 
+    @classmethod
+    def filled(cls, model: PreTrainedModel, rows: int, ids: list[int]) -> RaggedCache:
+        """``rows`` identical rows holding ``ids``, from one row's prefill (calibration: a
+        batch of 32 prefilled row by row cost more than timing its forwards)."""
+        one = cls(model, 1)
+        one.forward([ids], 1)
+        cache = cls(model, 0)
+        cache.extend([one] * rows)
+        cache.valid = cache.valid.clone()  # (a normal tensor, as a forward leaves it, not an inference one)
+        return cache
+
     @property
     def rows(self) -> int:
         return self.valid.shape[0]

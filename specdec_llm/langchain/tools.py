@@ -59,7 +59,7 @@ class Reply:
     names: tuple[str, ...] = ()  # the bound tools: calls are read from the reply when there are any
     prefill: str = ""  # the start of the assistant's turn, rendered after the generation prompt
     instruction: str | None = None  # appended to the system turn (structured output)
-    response_format: dict[str, Any] | None = None  # OpenAI's form; for the engine to enforce (not yet)
+    response_format: dict[str, Any] | None = None  # OpenAI's form; the engine enforces it (engine.grammar)
 
 
 def tool_name(tool: dict[str, Any]) -> str:

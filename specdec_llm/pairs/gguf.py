@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine import hf
 from ..settings import get_settings
 from . import files
 from .spec import PairError
@@ -75,8 +76,9 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
         return out
     logging.getLogger("specdec_llm.load").info(f"converting {gguf.name} once into {out} (dequantized to float32)")
     kw = {"gguf_file": gguf.name, "trust_remote_code": trust_remote_code}
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
+    with hf.gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
     # save_pretrained refuses a GGUF-loaded model: copy its weights into a plain one.
     config = copy.deepcopy(loaded.config)
     for attr in ("quantization_config", "_name_or_path"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine import SpeculativeDecoder
+from ..engine import SpeculativeDecoder, hf
 from ..engine.devices import device_problem
 from ..engine.ragged import unservable
 from ..settings import get_settings
@@ -182,6 +182,12 @@ def check_pair_device(spec: PairSpec) -> None:
 
 
 def load_pair(name_or_spec: str | PairSpec) -> Pair:
+    # a first load converts a GGUF target and reads its int4 blocks: the file parsed once for both
+    with hf.gguf_parsed_once():
+        return _load_pair(name_or_spec)
+
+
+def _load_pair(name_or_spec: str | PairSpec) -> Pair:
     spec = get_spec(name_or_spec) if isinstance(name_or_spec, str) else name_or_spec
     check_pair_device(spec)
     if spec.dtype not in DTYPES:

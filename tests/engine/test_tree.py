@@ -146,6 +146,31 @@ def test_trees_in_the_loop_stay_greedy_identical_with_exact_caches(monkeypatch):
     assert trees[0] > 10
 
 
+def test_a_model_drafters_second_choices_join_its_chain_as_branches(monkeypatch):
+    """A draft model alone (no free drafter to offer branches): where its first choice is in
+    doubt, its second joins the chain as a one-token branch, and some are the target's
+    token: more tokens per target forward than the chains alone, greedy identical."""
+    target = tiny_llama(0)
+    draft = perturbed(target, 0.3, 3)
+    per_forward = {}
+    for trees in (False, True):
+        dec = SpeculativeDecoder(target, draft, drafters=["model"], trees=trees)
+        flat(dec, 1)
+        seen = count_trees(monkeypatch)
+        tokens = forwards = 0
+        for p in ([5, 6, 7, 5, 6, 7, 5, 6], [20, 21, 22, 23, 24, 20, 21], [3, 1, 4, 1, 5, 9, 2, 6]):
+            batch = Batch(dec)
+            row = batch.add(GenerationRequest(prompt=p, max_new_tokens=40, k=4))
+            while batch.rows:
+                batch.step()
+                check_caches(batch)
+            assert row.result.token_ids == greedy_reference(target, p, 40)
+            tokens, forwards = tokens + len(row.result.token_ids), forwards + row.result.stats.target_forwards
+        assert (seen[0] > 10) == trees
+        per_forward[trees] = tokens / forwards
+    assert per_forward[True] > per_forward[False]
+
+
 def test_sampled_rows_verified_as_trees_keep_the_target_distribution(monkeypatch):
     prompt = [1, 2, 1, 2, 1]
     target = tiny_llama(11, vocab=V, hidden=32)

@@ -78,8 +78,10 @@ class Proposal:
     """A drafter's tokens for one row, with their draft distributions (``q``; None for a
     deterministic drafter), the estimated acceptance of each token given the ones before it
     and each token's acceptance bucket (``buckets``: what its acceptance is learnt under).
-    ``parents``: a tree's parent index per token (-1: the row's last token); None is a chain,
-    the only shape the loop verifies today."""
+    ``parents``: a tree's parent index per token (-1: the row's last token); None is a chain.
+    ``runner_up``: a model drafter's second choice at each position of a greedy row's chain,
+    with its chance of being the target's token where the first choice is not (the draft's
+    p2 / (1 - p1)); the loop may verify them as one-token branches (branches.py)."""
 
     drafter: str
     tokens: list[int]
@@ -87,6 +89,7 @@ class Proposal:
     accept: list[float] = field(default_factory=list)
     buckets: list[Hashable] = field(default_factory=list)
     parents: list[int] | None = None
+    runner_up: list[tuple[int, float]] | None = None
 
     def expected(self, k: int) -> float:
         """Expected tokens from one verification of the first ``k`` tokens (the target's own one included)."""
@@ -100,7 +103,8 @@ class Proposal:
         """The first ``k`` tokens."""
         q = self.q[:k] if self.q is not None else None
         parents = self.parents[:k] if self.parents is not None else None
-        return Proposal(self.drafter, self.tokens[:k], q, self.accept[:k], self.buckets[:k], parents)
+        runner_up = self.runner_up[:k] if self.runner_up is not None else None
+        return Proposal(self.drafter, self.tokens[:k], q, self.accept[:k], self.buckets[:k], parents, runner_up)
 
 
 @dataclass(frozen=True)

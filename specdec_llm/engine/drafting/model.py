@@ -40,6 +40,15 @@ DISTILLED_PRIOR = 0.5
 PRIOR_MEMORY = 0.7
 
 
+def runner_ups(logits: torch.Tensor) -> list[tuple[int, float]]:
+    """Per position of ``logits`` [n, V]: the draft's second choice, and its chance of being the
+    target's token where the first is not, as the draft sees it (p2 / (1 - p1))."""
+    top = torch.log_softmax(logits.float(), -1).topk(2, -1)
+    p = top.values.exp()
+    chance = (p[:, 1] / (1.0 - p[:, 0]).clamp_min(1e-6)).clamp(max=1.0)
+    return list(zip(top.indices[:, 1].tolist(), chance.tolist()))
+
+
 @dataclass
 class ModelRow:
     acceptance: Acceptance
@@ -222,8 +231,7 @@ class ModelDrafter:
         """A draft forward of ``w`` tokens per row (the last token and w - 1 to check), all their logits kept."""
         assert self.model is not None
         model = self.model
-        cache = RaggedCache(model, rows)
-        cache.forward([ids] * rows, 1)
+        cache = RaggedCache.filled(model, rows, ids)
         width = cache.width
 
         def forward(w: int) -> float:
@@ -272,13 +280,15 @@ class ModelSession:
             rows[b].state[self.d.name].fed = []
         drafts: dict[int, list[int]] = {b: [] for b in ks}
         qs: dict[int, list[torch.Tensor]] = {b: [] for b in ks}
+        runners: dict[int, list[tuple[int, float]]] = {b: [] for b in ks}
         while left := {b: ks[b] - len(drafts[b]) for b in ks if len(drafts[b]) < ks[b]}:
-            forwards += self.step({b: rows[b] for b in left}, left, heads, drafts, qs)
+            forwards += self.step({b: rows[b] for b in left}, left, heads, drafts, (qs, runners))
         proposals = {}
         for b, k in ks.items():
             st = self.d.state(rows[b])
             st.used = True
-            proposals[b] = Proposal(self.d.name, drafts[b], qs[b] or None, [st.acceptance.rate()] * k, [None] * k)
+            rate = [st.acceptance.rate()] * k
+            proposals[b] = Proposal(self.d.name, drafts[b], qs[b] or None, rate, [None] * k, None, runners[b] or None)
         return Drafts(proposals, forwards)
 
     def step(
@@ -287,10 +297,12 @@ class ModelSession:
         left: dict[int, int],
         heads: dict[int, list[int]],
         drafts: dict[int, list[int]],
-        qs: dict[int, list[torch.Tensor]],
+        out: tuple[dict[int, list[torch.Tensor]], dict[int, list[tuple[int, float]]]],
     ) -> list[Forward]:
         """One draft forward for the rows ``left`` to draft: each feeds its pending token(s)
-        and what it checks, keeps what the draft agrees with plus the draft's own token."""
+        and what it checks, keeps what the draft agrees with plus the draft's own token (and
+        ``out``: a sampled row's draft distributions, a greedy row's second choices)."""
+        qs, runners = out
         inputs, checked = {}, {}
         for b, n in left.items():
             head = heads[b] if not drafts[b] else drafts[b][-1:]
@@ -303,6 +315,8 @@ class ModelSession:
             self.backend.truncate(b, row, row.state[self.d.name].held - (m - a))  # the checked tokens it disagreed with
             drafts[b] += checked[b][:a] + [nxt]
             qs[b] += q
+            if row.sampling.greedy:
+                runners[b] += runner_ups(logits[b][: a + 1])
         self.backend.trim()
         catching_up = any(len(x) - len(checked[b]) > 1 for b, x in inputs.items())
         return [Forward(f.rows, f.width, f.seconds, "catch-up") for f in forwards] if catching_up else forwards
