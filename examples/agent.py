@@ -33,7 +33,9 @@ from specdec_llm.pairs import quiet_loading
 from specdec_llm.settings import get_settings
 
 SYSTEM = (
-    "You are a careful assistant. Use the calculator for arithmetic and the glossary for terms; then answer briefly."
+    "You are a careful assistant with two tools: a calculator for arithmetic and a glossary lookup for terms. "
+    "Call a tool when the question needs it. Once a tool has returned a result, do not call it again with the "
+    "same input: answer the user briefly, using the results."
 )
 
 _OPS = {
@@ -71,7 +73,8 @@ def calculator(expression: str) -> str:
         value = _eval(ast.parse(expression.strip(), mode="eval"))
     except (SyntaxError, ValueError, ZeroDivisionError, TypeError, OverflowError) as e:
         return f"error: {e}"
-    return str(int(value) if isinstance(value, float) and value.is_integer() else value)
+    # the expression with its value: a small model reads "12 * 12 = 144" as done, a bare "144" less so
+    return f"{expression.strip()} = {int(value) if isinstance(value, float) and value.is_integer() else value}"
 
 
 GLOSSARY = {
@@ -85,7 +88,8 @@ GLOSSARY = {
 @tool
 def lookup(term: str) -> str:
     """Look a term up in the speculative-decoding glossary."""
-    return GLOSSARY.get(term.strip().lower(), f"no entry for {term!r}; known terms: {', '.join(GLOSSARY)}")
+    entry = GLOSSARY.get(term.strip().lower())
+    return f"{term.strip()}: {entry}" if entry else f"no entry for {term!r}; known terms: {', '.join(GLOSSARY)}"
 
 
 TOOLS = [calculator, lookup]

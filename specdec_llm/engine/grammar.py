@@ -71,7 +71,7 @@ class Tokens:
 
     def matcher(self, fmt: dict[str, Any]) -> RowGrammar:
         """A fresh matcher for ``fmt`` (a copy of one compiled per format: a copy is 1,000x cheaper)."""
-        key = json.dumps(fmt, sort_keys=True)
+        key = json.dumps(fmt)  # (not sorted: a schema's property order is its output's)
         if key not in self.compiled:
             self.compiled[key] = self._compile(key)
             while len(self.compiled) > 256:

@@ -84,8 +84,9 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
     for attr in ("quantization_config", "_name_or_path"):
         if hasattr(config, attr):
             delattr(config, attr)
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict())
+    with torch.device("meta"):  # its weights are the loaded ones, not a second copy (a 1.5B's is 7 GB)
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), assign=True)
     plain.generation_config = loaded.generation_config
     # a folder of this process's own, renamed into place: processes converting at once (the
     # test processes) never write into one folder, and the first rename wins
