@@ -102,6 +102,8 @@ def main() -> None:
     console.print(
         f"tool calls identical with and without speculation: {same_calls}/{n}; answers identical: {same_answers}/{n}"
     )
+    if args.out:
+        args.out.write_text(json.dumps(kept, indent=1, default=str), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -33,9 +33,7 @@ from specdec_llm.pairs import quiet_loading
 from specdec_llm.settings import get_settings
 
 SYSTEM = (
-    "You are a careful assistant with two tools: a calculator for arithmetic and a glossary lookup for terms. "
-    "Call a tool when the question needs it. Once a tool has returned a result, do not call it again with the "
-    "same input: answer the user briefly, using the results."
+    "You are a careful assistant. Use the calculator for arithmetic and the glossary for terms; then answer briefly."
 )
 
 _OPS = {
@@ -46,6 +44,7 @@ _OPS = {
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
+    ast.BitXor: operator.pow,  # 2^20: arithmetic's power, as models write it (not Python's xor)
     ast.USub: operator.neg,
     ast.UAdd: operator.pos,
 }
@@ -58,12 +57,12 @@ def _eval(node: ast.AST) -> float:
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         left, right = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > 64:
+        if isinstance(node.op, (ast.Pow, ast.BitXor)) and abs(right) > 64:
             raise ValueError("exponent too large")
         return _OPS[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
         return _OPS[type(node.op)](_eval(node.operand))
-    raise ValueError("only numbers and + - * / // % ** ( ) are allowed")
+    raise ValueError("only numbers and + - * / // % ** ^ ( ) are allowed")
 
 
 @tool
@@ -73,8 +72,7 @@ def calculator(expression: str) -> str:
         value = _eval(ast.parse(expression.strip(), mode="eval"))
     except (SyntaxError, ValueError, ZeroDivisionError, TypeError, OverflowError) as e:
         return f"error: {e}"
-    # the expression with its value: a small model reads "12 * 12 = 144" as done, a bare "144" less so
-    return f"{expression.strip()} = {int(value) if isinstance(value, float) and value.is_integer() else value}"
+    return str(int(value) if isinstance(value, float) and value.is_integer() else value)
 
 
 GLOSSARY = {
@@ -88,8 +86,7 @@ GLOSSARY = {
 @tool
 def lookup(term: str) -> str:
     """Look a term up in the speculative-decoding glossary."""
-    entry = GLOSSARY.get(term.strip().lower())
-    return f"{term.strip()}: {entry}" if entry else f"no entry for {term!r}; known terms: {', '.join(GLOSSARY)}"
+    return GLOSSARY.get(term.strip().lower(), f"no entry for {term!r}; known terms: {', '.join(GLOSSARY)}")
 
 
 TOOLS = [calculator, lookup]

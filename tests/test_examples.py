@@ -138,9 +138,11 @@ def _load(name: str):
 
 def test_agent_tools():
     agent = _load("agent")
-    assert agent.calculator.invoke({"expression": "17 * 23 + 4"}) == "17 * 23 + 4 = 395"
-    assert agent.calculator.invoke({"expression": "2 ** 10"}) == "2 ** 10 = 1024"
+    assert agent.calculator.invoke({"expression": "17 * 23 + 4"}) == "395"
+    assert (
+        agent.calculator.invoke({"expression": "2 ** 10"}) == agent.calculator.invoke({"expression": "2^10"}) == "1024"
+    )
     assert agent.calculator.invoke({"expression": "__import__('os')"}).startswith("error")
     assert agent.calculator.invoke({"expression": "True + 1"}).startswith("error")
-    assert agent.lookup.invoke({"term": " KV Cache "}).startswith("KV Cache: the keys and values")
+    assert agent.lookup.invoke({"term": " KV Cache "}).startswith("the keys and values")
     assert agent.lookup.invoke({"term": "nope"}).startswith("no entry for 'nope'")

@@ -169,10 +169,27 @@ class Parsed:
     calls: list[Found] = field(default_factory=list)
 
 
+def loads(text: str) -> Any:
+    """JSON, or the same with the doubled braces Qwen2.5's template shows its call format in
+    (``{{"name": ..., "arguments": ...}}``, Jinja's escaping printed as it is), which a model
+    may copy: the first brace dropped, or the first and the last."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        if not text.startswith("{{"):
+            raise
+    for candidate in (text[1:], text[1:-1] if text.endswith("}}") else None):
+        try:
+            return json.loads(candidate) if candidate else None
+        except (ValueError, RecursionError):
+            pass
+    return json.loads(text)  # (the original error)
+
+
 def read_call(raw: str) -> Found:
     """One call's JSON text -> a valid or an invalid call."""
     try:
-        obj = json.loads(raw)
+        obj = loads(raw)
     except (ValueError, RecursionError) as e:
         return Found(raw, None, None, f"not JSON: {e}")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -240,7 +257,7 @@ def _plain_calls(text: str, names: Sequence[str]) -> list[Found] | None:
     if fenced:
         body = fenced.group(1)
     try:
-        obj = json.loads(body)
+        obj = loads(body)
     except (ValueError, RecursionError):
         return None
     items = obj if isinstance(obj, list) and obj else [obj]

@@ -73,6 +73,18 @@ def test_a_bare_json_call_naming_a_bound_tool():
     assert parse('{"name": "add", "arguments": {}}', ()).calls == []  # no tools bound: never a call
 
 
+def test_a_call_in_the_doubled_braces_of_qwens_template_is_read():
+    """Qwen2.5's template shows its call format as {{"name": ..., "arguments": ...}}; the 1.5B
+    model copies it (both ways of closing it were seen), bare and inside the tags."""
+    for text in (
+        '{{"name": "add", "arguments": {"a": 1}}',
+        '{{"name": "add", "arguments": {"a": 1}}}',
+        '<tool_call>\n{{"name": "add", "arguments": {"a": 1}}}\n</tool_call>',
+    ):
+        assert calls_of(parse(text, NAMES)) == [("add", {"a": 1})], text
+    assert parse("{{ not json }}", NAMES).calls == []
+
+
 STREAMED = [
     "Let me add.\n" + call_text("add", {"a": 1, "b": 2}) + "\n" + call_text("lookup", {"key": "<x>"}) + "\nDone.",
     "Plain text with a < sign and <tool_ inside, and a trailing space ",
