@@ -117,5 +117,9 @@ class Chooser:
         probe = min(range(len(auto)), key=lambda i: len(rows[auto[i]].seq)) if self.probes.due else None
         chosen = plan(cost, options, *fixed, probe_row=probe).choices
         chosen = self.plain.apply(cost, len(rows), chosen, may_force=not fixed[0] and probe is None)
-        self.probes.record(drafted=any(k for _, k in chosen), probed=probe is not None)
+        # a probe is due after a run without a model draft, even where free drafters drafted: a
+        # model drafter's cost and acceptance are learnt only when it drafts, and a figure gone
+        # stale (a cost measured under other load, cached) would otherwise keep it out for good
+        drafted = any(k and d is not None and not self.drafters[d].free for d, k in chosen)
+        self.probes.record(drafted=drafted, probed=probe is not None)
         return chosen

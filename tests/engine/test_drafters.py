@@ -88,7 +88,8 @@ def test_a_free_proposal_not_verified_still_teaches_its_drafter(target):
     res = dec.generate(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=40, k=3))
     assert set(res.stats.drafter_tokens) == {"model"}  # lookup never verified...
     learned = dec.drafter("lookup").acceptance.counts
-    assert sum(v[1] for v in learned.values()) >= 10  # ...but it learned from every iteration
+    # ...but it learned from the iterations it proposed in (most: the prompt repeats itself)
+    assert sum(v[1] for v in learned.values()) >= res.stats.target_forwards // 2 >= 5
 
 
 def test_rows_join_and_leave_with_mixed_drafters_caches_exact(target):
