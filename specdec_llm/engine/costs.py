@@ -95,7 +95,7 @@ class CostModel:
     def observe_plain(self, seconds: float, forward_s: float) -> None:
         """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward
         (its verify observation already in the live scale)."""
-        self.plain_overhead = self._observe("plain", max(0.0, seconds - forward_s) / forward_s)
+        self.plain_overhead = self._observe("plain", max(0.0, seconds - forward_s) / max(forward_s, 1e-9))
         if self.calibrated:  # (uncalibrated, every iteration is a plain one: measured as it runs)
             self.plain_ratio = self._observe("plain ratio", forward_s / self.verify(0))
 

@@ -43,8 +43,9 @@ PRIOR_MEMORY = 0.7
 def runner_ups(logits: torch.Tensor) -> list[tuple[int, float]]:
     """Per position of ``logits`` [n, V]: the draft's second choice, and its chance of being the
     target's token where the first is not, as the draft sees it (p2 / (1 - p1))."""
-    top = torch.log_softmax(logits.float(), -1).topk(2, -1)
-    p = top.values.exp()
+    logits = logits.float()
+    top = logits.topk(2, -1)  # (no softmax over the vocabulary: its log-sum-exp is enough)
+    p = (top.values - torch.logsumexp(logits, -1, keepdim=True)).exp()
     chance = (p[:, 1] / (1.0 - p[:, 0]).clamp_min(1e-6)).clamp(max=1.0)
     return list(zip(top.indices[:, 1].tolist(), chance.tolist()))
 
