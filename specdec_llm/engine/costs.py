@@ -62,20 +62,16 @@ class CostModel:
     # per model drafter: observed seconds per drafted token / its one-token step (two-level
     # drafting drafts several tokens per forward: below 1); absent until observed
     draft_token_ratio: dict[str, float] = field(default_factory=dict)
-    # what a plain (k = 0) iteration costs besides its forward (accepting, streaming text...),
-    # over its forward: as observed k = 0 iterations measured it; None until one was seen (or
-    # loaded). A ratio, as ``plain_ratio`` below: both follow the live scale
-    plain_overhead: float | None = None
-    # a k = 0 forward over the k = 0 shape at the live scale, as k = 0 iterations measured it
-    # (the median of the latest WINDOW; None until one is seen or loaded): the target-only
-    # step's own correction of the calibrated shape (drafting iterations of other widths move
-    # the scale, and their errors are not the k = 0 point's). A ratio, not seconds, so the
-    # step follows the machine's load from the live scale every iteration moves, and a
-    # figure measured under other load (a cached one, or plain iterations minutes ago) can
-    # neither inflate nor deflate a report.
-    plain_ratio: float | None = None
+    # what a plain (k = 0) iteration costs besides its forward (accepting, streaming text...):
+    # as observed k = 0 iterations measured it; None until one was seen (or loaded)
+    plain_overhead_s: float | None = None
+    # seconds of a k = 0 forward as k = 0 iterations measured it (the median of the latest
+    # WINDOW; None until one is seen): the target-only step itself, not the calibrated
+    # shape at a scale that drafting iterations of other widths moved (their errors are not
+    # the k = 0 point's)
+    plain_forward_s: float | None = None
     # the latest WINDOW live observations behind each figure above, since calibration (the
-    # plain ratio's seeded with a cached figure)
+    # plain forward's seeded with a cached figure)
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     @property
@@ -83,21 +79,19 @@ class CostModel:
         return 0 in self.verify_s
 
     def plain_forward(self) -> float:
-        """Seconds of a k = 0 forward now: the calibrated shape at the live scale, corrected by
-        what plain iterations measured of it (``plain_ratio``)."""
-        return self.verify(0) * (self.plain_ratio if self.plain_ratio is not None else 1.0)
+        """Seconds of a k = 0 forward: as plain iterations measured it, else the calibrated shape."""
+        return self.plain_forward_s if self.plain_forward_s is not None else self.verify(0)
 
     def plain_step(self) -> float:
         """Seconds of one target-only iteration at this batch size, as this process measures it:
-        the k = 0 forward (``plain_forward``), plus the observed overhead of a plain iteration."""
-        return self.plain_forward() * (1.0 + (self.plain_overhead or 0.0))
+        the k = 0 forward that k = 0 iterations measured (until one is seen, the calibrated
+        shape at the live scale), plus the observed overhead of a plain iteration."""
+        return self.plain_forward() + (self.plain_overhead_s or 0.0)
 
     def observe_plain(self, seconds: float, forward_s: float) -> None:
-        """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward
-        (its verify observation already in the live scale)."""
-        self.plain_overhead = self._observe("plain", max(0.0, seconds - forward_s) / max(forward_s, 1e-9))
-        if self.calibrated:  # (uncalibrated, every iteration is a plain one: measured as it runs)
-            self.plain_ratio = self._observe("plain ratio", forward_s / self.verify(0))
+        """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward."""
+        self.plain_overhead_s = self._observe("plain", max(0.0, seconds - forward_s))
+        self.plain_forward_s = self._observe("plain forward", forward_s)
 
     def to_dict(self) -> dict[str, Any]:
         """The costs as measured now (live scales folded in), for the on-disk cache."""
@@ -109,8 +103,8 @@ class CostModel:
                 for n, shape in sorted(self.draft_width_s.items())
             },
             "draft_token_ratio": dict(sorted(self.draft_token_ratio.items())),
-            "plain_overhead": self.plain_overhead,
-            "plain_ratio": self.plain_ratio,
+            "plain_overhead_s": self.plain_overhead_s,
+            "plain_forward_s": self.plain_forward_s,
         }
 
     def load(self, data: dict[str, Any]) -> None:
@@ -121,14 +115,10 @@ class CostModel:
             n: {int(w): float(v) for w, v in shape.items()} for n, shape in data.get("draft_width_s", {}).items()
         }
         self.draft_token_ratio = {n: float(v) for n, v in data.get("draft_token_ratio", {}).items()}
-        self.plain_overhead = data.get("plain_overhead")
-        self.plain_ratio = data.get("plain_ratio")
-        if self.plain_ratio is None and data.get("plain_forward_s") and self.verify_s.get(0):
-            self.plain_ratio = data["plain_forward_s"] / self.verify_s[0]  # a cache written before 0.6: same moment
-        if self.plain_overhead is None and data.get("plain_overhead_s") and self.verify_s.get(0):
-            self.plain_overhead = data["plain_overhead_s"] / self.verify_s[0]
+        self.plain_overhead_s = data.get("plain_overhead_s")
+        self.plain_forward_s = data.get("plain_forward_s")
         self.verify_scale, self.draft_scale, self.width_ratio = 1.0, {}, {}
-        self.samples = {} if self.plain_ratio is None else {"plain ratio": [self.plain_ratio]}
+        self.samples = {} if self.plain_forward_s is None else {"plain forward": [self.plain_forward_s]}
 
     def _calibrated_verify(self, k: int) -> float:
         return interpolate(self.verify_s, k)
@@ -243,4 +233,4 @@ def calibrate(
     cost.draft_scale = {}
     cost.draft_token_ratio = {}
     cost.samples = {}
-    cost.plain_ratio = None
+    cost.plain_forward_s = None
