@@ -56,8 +56,9 @@ def test_drafting_iterations_use_the_live_step_cost_not_the_startup_one(models):
     spec = [dec.generate(GenerationRequest(prompt=[1, 2, 3, i], max_new_tokens=48, k=2)) for i in range(4)]
     assert all(0 not in r.stats.k_values[:-1] for r in spec)  # (the last iteration may have no room)
     # a tiny draft costs as much as the tiny target: speculation does not pay here (~0.8x side by
-    # side with k = 0 on a quiet machine); the start-up figures alone would claim ~8x
-    assert 0.3 < total(spec) < 1.5
+    # side with k = 0 on a quiet machine, 0.27x once under make test's load, where the loop's
+    # own Python weighs more); the start-up figures alone would claim ~8x
+    assert 0.1 < total(spec) < 1.5
 
 
 def test_calibration_is_before_the_clock_and_cached_on_disk(models, tmp_path, monkeypatch):

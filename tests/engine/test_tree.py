@@ -107,15 +107,20 @@ class Fixed(FreeDrafter):
         return out, list(range(len(out)))
 
 
-def flat(dec: SpeculativeDecoder, rows: int = 1) -> None:
-    """This machine's verification cost made flat in width: trees always pay (as on a GPU)."""
-    dec.ensure_calibrated(rows)
-    cost = dec.costs[rows]
-    cost.verify_s = dict.fromkeys(cost.verify_s, cost.verify_s[0])
-    cost.width_ratio.clear()
-    # and kept flat: live iterations would reshape it per width (on a loaded machine, a few
-    # noisy wide verifications were enough to stop trees paying: 8 trees of 20,000 rows)
-    cost.observe_verify = lambda k, seconds: None  # type: ignore[method-assign]
+def flat(dec: SpeculativeDecoder, max_batch: int = 1) -> None:
+    """Fixed costs for every batch size up to ``max_batch``, flat in width: trees always pay
+    (as on a GPU). Kept fixed: live iterations would reshape them per width, so how many
+    trees pay would depend on this machine's load (under make test's, a few noisy wide
+    verifications were enough to stop them: 8 of 20,000 rows)."""
+    dec.calibrate_batches(max_batch)
+    for cost in dec.costs.models.values():
+        cost.verify_s = dict.fromkeys(cost.verify_s, 0.010)
+        cost.draft_s = dict.fromkeys(cost.draft_s, 0.002)
+        cost.draft_width_s = {n: dict.fromkeys(shape, 0.002) for n, shape in cost.draft_width_s.items()}
+        cost.verify_scale, cost.width_ratio, cost.draft_scale, cost.draft_token_ratio = 1.0, {}, {}, {}
+        cost.plain_forward_s, cost.plain_overhead_s = 0.010, 0.0
+        for observe in ("observe_verify", "observe_draft", "observe_drafting", "observe_plain"):
+            setattr(cost, observe, lambda *args, **kwargs: None)
 
 
 def count_trees(monkeypatch) -> list[int]:
@@ -134,7 +139,6 @@ def test_trees_in_the_loop_stay_greedy_identical_with_exact_caches(monkeypatch):
     target = tiny_llama(0)
     dec = SpeculativeDecoder(target, perturbed(target, 0.2, 3), drafters=["model", "lookup", "suffix"])
     dec.drafters.append(Fixed("fixed", [9, 8, 9, 8]))
-    flat(dec, 1)
     flat(dec, 2)
     trees = count_trees(monkeypatch)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 8, 9, 9, 8, 9], [20, 21, 22, 23, 24, 20, 21]]
@@ -181,8 +185,8 @@ def test_sampled_rows_verified_as_trees_keep_the_target_distribution(monkeypatch
     exact = exact_two_token_distribution(target, prompt, 1.0, 0, 1.0)
     dec = SpeculativeDecoder(target, None, drafters=["lookup"])
     dec.drafters += [Fixed("fixed", [3, 4]), Fixed("other", [5, 6])]
-    flat(dec)
+    flat(dec, 8)  # (generate_many's batches)
     trees = count_trees(monkeypatch)
     out = dec.generate_many(sampled_requests(prompt, N))
-    assert trees[0] > N // 10  # (how many pay depends on the live costs: thousands)
+    assert trees[0] > N // 10
     assert_target_distribution(out, exact)
