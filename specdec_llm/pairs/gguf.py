@@ -178,7 +178,8 @@ def cached_gguf_blocks(path: Path, target, trust_remote_code: bool = False) -> M
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     save_file({f"{n}.{p}": getattr(b, p).contiguous() for n, b in blocks.items() for p in BLOCK_PARTS}, str(tmp))
     tmp.replace(file)
-    return blocks
+    del blocks  # (read back a weight at a time below, as on every later load: not all held as the draft is built)
+    return StoredBlocks(file)
 
 
 BLOCK_PARTS = ("q", "scale", "low")
@@ -230,7 +231,8 @@ def gguf_blocks(path: Path, target) -> dict:
             w = module.weight.detach()
             weights.setdefault(tuple(w.shape), []).append((f"{name}.weight", w, w.double().sum()))
     out = {}
-    for t in GGUFReader(str(path)).tensors:
+    reader = GGUFReader(str(path))
+    for t in reader.tensors:
         kind = t.tensor_type.name
         if kind not in GGUF_INT4 or len(t.shape) != 2:
             continue
@@ -249,4 +251,6 @@ def gguf_blocks(path: Path, target) -> dict:
                 idx = torch.tensor(order)
                 out[name] = type(b)(b.q[idx], b.scale[idx], b.low[idx])
                 break
+    del reader
+    hf.gguf_done(path)  # (its last reader in a load: the parse and the pages go)
     return out

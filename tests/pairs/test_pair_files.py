@@ -17,6 +17,7 @@ import torch
 from conftest import tiny_llama
 from typer.testing import CliRunner
 
+from specdec_llm.engine import hf
 from specdec_llm.cli import app
 from specdec_llm.pairs import PairError, files
 from specdec_llm.settings import reload_settings
@@ -171,7 +172,12 @@ def test_gguf_blocks_match_a_models_weights_by_value(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    blocks = gguf_blocks(tmp_path / "m.gguf", model)
+    path = str(tmp_path / "m.gguf")
+    with hf.gguf_parsed_once():  # as in a load: the conversion's parse is the blocks'
+        parsed = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is parsed
+        blocks = gguf_blocks(tmp_path / "m.gguf", model)
+        assert gguf.GGUFReader(path) is not parsed  # the last reader let it go (Qwen 1.5B's: 0.5 GB)
     assert set(blocks) == {f"{n}.weight" for n, _ in linears}
     for name, module in linears:
         assert torch.equal(blocks[f"{name}.weight"].dequantize(), module.weight), name
