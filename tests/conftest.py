@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -295,6 +296,25 @@ def empty_store(request, tmp_path: Path, sqlite_template: Path) -> str:
     with db.get_engine(url).begin() as conn:
         conn.execute(text(f"TRUNCATE {', '.join(STORE_TABLES)} RESTART IDENTITY CASCADE"))
     return url
+
+
+def process_store(request, tmp_path: Path, sqlite_template: Path, monkeypatch) -> Iterator[str]:
+    """For a fixture: ``empty_store`` made this process's SPECDEC_DATABASE_URL, with an
+    embedded broker in ``tmp_path``; the settings restored after."""
+    from specdec_llm.settings import reload_settings
+    from specdec_llm.store import db
+
+    u = empty_store(request, tmp_path, sqlite_template)
+    for var in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND", "SPECDEC_CELERY_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SPECDEC_DATABASE_URL", u)
+    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
+    reload_settings()
+    yield u
+    monkeypatch.undo()
+    reload_settings()
+    if request.param == "sqlite":
+        db.dispose_engine(u)
 
 
 # -- the job client and the worker fleets (test_jobs, test_workers and the tests beside them) ---

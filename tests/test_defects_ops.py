@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from conftest import empty_store
+from conftest import process_store
 from helpers import invoke, jsonl, wait_for
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
@@ -34,19 +34,7 @@ RESULT = {"text": "hello", "token_ids": [1, 2, 3], "finish_reason": "length", "s
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def url(request, tmp_path, sqlite_template, monkeypatch):
-    """An empty store at head (a fresh SQLite file, or the module's PostgreSQL database
-    emptied), made this process's SPECDEC_DATABASE_URL; an embedded broker in tmp_path."""
-    u = empty_store(request, tmp_path, sqlite_template)
-    for var in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND", "SPECDEC_CELERY_CONFIG"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("SPECDEC_DATABASE_URL", u)
-    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
-    reload_settings()
-    yield u
-    monkeypatch.undo()
-    reload_settings()
-    if request.param == "sqlite":
-        db.dispose_engine(u)
+    yield from process_store(request, tmp_path, sqlite_template, monkeypatch)
 
 
 def cli(*args, input: str | None = None):

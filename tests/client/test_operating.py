@@ -10,31 +10,18 @@ import json
 from datetime import timedelta
 
 import pytest
-from conftest import empty_store, greedy_reference, tiny_llama
+from conftest import greedy_reference, process_store, tiny_llama
 from sqlalchemy import func, select, update
 from typer.testing import CliRunner
 
 from specdec_llm import client, store
-from specdec_llm.settings import reload_settings
-from specdec_llm.store import admin, db, jobs
+from specdec_llm.store import admin, jobs
 from specdec_llm.store.models import Job, Output, Request, Telemetry, Worker, utcnow
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def url(request, tmp_path, sqlite_template, monkeypatch):
-    """An empty store at head (a fresh SQLite file, or the module's PostgreSQL database
-    emptied), made this process's SPECDEC_DATABASE_URL; an embedded broker in tmp_path."""
-    u = empty_store(request, tmp_path, sqlite_template)
-    for var in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND", "SPECDEC_CELERY_CONFIG"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("SPECDEC_DATABASE_URL", u)
-    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
-    reload_settings()
-    yield u
-    monkeypatch.undo()
-    reload_settings()
-    if request.param == "sqlite":
-        db.dispose_engine(u)
+    yield from process_store(request, tmp_path, sqlite_template, monkeypatch)
 
 
 def cli(*args, input: str | None = None):
