@@ -144,6 +144,7 @@ class SpeculativeDecoder:
             self.offers,
             self.draft_seconds,
             grammar,
+            self.trees,
         )
         built = iter(registry.build(names, context))
         return [next(built) if isinstance(d, str) else d for d in drafters]

@@ -250,3 +250,4 @@ class DraftContext:
     offers: Offers = no_offers
     price: Price = unmeasured
     grammar: Callable[[dict[str, Any]], Any] | None = None  # response_format -> a fresh matcher (forced.py)
+    trees: bool = True  # the loop verifies trees: a model drafter's second choices are wanted (runner_up)

@@ -316,7 +316,7 @@ class ModelSession:
             self.backend.truncate(b, row, row.state[self.d.name].held - (m - a))  # the checked tokens it disagreed with
             drafts[b] += checked[b][:a] + [nxt]
             qs[b] += q
-            if row.sampling.greedy:
+            if row.sampling.greedy and self.d.context.trees:
                 runners[b] += runner_ups(logits[b][: a + 1])
         self.backend.trim()
         catching_up = any(len(x) - len(checked[b]) > 1 for b, x in inputs.items())
