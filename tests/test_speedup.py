@@ -173,3 +173,25 @@ def test_the_plain_step_is_measured_warm_after_a_plain_iteration(models):
     runs = [len(r) for r in "".join("0" if k == 0 else "x" for k in ks[:-1]).split("x") if r]
     assert runs and all(r >= PLAIN_RUN for r in runs), ks
     assert cost.samples.get("plain")
+
+
+@pytest.mark.parametrize(("cached_load", "live_load"), [(3.0, 1.0), (1.0, 3.0)])
+def test_a_cost_table_cached_under_other_load_cannot_skew_later_speedups(cached_load, live_load):
+    """Calibrated under load then decoding quiet, and the reverse: a cached plain forward moves
+    with the live scale that this process's drafting iterations measure, until its own plain
+    iterations measure it; from the first one on, theirs alone (not averaged with the cache's)."""
+    from specdec_llm.engine.costs import WINDOW, CostModel
+
+    quiet = {k: 0.010 * (1 + 0.1 * k) for k in range(5)}
+    cached = CostModel(max_k=4, verify_s={k: v * cached_load for k, v in quiet.items()})
+    cached.plain_forward_s = 0.010 * cached_load
+    cost = CostModel(max_k=4)
+    cost.load(json.loads(json.dumps(cached.to_dict())))
+    for _ in range(WINDOW):
+        cost.observe_verify(2, quiet[2] * live_load)  # drafting iterations, under this process's load
+    assert cost.plain_forward() == pytest.approx(0.010 * live_load)
+    cost.observe_plain(0.0105 * live_load, 0.0095 * live_load)  # a plain iteration: the figure is its own
+    assert cost.plain_forward() == pytest.approx(0.0095 * live_load)
+    again = CostModel(max_k=4)
+    again.load(cost.to_dict())  # the next process starts from what this one measured
+    assert again.plain_forward() == pytest.approx(0.0095 * live_load)

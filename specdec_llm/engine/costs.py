@@ -15,6 +15,11 @@ from typing import Any
 # speedup) is the median of this many latest observations: a few iterations another process
 # slowed down (or sped up) do not move it at all, and lasting load moves it within a few
 WINDOW = 9
+# a calibration stops timing wider verifications once one more token per row costs at least
+# this share of a whole one-token forward: the batch is on the compute roof, where cost grows
+# in a line with the tokens (the rest are that line) and drafting hardly pays. Timing them all
+# was most of a 1.5B worker's start (k = 8 at 32 rows is 288 tokens: ~4 s a forward on 2 cores)
+ROOF_SHARE = 0.75
 
 
 def interpolate(points: dict[int, float], x: int) -> float:
@@ -66,12 +71,11 @@ class CostModel:
     # as observed k = 0 iterations measured it; None until one was seen (or loaded)
     plain_overhead_s: float | None = None
     # seconds of a k = 0 forward as k = 0 iterations measured it (the median of the latest
-    # WINDOW; None until one is seen): the target-only step itself, not the calibrated
-    # shape at a scale that drafting iterations of other widths moved (their errors are not
-    # the k = 0 point's)
+    # WINDOW; None until one is seen, or loaded from the cache): the target-only step itself,
+    # not the calibrated shape at a scale that drafting iterations of other widths moved
+    # (their errors are not the k = 0 point's)
     plain_forward_s: float | None = None
-    # the latest WINDOW live observations behind each figure above, since calibration (the
-    # plain forward's seeded with a cached figure)
+    # the latest WINDOW live observations behind each figure above, since calibration or load
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     @property
@@ -79,8 +83,12 @@ class CostModel:
         return 0 in self.verify_s
 
     def plain_forward(self) -> float:
-        """Seconds of a k = 0 forward: as plain iterations measured it, else the calibrated shape."""
-        return self.plain_forward_s if self.plain_forward_s is not None else self.verify(0)
+        """Seconds of a k = 0 forward: as this process's plain iterations measured it; until one
+        did, a cached figure at the live scale (it was measured under the cache's load, as the
+        cached shape was), else the calibrated shape at the live scale."""
+        if self.plain_forward_s is None:
+            return self.verify(0)
+        return self.plain_forward_s * (1.0 if "plain forward" in self.samples else self.verify_scale)
 
     def plain_step(self) -> float:
         """Seconds of one target-only iteration at this batch size, as this process measures it:
@@ -104,7 +112,7 @@ class CostModel:
             },
             "draft_token_ratio": dict(sorted(self.draft_token_ratio.items())),
             "plain_overhead_s": self.plain_overhead_s,
-            "plain_forward_s": self.plain_forward_s,
+            "plain_forward_s": self.plain_forward() if self.plain_forward_s is not None else None,
         }
 
     def load(self, data: dict[str, Any]) -> None:
@@ -118,7 +126,7 @@ class CostModel:
         self.plain_overhead_s = data.get("plain_overhead_s")
         self.plain_forward_s = data.get("plain_forward_s")
         self.verify_scale, self.draft_scale, self.width_ratio = 1.0, {}, {}
-        self.samples = {} if self.plain_forward_s is None else {"plain forward": [self.plain_forward_s]}
+        self.samples = {}  # (the first live observation of each figure replaces the cached one)
 
     def _calibrated_verify(self, k: int) -> float:
         return interpolate(self.verify_s, k)
@@ -210,13 +218,24 @@ def calibrate(
 
     The minimum of a few repeats is the least disturbed by other load; verify times are
     made non-decreasing in k (a longer verify never costs less), and so are draft widths.
-    ``points``: the k measured (default every k up to max_k).
+    ``points``: the k measured (default every k up to max_k), but on the compute roof
+    (ROOF_SHARE) only the first two.
     """
-    best = 0.0
-    for k in points if points is not None else range(cost.max_k + 1):
-        if k <= cost.max_k:
+    best, timed = 0.0, []
+    for k in sorted(points) if points is not None else range(cost.max_k + 1):
+        if k > cost.max_k:
+            continue
+        if (
+            len(timed) == 2
+            and timed[0][0] == 0
+            and (timed[1][1] - timed[0][1]) / timed[1][0] >= ROOF_SHARE * timed[0][1]
+        ):
+            (_, t0), (k1, t1) = timed  # on the compute roof: the line through k = 0 and k1
+            best = max(best, t0 + (t1 - t0) * k / k1)
+        else:
             best = max(best, min(time_verify(k) for _ in range(repeats)))
-            cost.verify_s[k] = best
+            timed.append((k, best))
+        cost.verify_s[k] = best
     if callable(time_draft):
         time_draft = {"model": time_draft}
     for name, fn in (time_draft or {}).items():

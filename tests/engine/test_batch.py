@@ -9,7 +9,7 @@ from conftest import check_caches, exact_two_token_distribution, greedy_referenc
 from helpers import N, V, assert_target_distribution, sampled_requests, sharpen
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder, schedule
-from specdec_llm.engine.costs import BatchCosts, calibrate
+from specdec_llm.engine.costs import BatchCosts, CostModel, calibrate
 from specdec_llm.engine.decoder import Batch
 from specdec_llm.engine.plan import Plan, best_k
 
@@ -172,6 +172,23 @@ def test_speculation_length_falls_to_zero_as_the_batch_grows():
     assert costs[9] is costs[16] and costs[3] is costs[4]
 
 
+@pytest.mark.parametrize(("fixed", "timed_k"), [(0.0, [0, 1]), (0.05, [0, 1, 2, 4, 8])])
+def test_a_calibration_on_the_compute_roof_times_two_widths_only(fixed, timed_k):
+    """Where one more token per row costs about a whole forward (a 1.5B model's 32 rows on a
+    CPU: ~4 s for k = 8), the wider verifications are the line through the first two points,
+    not timed; below the roof every point is timed."""
+    timed = []
+
+    def time_verify(k: int) -> float:
+        timed.append(k)
+        return fixed + 0.01 * (k + 1)
+
+    cost = CostModel(max_k=8)
+    calibrate(cost, time_verify, points=[0, 1, 2, 4, 8], repeats=1)
+    assert timed == timed_k
+    assert cost.verify(8) == pytest.approx(fixed + 0.09)
+
+
 def test_auto_k_batched_with_a_useless_draft_stays_target_only(target):
     dec = SpeculativeDecoder(target, tiny_llama(7, layers=1))
     reqs = [GenerationRequest(prompt=p, max_new_tokens=60) for p in PROMPTS * 2]
@@ -222,7 +239,6 @@ def test_a_bulk_job_batch_size_is_the_one_with_the_most_tokens_per_second():
     """plan.best_batch: from the measured cost of each batch-size bucket, the size whose rows
     decode the most tokens per second (drafting where it pays at that size), the smallest within
     5% of the best; a draft that pays alone does not make batch 1 win over cheap batching."""
-    from specdec_llm.engine.costs import CostModel
     from specdec_llm.engine.plan import best_batch
 
     def cost(v0: float, per_k: float, draft: float) -> CostModel:

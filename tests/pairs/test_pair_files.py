@@ -17,8 +17,8 @@ import torch
 from conftest import tiny_llama
 from typer.testing import CliRunner
 
-from specdec_llm.engine import hf
 from specdec_llm.cli import app
+from specdec_llm.engine import hf
 from specdec_llm.pairs import PairError, files
 from specdec_llm.settings import reload_settings
 
