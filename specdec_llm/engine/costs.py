@@ -9,17 +9,17 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 # every live timing figure (a scale, a ratio, the target-only forward behind a reported
 # speedup) is the median of this many latest observations: a few iterations another process
 # slowed down (or sped up) do not move it at all, and lasting load moves it within a few
 WINDOW = 9
-# a calibration stops timing wider verifications once one more token per row costs at least
-# this share of a whole one-token forward: the batch is on the compute roof, where cost grows
-# in a line with the tokens (the rest are that line) and drafting hardly pays. Timing them all
-# was most of a 1.5B worker's start (k = 8 at 32 rows is 288 tokens: ~4 s a forward on 2 cores)
-ROOF_SHARE = 0.75
+# a calibration point is timed up to ``repeats`` times (the least disturbed is kept), but
+# stops once its timings add up to this many seconds: a long forward is less disturbed for
+# its length, and a 1.5B model's (0.25-3 s each on 2 cores) made most of a worker's start
+ENOUGH_S = 0.5
 
 
 def interpolate(points: dict[int, float], x: int) -> float:
@@ -202,6 +202,14 @@ class BatchCosts:
         return self.models.setdefault(self.bucket(rows), CostModel(max_k=self.max_k))
 
 
+def least(time_it: Callable[[], float], repeats: int) -> float:
+    """The least of up to ``repeats`` timings, fewer once they add up to ENOUGH_S."""
+    times = [time_it()]
+    while len(times) < repeats and sum(times) < ENOUGH_S:
+        times.append(time_it())
+    return min(times)
+
+
 def calibrate(
     cost: CostModel,
     time_verify: Callable[[int], float],
@@ -218,34 +226,22 @@ def calibrate(
 
     The minimum of a few repeats is the least disturbed by other load; verify times are
     made non-decreasing in k (a longer verify never costs less), and so are draft widths.
-    ``points``: the k measured (default every k up to max_k), but on the compute roof
-    (ROOF_SHARE) only the first two.
+    ``points``: the k measured (default every k up to max_k).
     """
-    best, timed = 0.0, []
-    for k in sorted(points) if points is not None else range(cost.max_k + 1):
-        if k > cost.max_k:
-            continue
-        if (
-            len(timed) == 2
-            and timed[0][0] == 0
-            and (timed[1][1] - timed[0][1]) / timed[1][0] >= ROOF_SHARE * timed[0][1]
-        ):
-            (_, t0), (k1, t1) = timed  # on the compute roof: the line through k = 0 and k1
-            best = max(best, t0 + (t1 - t0) * k / k1)
-        else:
-            best = max(best, min(time_verify(k) for _ in range(repeats)))
-            timed.append((k, best))
-        cost.verify_s[k] = best
+    best = 0.0
+    for k in points if points is not None else range(cost.max_k + 1):
+        if k <= cost.max_k:
+            best = cost.verify_s[k] = max(best, least(partial(time_verify, k), repeats))
     if callable(time_draft):
         time_draft = {"model": time_draft}
     for name, fn in (time_draft or {}).items():
-        cost.draft_s[name] = min(fn() for _ in range(repeats))
+        cost.draft_s[name] = least(fn, repeats)
     cost.draft_width_s = {}
     for name, forward in (time_widths or {}).items():
         if name in cost.draft_s and widths:
             best, shape = cost.draft_s[name], {}
             for w in sorted(widths):
-                best = shape[w] = max(best, min(forward(w) for _ in range(repeats)))
+                best = shape[w] = max(best, least(partial(forward, w), repeats))
             cost.draft_width_s[name] = shape
     cost.verify_scale = 1.0
     cost.width_ratio = {}
