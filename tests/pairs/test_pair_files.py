@@ -176,7 +176,7 @@ def test_gguf_blocks_match_a_models_weights_by_value(tmp_path):
     with hf.gguf_parsed_once():  # as in a load: the conversion's parse is the blocks'
         parsed = gguf.GGUFReader(path)
         assert gguf.GGUFReader(path) is parsed
-        blocks = gguf_blocks(tmp_path / "m.gguf", model)
+        blocks = gguf_blocks(Path(path), model)
         assert gguf.GGUFReader(path) is not parsed  # the last reader let it go (Qwen 1.5B's: 0.5 GB)
     assert set(blocks) == {f"{n}.weight" for n, _ in linears}
     for name, module in linears:
