@@ -7,7 +7,7 @@ subset) measured for agreement with the target and for its step's cost, side by 
 Variants: the pair's draft model (when it has one of its own) in fp32, bf16 and int4 (its GGUF's
 own int4 blocks where exact, else re-quantized: ``draft_quantize``), each with its full head and
 with its head over ``--subset`` tokens (``draft_vocab``); and the target's own int4 copy
-(``draft = "quantized:int4"``) with its full head and a subset head. Agreement: the target's
+(``draft = "quantized:int4"``) with its full head and a subset head, each in fp32 and bf16. Agreement: the target's
 greedy answers to the prompts (chat template), every variant teacher-forced on them, the share
 of positions where its argmax is the target's (what acceptance follows). Step: one new token on
 a 100-token context through the engine's cache, batch 1, interleaved medians, as a share of the
@@ -27,7 +27,7 @@ from bench_quantized import step_ms
 from machine import cpu_info
 
 from specdec_llm.engine import hf
-from specdec_llm.engine.quant import model_bytes, quantized_copy
+from specdec_llm.engine.quant import CastHead, model_bytes, quantized_copy
 from specdec_llm.pairs import cached_gguf_blocks, get_spec, load_model, load_pair, local_ref, quiet_loading
 from specdec_llm.pairs.drafts import SubsetHead, vocab_subset
 from specdec_llm.settings import get_settings
@@ -39,10 +39,10 @@ def variants(spec, target, tokenizer, subset: int) -> dict:
     kernels = get_settings().cache_dir / "kernels.json"
     ids = vocab_subset(tokenizer, subset, target.config.vocab_size)
 
-    def narrowed(model, full_head):
+    def headed(model, head):
         out = copy.copy(model)  # (the same modules, but its own head)
         out.__dict__["_modules"] = dict(model._modules)
-        out.set_output_embeddings(SubsetHead(full_head, ids))
+        out.set_output_embeddings(head)
         return out
 
     out = {}
@@ -55,7 +55,7 @@ def variants(spec, target, tokenizer, subset: int) -> dict:
         bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
         for name, model in (("draft model fp32", fp32), ("draft model bf16", bf16), ("draft model int4", int4)):
             out[f"{name}, full head"] = model
-        out[f"draft model int4, {subset} head"] = narrowed(int4, fp32.get_output_embeddings())
+        out[f"draft model int4, {subset} head"] = headed(int4, SubsetHead(fp32.get_output_embeddings(), ids))
     own = quantized_copy(
         target,
         "int4",
@@ -63,8 +63,11 @@ def variants(spec, target, tokenizer, subset: int) -> dict:
         cached_gguf_blocks(Path(local_ref(spec.target)), target) if local_ref(spec.target).endswith(".gguf") else {},
         kernel_cache=kernels,
     )
+    full = target.get_output_embeddings()
     out["target int4 copy, full head"] = own
-    out[f"target int4 copy, {subset} head"] = narrowed(own, target.get_output_embeddings())
+    out["target int4 copy, bf16 head"] = headed(own, CastHead(full, torch.bfloat16))
+    out[f"target int4 copy, {subset} head"] = headed(own, SubsetHead(full, ids))
+    out[f"target int4 copy, {subset} bf16 head"] = headed(own, SubsetHead(full, ids, torch.bfloat16))
     return out
 
 

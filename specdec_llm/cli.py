@@ -35,12 +35,15 @@ err = Console(stderr=True)
 def _quiet() -> None:
     """Before every command: the ``SPECDEC_*`` variables read (one that cannot be read is one
     ``error:`` line and exit 2, whatever the command). Keep stderr for our own messages: no
-    per-tensor progress bars from transformers. It reads these when it loads (not imported
-    here: it takes seconds); if it is loaded already, it is told directly."""
+    per-tensor progress bars from transformers (its GGUF conversion's bar is tqdm's own, which
+    reads ``TQDM_DISABLE`` when imported: the load's stage lines say the same once). It reads
+    these when it loads (not imported here: it takes seconds); if it is loaded already, it is
+    told directly."""
     with user_errors():
         get_settings()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
     if "transformers" in sys.modules:
         from .pairs import quiet_loading
 

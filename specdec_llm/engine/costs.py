@@ -70,11 +70,16 @@ class CostModel:
     # what a plain (k = 0) iteration costs besides its forward (accepting, streaming text...):
     # as observed k = 0 iterations measured it; None until one was seen (or loaded)
     plain_overhead_s: float | None = None
-    # seconds of a k = 0 forward as k = 0 iterations measured it (the median of the latest
-    # WINDOW; None until one is seen, or loaded from the cache): the target-only step itself,
-    # not the calibrated shape at a scale that drafting iterations of other widths moved
-    # (their errors are not the k = 0 point's)
-    plain_forward_s: float | None = None
+    # a k = 0 forward over the calibrated k = 0 point, relative to the drafting verifications
+    # of the same moments (the median of the latest WINDOW; None until one is seen, or loaded
+    # from the cache): the target-only step is this times the calibrated point at the live
+    # scale. Relative, because a plain forward runs seldom (schedule.PLAIN_EVERY) and a shared
+    # CPU's speed swings within seconds: one plain forward timed in a slow stretch, taken in
+    # seconds, would stand for every later iteration's counterfactual
+    plain_ratio: float | None = None
+    # the latest drafting verification's observed / calibrated seconds: the machine's speed
+    # at that moment, which the next plain forward is compared with
+    moment: float | None = None
     # the latest WINDOW live observations behind each figure above, since calibration or load
     samples: dict[str, list[float]] = field(default_factory=dict)
 
@@ -83,12 +88,11 @@ class CostModel:
         return 0 in self.verify_s
 
     def plain_forward(self) -> float:
-        """Seconds of a k = 0 forward: as this process's plain iterations measured it; until one
-        did, a cached figure at the live scale (it was measured under the cache's load, as the
-        cached shape was), else the calibrated shape at the live scale."""
-        if self.plain_forward_s is None:
-            return self.verify(0)
-        return self.plain_forward_s * (1.0 if "plain forward" in self.samples else self.verify_scale)
+        """Seconds of a k = 0 forward now: the calibrated k = 0 point at the live scale, times
+        how this process's plain forwards compared with the drafting verifications of the
+        same moments (``plain_ratio``), or a cached table's figure until one is seen (it was
+        measured under the cache's load, as the cached shape was)."""
+        return self.verify_scale * self._calibrated_verify(0) * (self.plain_ratio or 1.0)
 
     def plain_step(self) -> float:
         """Seconds of one target-only iteration at this batch size, as this process measures it:
@@ -99,7 +103,9 @@ class CostModel:
     def observe_plain(self, seconds: float, forward_s: float) -> None:
         """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward."""
         self.plain_overhead_s = self._observe("plain", max(0.0, seconds - forward_s))
-        self.plain_forward_s = self._observe("plain forward", forward_s)
+        if self.calibrated:
+            now = self.moment or self.verify_scale
+            self.plain_ratio = self._observe("plain forward", forward_s / self._calibrated_verify(0) / now)
 
     def to_dict(self) -> dict[str, Any]:
         """The costs as measured now (live scales folded in), for the on-disk cache."""
@@ -112,7 +118,7 @@ class CostModel:
             },
             "draft_token_ratio": dict(sorted(self.draft_token_ratio.items())),
             "plain_overhead_s": self.plain_overhead_s,
-            "plain_forward_s": self.plain_forward() if self.plain_forward_s is not None else None,
+            "plain_forward_s": self.plain_forward() if self.plain_ratio is not None else None,
         }
 
     def load(self, data: dict[str, Any]) -> None:
@@ -124,8 +130,9 @@ class CostModel:
         }
         self.draft_token_ratio = {n: float(v) for n, v in data.get("draft_token_ratio", {}).items()}
         self.plain_overhead_s = data.get("plain_overhead_s")
-        self.plain_forward_s = data.get("plain_forward_s")
-        self.verify_scale, self.draft_scale, self.width_ratio = 1.0, {}, {}
+        plain = data.get("plain_forward_s")  # (written at the same scale as verify_s)
+        self.plain_ratio = float(plain) / self.verify_s[0] if plain is not None and self.verify_s.get(0) else None
+        self.verify_scale, self.draft_scale, self.width_ratio, self.moment = 1.0, {}, {}, None
         self.samples = {}  # (the first live observation of each figure replaces the cached one)
 
     def _calibrated_verify(self, k: int) -> float:
@@ -164,6 +171,7 @@ class CostModel:
         ratio = seconds / self._calibrated_verify(k)
         self.verify_scale = self._observe("verify", ratio)
         if k > 0:  # what is left once the common scale moved: this width's own error
+            self.moment = ratio / self.width_ratio.get(k, 1.0)
             self.width_ratio[k] = self._observe(f"verify:{k}", ratio / self.verify_scale)
 
     def observe_draft(self, name: str, seconds: float, width: int = 1) -> None:
@@ -202,12 +210,18 @@ class BatchCosts:
         return self.models.setdefault(self.bucket(rows), CostModel(max_k=self.max_k))
 
 
-def least(time_it: Callable[[], float], repeats: int) -> float:
-    """The least of up to ``repeats`` timings, fewer once they add up to ENOUGH_S."""
-    times = [time_it()]
-    while len(times) < repeats and sum(times) < ENOUGH_S:
-        times.append(time_it())
-    return min(times)
+def least(timers: dict[Any, Callable[[], float]], repeats: int) -> dict[Any, float]:
+    """The least of up to ``repeats`` timings of each of ``timers``, fewer for one whose
+    timings add up to ENOUGH_S. The repeats run in rounds (each round times every one once,
+    in turn), so every figure's repeats span the same stretch of time: a burst of other load
+    slows all of them alike instead of whichever point it fell on, and their ratios (a draft
+    step to a verification, a plain forward to a wide one) stay the machine's."""
+    times: dict[Any, list[float]] = {key: [] for key in timers}
+    for r in range(repeats):
+        for key, time_it in timers.items():
+            if r == 0 or sum(times[key]) < ENOUGH_S:
+                times[key].append(time_it())
+    return {key: min(t) for key, t in times.items()}
 
 
 def calibrate(
@@ -224,28 +238,37 @@ def calibrate(
     ``time_widths[name](w)``: a draft forward of ``w`` tokens per row, at each of ``widths``
     (a drafter that drafts in two levels).
 
-    The minimum of a few repeats is the least disturbed by other load; verify times are
+    The minimum of a few repeats, taken in rounds over every point (``least``), is the least
+    disturbed by other load; verify times are
     made non-decreasing in k (a longer verify never costs less), and so are draft widths.
     ``points``: the k measured (default every k up to max_k).
     """
-    best = 0.0
-    for k in points if points is not None else range(cost.max_k + 1):
-        if k <= cost.max_k:
-            best = cost.verify_s[k] = max(best, least(partial(time_verify, k), repeats))
     if callable(time_draft):
         time_draft = {"model": time_draft}
-    for name, fn in (time_draft or {}).items():
-        cost.draft_s[name] = least(fn, repeats)
+    ks = [k for k in (points if points is not None else range(cost.max_k + 1)) if k <= cost.max_k]
+    timers: dict[Any, Callable[[], float]] = {("verify", k): partial(time_verify, k) for k in ks}
+    timers |= {("draft", name): fn for name, fn in (time_draft or {}).items()}
+    timers |= {
+        ("width", name, w): partial(forward, w)
+        for name, forward in (time_widths or {}).items()
+        if name in (time_draft or {})
+        for w in sorted(widths)
+    }
+    least_s = least(timers, repeats)
+    best = 0.0
+    for k in ks:
+        best = cost.verify_s[k] = max(best, least_s["verify", k])
+    cost.draft_s.update({name: least_s["draft", name] for name in time_draft or {}})
     cost.draft_width_s = {}
-    for name, forward in (time_widths or {}).items():
+    for name in time_widths or {}:
         if name in cost.draft_s and widths:
             best, shape = cost.draft_s[name], {}
             for w in sorted(widths):
-                best = shape[w] = max(best, least(partial(forward, w), repeats))
+                best = shape[w] = max(best, least_s["width", name, w])
             cost.draft_width_s[name] = shape
     cost.verify_scale = 1.0
     cost.width_ratio = {}
     cost.draft_scale = {}
     cost.draft_token_ratio = {}
     cost.samples = {}
-    cost.plain_forward_s = None
+    cost.plain_ratio = cost.moment = None

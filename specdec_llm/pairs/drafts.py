@@ -44,21 +44,23 @@ class SubsetHead(torch.nn.Module):
     """A draft LM head over a frequency-ranked subset of the vocabulary (as FR-Spec and
     EAGLE-3 do): the target head's rows for ``ids`` only, so a draft step costs a fraction of
     a full-vocabulary head. Other tokens get logit -inf: the draft never proposes them, and
-    verification stays exact over the whole vocabulary. The rows are a copy made at load."""
+    verification stays exact over the whole vocabulary. The rows are a copy made at load, in
+    ``dtype`` (bf16 where the draft's full head would be bf16: ``quant.choose_head``)."""
 
     linear_method = "subset_logits"  # engine/kernels.py gives it the fastest matmul kernel, as for a Linear
 
-    def __init__(self, full: torch.nn.Linear, ids: torch.Tensor):
+    def __init__(self, full: torch.nn.Module, ids: torch.Tensor, dtype: torch.dtype | None = None):
         super().__init__()
-        self.vocab = full.weight.shape[0]
-        self.register_buffer("ids", ids.long().to(full.weight.device), persistent=False)
-        self.weight = torch.nn.Parameter(full.weight.detach()[self.ids].contiguous(), requires_grad=False)
+        weight = full.weight.detach()
+        self.vocab = weight.shape[0]
+        self.register_buffer("ids", ids.long().to(weight.device), persistent=False)
+        self.weight = torch.nn.Parameter(weight[self.ids].to(dtype or weight.dtype).contiguous(), requires_grad=False)
 
     def subset_logits(self, h: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(h, self.weight)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        sub = self.subset_logits(h)
+        sub = self.subset_logits(h.to(self.weight.dtype)).to(h.dtype)
         out = sub.new_full((*sub.shape[:-1], self.vocab), float("-inf"))
         return out.index_copy_(-1, self.ids, sub)
 
@@ -150,8 +152,11 @@ def quantized_model(spec: PairSpec, model, ref: str, scheme: str, tokenizer, tar
         raise PairError(f"pair {spec.name}: {e}") from None
     if spec.draft_vocab:
         ids = vocab_subset(tokenizer, spec.draft_vocab, model.config.vocab_size)
-        draft.set_output_embeddings(SubsetHead(model.get_output_embeddings(), ids))
-        draft.quantization["head"] = f"subset: {len(ids)} of {model.config.vocab_size} tokens (fp32)"
+        bf16 = draft.quantization["head"] == "bf16"  # in the dtype chosen for its full head
+        draft.set_output_embeddings(SubsetHead(model.get_output_embeddings(), ids, torch.bfloat16 if bf16 else None))
+        draft.quantization["head"] = (
+            f"subset: {len(ids)} of {model.config.vocab_size} tokens ({'bf16' if bf16 else 'fp32'})"
+        )
     info = {"kind": "quantized", **draft.quantization, "draft_bytes": model_bytes(draft, target)}
     if target is not None:
         info["target_bytes"] = model_bytes(target)

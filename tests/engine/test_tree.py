@@ -118,7 +118,7 @@ def flat(dec: SpeculativeDecoder, max_batch: int = 1) -> None:
         cost.draft_s = dict.fromkeys(cost.draft_s, 0.002)
         cost.draft_width_s = {n: dict.fromkeys(shape, 0.002) for n, shape in cost.draft_width_s.items()}
         cost.verify_scale, cost.width_ratio, cost.draft_scale, cost.draft_token_ratio = 1.0, {}, {}, {}
-        cost.plain_forward_s, cost.plain_overhead_s = 0.010, 0.0
+        cost.plain_ratio, cost.plain_overhead_s = 1.0, 0.0
         for observe in ("observe_verify", "observe_draft", "observe_drafting", "observe_plain"):
             setattr(cost, observe, lambda *args, **kwargs: None)
 
