@@ -70,16 +70,13 @@ class CostModel:
     # what a plain (k = 0) iteration costs besides its forward (accepting, streaming text...):
     # as observed k = 0 iterations measured it; None until one was seen (or loaded)
     plain_overhead_s: float | None = None
-    # a k = 0 forward over the calibrated k = 0 point, relative to the drafting verifications
-    # of the same moments (the median of the latest WINDOW; None until one is seen, or loaded
-    # from the cache): the target-only step is this times the calibrated point at the live
-    # scale. Relative, because a plain forward runs seldom (schedule.PLAIN_EVERY) and a shared
-    # CPU's speed swings within seconds: one plain forward timed in a slow stretch, taken in
-    # seconds, would stand for every later iteration's counterfactual
+    # a k = 0 forward over the calibrated k = 0 point at the live scale when it ran (the median
+    # of the latest WINDOW; None until one is seen, or loaded from the cache): the target-only
+    # step is this times the calibrated point at the live scale now. Relative, because a plain
+    # forward runs seldom (schedule.PLAIN_EVERY) while a shared CPU's speed changes: one timed
+    # in a slow stretch, taken in seconds, would stand for every later iteration's
+    # counterfactual
     plain_ratio: float | None = None
-    # the latest drafting verification's observed / calibrated seconds: the machine's speed
-    # at that moment, which the next plain forward is compared with
-    moment: float | None = None
     # the latest WINDOW live observations behind each figure above, since calibration or load
     samples: dict[str, list[float]] = field(default_factory=dict)
 
@@ -89,9 +86,9 @@ class CostModel:
 
     def plain_forward(self) -> float:
         """Seconds of a k = 0 forward now: the calibrated k = 0 point at the live scale, times
-        how this process's plain forwards compared with the drafting verifications of the
-        same moments (``plain_ratio``), or a cached table's figure until one is seen (it was
-        measured under the cache's load, as the cached shape was)."""
+        how this process's plain forwards compared with that scale when they ran
+        (``plain_ratio``), or a cached table's figure until one is seen (it was measured under
+        the cache's load, as the cached shape was)."""
         return self.verify_scale * self._calibrated_verify(0) * (self.plain_ratio or 1.0)
 
     def plain_step(self) -> float:
@@ -103,9 +100,10 @@ class CostModel:
     def observe_plain(self, seconds: float, forward_s: float) -> None:
         """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward."""
         self.plain_overhead_s = self._observe("plain", max(0.0, seconds - forward_s))
-        if self.calibrated:
-            now = self.moment or self.verify_scale
-            self.plain_ratio = self._observe("plain forward", forward_s / self._calibrated_verify(0) / now)
+        if self.calibrated:  # (the scale includes this forward: observe_verify ran first)
+            self.plain_ratio = self._observe(
+                "plain forward", forward_s / self._calibrated_verify(0) / self.verify_scale
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The costs as measured now (live scales folded in), for the on-disk cache."""
@@ -132,7 +130,7 @@ class CostModel:
         self.plain_overhead_s = data.get("plain_overhead_s")
         plain = data.get("plain_forward_s")  # (written at the same scale as verify_s)
         self.plain_ratio = float(plain) / self.verify_s[0] if plain is not None and self.verify_s.get(0) else None
-        self.verify_scale, self.draft_scale, self.width_ratio, self.moment = 1.0, {}, {}, None
+        self.verify_scale, self.draft_scale, self.width_ratio = 1.0, {}, {}
         self.samples = {}  # (the first live observation of each figure replaces the cached one)
 
     def _calibrated_verify(self, k: int) -> float:
@@ -171,7 +169,6 @@ class CostModel:
         ratio = seconds / self._calibrated_verify(k)
         self.verify_scale = self._observe("verify", ratio)
         if k > 0:  # what is left once the common scale moved: this width's own error
-            self.moment = ratio / self.width_ratio.get(k, 1.0)
             self.width_ratio[k] = self._observe(f"verify:{k}", ratio / self.verify_scale)
 
     def observe_draft(self, name: str, seconds: float, width: int = 1) -> None:
@@ -271,4 +268,4 @@ def calibrate(
     cost.draft_scale = {}
     cost.draft_token_ratio = {}
     cost.samples = {}
-    cost.plain_ratio = cost.moment = None
+    cost.plain_ratio = None
