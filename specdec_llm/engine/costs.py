@@ -236,8 +236,8 @@ def calibrate(
     (a drafter that drafts in two levels).
 
     The minimum of a few repeats, taken in rounds over every point (``least``), is the least
-    disturbed by other load; verify times are
-    made non-decreasing in k (a longer verify never costs less), and so are draft widths.
+    disturbed by other load; verify times are made non-decreasing in k (a longer verify never
+    costs less), and so are draft widths.
     ``points``: the k measured (default every k up to max_k).
     """
     if callable(time_draft):

@@ -6,6 +6,7 @@ stand in for the 270M one; the real pair is measured by ``bench_engine.py --pair
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import greedy_reference, tiny_llama, tiny_tokenizer
 
 from specdec_llm import pairs
@@ -46,6 +47,8 @@ def test_a_subset_head_draft_keeps_the_target_greedy_output(base_pair):
     specials = set(base_pair.all_special_ids)
     assert specials <= set(head.ids.tolist())  # a draft can always end a turn
     assert pair.draft_info["head"].startswith("subset: 64 of")
+    # in the dtype the load chose for a full head (bf16 where it measured bf16 faster)
+    assert pair.draft_info["head"].endswith("(bf16)") == (head.weight.dtype == torch.bfloat16)
     assert pairs.vocab_subset(base_pair, 64, len(base_pair)).tolist() == head.ids.tolist()  # cached, the same
     dec = pair.decoder()
     for prompt in ([5, 6, 7, 8], list(range(40, 70))):
@@ -95,3 +98,20 @@ def test_a_chunked_package_assembles_its_file(tmp_path, monkeypatch):
     assert out.read_bytes() == b"GGUF"
     with pytest.raises(PairError, match=r"no file 'other\.gguf'"):
         pairs.local_ref("pkg:chunky/other.gguf")
+
+
+def test_a_bf16_subset_head_gives_the_full_heads_bf16_logits_on_its_tokens():
+    """A subset head held in bf16 (as a full head is where the load measures bf16 faster): its
+    tokens' logits are the full head's in bf16, in the input's dtype; the others -inf."""
+    torch.manual_seed(0)
+    full = torch.nn.Linear(16, 40, bias=False)
+    ids = torch.tensor([1, 5, 7, 30])
+    head = SubsetHead(full, ids, torch.bfloat16)
+    h = torch.randn(2, 3, 16)
+    out = head(h)
+    assert out.dtype == torch.float32 and out.shape == (2, 3, 40) and head.weight.dtype == torch.bfloat16
+    want = torch.nn.functional.linear(h.bfloat16(), full.weight.bfloat16()).float()
+    assert torch.equal(out[..., ids], want[..., ids])
+    rest = torch.ones(40, dtype=torch.bool)
+    rest[ids] = False
+    assert torch.isneginf(out[..., rest]).all()
