@@ -7,11 +7,11 @@ subset) measured for agreement with the target and for its step's cost, side by 
 Variants: the pair's draft model (when it has one of its own) in fp32, bf16 and int4 (its GGUF's
 own int4 blocks where exact, else re-quantized: ``draft_quantize``), each with its full head and
 with its head over ``--subset`` tokens (``draft_vocab``); and the target's own int4 copy
-(``draft = "quantized:int4"``) with its full head and a subset head, each in fp32 and bf16. Agreement: the target's
-greedy answers to the prompts (chat template), every variant teacher-forced on them, the share
-of positions where its argmax is the target's (what acceptance follows). Step: one new token on
-a 100-token context through the engine's cache, batch 1, interleaved medians, as a share of the
-target's step (what the schedule weighs against acceptance). Tokens a verification gains per
+(``draft = "quantized:int4"``) with its full head and a subset head, each in fp32 and bf16.
+Agreement: the target's greedy answers to the prompts (chat template), every variant
+teacher-forced on them, the share of positions where its argmax is the target's (what
+acceptance follows). Step: one new token on a 100-token context through the engine's cache,
+batch 1, interleaved medians, as a share of the target's step (what the schedule weighs against acceptance). Tokens a verification gains per
 draft token cost: see the last column, agreement / (1 + step share), a rough figure of merit.
 Prints the CPU first.
 """

@@ -4,10 +4,10 @@ The plan's proposal for a row is its chain; the other drafters' offers for the r
 model drafter's second choices (``runner_ups``), join it as branches, each where it leaves the
 tree, as far as it pays. A node's chance of being accepted is its parent's times its own
 acceptance estimate times what its earlier siblings leave (greedy: one child at most is the
-target's token); the tokens a tree is expected to give are one plus the sum of those chances. A branch's tail is kept up to the
-length whose expected tokens are worth more than the wider verification costs (the cost
-model's measured verify seconds per width), at most ``limit`` nodes in all; where nothing
-pays, the chain is the tree of width 1.
+target's token); the tokens a tree is expected to give are one plus the sum of those
+chances. A branch's tail is kept up to the length whose expected tokens are worth more than
+the wider verification costs (the cost model's measured verify seconds per width), at most
+``limit`` nodes in all; where nothing pays, the chain is the tree of width 1.
 """
 
 from __future__ import annotations

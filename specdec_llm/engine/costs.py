@@ -240,29 +240,25 @@ def calibrate(
     costs less), and so are draft widths.
     ``points``: the k measured (default every k up to max_k).
     """
-    if callable(time_draft):
-        time_draft = {"model": time_draft}
+    drafts = {"model": time_draft} if callable(time_draft) else time_draft or {}
     ks = [k for k in (points if points is not None else range(cost.max_k + 1)) if k <= cost.max_k]
+    widths = sorted(widths)
+    # two-level widths of the drafters with a step (timed now, or earlier)
+    two_level = {n: f for n, f in (time_widths or {}).items() if n in drafts or n in cost.draft_s} if widths else {}
     timers: dict[Any, Callable[[], float]] = {("verify", k): partial(time_verify, k) for k in ks}
-    timers |= {("draft", name): fn for name, fn in (time_draft or {}).items()}
-    timers |= {
-        ("width", name, w): partial(forward, w)
-        for name, forward in (time_widths or {}).items()
-        if name in (time_draft or {})
-        for w in sorted(widths)
-    }
+    timers |= {("draft", name): fn for name, fn in drafts.items()}
+    timers |= {("width", name, w): partial(forward, w) for name, forward in two_level.items() for w in widths}
     least_s = least(timers, repeats)
     best = 0.0
     for k in ks:
         best = cost.verify_s[k] = max(best, least_s["verify", k])
-    cost.draft_s.update({name: least_s["draft", name] for name in time_draft or {}})
+    cost.draft_s.update({name: least_s["draft", name] for name in drafts})
     cost.draft_width_s = {}
-    for name in time_widths or {}:
-        if name in cost.draft_s and widths:
-            best, shape = cost.draft_s[name], {}
-            for w in sorted(widths):
-                best = shape[w] = max(best, least_s["width", name, w])
-            cost.draft_width_s[name] = shape
+    for name in two_level:
+        best, shape = cost.draft_s[name], {}
+        for w in widths:
+            best = shape[w] = max(best, least_s["width", name, w])
+        cost.draft_width_s[name] = shape
     cost.verify_scale = 1.0
     cost.width_ratio = {}
     cost.draft_scale = {}

@@ -46,7 +46,7 @@ class SubsetHead(torch.nn.Module):
     a full-vocabulary head. Other tokens get logit -inf: the draft never proposes them, and
     verification stays exact over the whole vocabulary. The rows are a copy made at load, in
     ``dtype`` (default: the full head's; a pair's ``draft_vocab`` head stays fp32: in bf16 it
-    measured no faster for the 0.5B Qwen draft, 10.3 vs 10.0 tok/s, bench_draft_choices.py)."""
+    measured no faster for the 0.5B Qwen draft, 10.3 vs 10.0 tok/s, bench_engine.py)."""
 
     linear_method = "subset_logits"  # engine/kernels.py gives it the fastest matmul kernel, as for a Linear
 
