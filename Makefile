@@ -35,11 +35,14 @@ demo: $(ALL)
 # The tests on TEST_PROCS processes (pytest-xdist): much of the suite waits (worker fleets,
 # leases, servers stopped and started, subprocesses importing torch), so more processes than
 # cores. Tests that share a module's fixture stay on one process, the slow ones start first
-# (tests/conftest.py). TEST_PROCS=0: one process, as plain pytest.
+# (tests/conftest.py). TEST_PROCS=0: one process, as plain pytest. The tests of a real pair
+# (marked real_pair; they skip where its packages are not installed) hold 9-11 GB each: they run
+# alone, after the rest, so four processes never share the machine's memory with them.
 TEST_PROCS ?= 4
 test: $(TEST)
 	./scripts/services.sh
-	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_PROCS) --dist loadgroup --no-loadscope-reorder
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_PROCS) --dist loadgroup --no-loadscope-reorder -m "not real_pair"
+	$(BIN)/python -m pytest -q --durations=5 -m real_pair
 
 # ruff (lint and format) and mypy, configured in pyproject.toml; .ci/run runs it before the tests
 lint: $(TEST)

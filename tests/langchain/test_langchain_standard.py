@@ -159,6 +159,7 @@ def _qwen_installed() -> bool:
     return available("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 
 
+@pytest.mark.real_pair  # (make test runs it alone, after the rest: the pair holds ~9 GB)
 @pytest.mark.skipif(not _qwen_installed(), reason="the qwen2.5-coder-1.5b pair is not installed")
 class TestChatSpecDecQwenIntegration(_Declared, ChatModelIntegrationTests):
     """The real pair: every test, tools and structured output on."""
