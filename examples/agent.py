@@ -6,7 +6,8 @@ The tools are a calculator (arithmetic only: the expression is parsed, never eva
 Python) and a glossary lookup. ``ChatSpecDec.bind_tools`` shows them to the model through its
 own chat template, and reads its tool calls back from the text it generates; the agent runs
 them and hands the results back as tool turns, until the model answers without a call or
-``--max-steps`` model calls have been made.
+``--max-steps`` model calls have been made. A call it has already run is not run again: the
+model is asked for its answer instead (``answer_instead_of_repeating``).
 
 The pair's chat template must render tools: Qwen2.5's does (``specdec-llm pairs install
 qwen2.5-coder-1.5b``, then ``--pair qwen2.5-coder-1.5b``); a ChatML pair whose tokenizer has no
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import operator
 import sys
 
 from langchain.agents import create_agent
+from langchain.agents.middleware import ModelRequest, ModelResponse, wrap_model_call
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.errors import GraphRecursionError
@@ -33,7 +36,10 @@ from specdec_llm.pairs import quiet_loading
 from specdec_llm.settings import get_settings
 
 SYSTEM = (
-    "You are a careful assistant. Use the calculator for arithmetic and the glossary for terms; then answer briefly."
+    "You are a careful assistant with two tools. For any arithmetic, call calculator with the whole "
+    "expression, with parentheses around every part that must be computed first. For any term or "
+    "concept, call lookup with the term, even if you think you know it, and answer with the glossary's "
+    "words. Once the results you need are in, reply with the final answer in one or two sentences."
 )
 
 _OPS = {
@@ -92,9 +98,27 @@ def lookup(term: str) -> str:
 TOOLS = [calculator, lookup]
 
 
+def _key(call: dict) -> tuple[str, str]:
+    return call["name"], json.dumps(call["args"], sort_keys=True)
+
+
+@wrap_model_call
+def answer_instead_of_repeating(request: ModelRequest, handler) -> ModelResponse:
+    """A call the agent has already run gets the same result again, so it is not run: the
+    model is asked once more with no tools shown, and answers from the results it has. (A
+    small model repeats calls: Qwen2.5-Coder 1.5B called ``calculator("2^20")`` three times
+    after its result, until the agent stopped it.)"""
+    response = handler(request)
+    done = {_key(c) for m in request.messages if isinstance(m, AIMessage) for c in m.tool_calls}
+    reply = response.result[-1]
+    if isinstance(reply, AIMessage) and reply.tool_calls and all(_key(c) in done for c in reply.tool_calls):
+        response = handler(request.override(tools=[], tool_choice=None))
+    return response
+
+
 def run(chat: ChatSpecDec, question: str, max_steps: int = 4, log=print) -> dict:
     """The agent on ``question``: {"messages", "model_calls", "calls", "invalid", "answer", "stopped"}."""
-    agent = create_agent(chat, TOOLS, system_prompt=SYSTEM)
+    agent = create_agent(chat, TOOLS, system_prompt=SYSTEM, middleware=[answer_instead_of_repeating])
     state: dict = {"messages": []}
     stopped = None
     try:  # a model call and its tools' turn are two steps of the graph

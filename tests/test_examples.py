@@ -146,3 +146,36 @@ def test_agent_tools():
     assert agent.calculator.invoke({"expression": "True + 1"}).startswith("error")
     assert agent.lookup.invoke({"term": " KV Cache "}).startswith("the keys and values")
     assert agent.lookup.invoke({"term": "nope"}).startswith("no entry for 'nope'")
+
+
+def test_agent_answers_instead_of_running_a_call_again():
+    """A model that calls the calculator again after its result (Qwen2.5-Coder 1.5B does) is
+    asked once more with no tools shown: the repeat is not run, and its answer ends the loop.
+    (A scripted model stands in: no real model repeats a call on demand.)"""
+    from langchain_core.language_models import BaseChatModel
+    from langchain_core.messages import AIMessage
+    from langchain_core.outputs import ChatGeneration, ChatResult
+
+    agent = _load("agent")
+
+    class Repeater(BaseChatModel):
+        """Calls the calculator whenever it is shown tools; answers from the last result when not."""
+
+        @property
+        def _llm_type(self) -> str:
+            return "repeater"
+
+        def bind_tools(self, tools, **kwargs):
+            return self.bind(shown=[t.name for t in tools])
+
+        def _generate(self, messages, stop=None, run_manager=None, shown=None, **kwargs):
+            if shown:
+                call = {"name": "calculator", "args": {"expression": "2^20"}, "id": f"c{len(messages)}"}
+                reply = AIMessage("", tool_calls=[call])
+            else:
+                reply = AIMessage(f"2^20 is {messages[-1].content}.")
+            return ChatResult(generations=[ChatGeneration(message=reply)])
+
+    result = agent.run(Repeater(), "What is 2 to the power of 20?", max_steps=4, log=lambda *_: None)
+    assert [c["args"] for c in result["calls"]] == [{"expression": "2^20"}]
+    assert result["answer"] == "2^20 is 1048576." and result["model_calls"] == 2 and result["stopped"] is None
