@@ -7,7 +7,8 @@ Python) and a glossary lookup. ``ChatSpecDec.bind_tools`` shows them to the mode
 own chat template, and reads its tool calls back from the text it generates; the agent runs
 them and hands the results back as tool turns, until the model answers without a call or
 ``--max-steps`` model calls have been made. A call it has already run is not run again: the
-model is asked for its answer instead (``answer_instead_of_repeating``).
+model is asked for its answer instead (``answer_from_the_results``). Until a tool has
+answered, the model must call one (``call_a_tool_first``).
 
 The pair's chat template must render tools: Qwen2.5's does (``specdec-llm pairs install
 qwen2.5-coder-1.5b``, then ``--pair qwen2.5-coder-1.5b``); a ChatML pair whose tokenizer has no
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import json
 import operator
 import sys
@@ -36,10 +38,7 @@ from specdec_llm.pairs import quiet_loading
 from specdec_llm.settings import get_settings
 
 SYSTEM = (
-    "You are a careful assistant with two tools. For any arithmetic, call calculator with the whole "
-    "expression, with parentheses around every part that must be computed first. For any term or "
-    "concept, call lookup with the term, even if you think you know it, and answer with the glossary's "
-    "words. Once the results you need are in, reply with the final answer in one or two sentences."
+    "You are a careful assistant. Use the calculator for arithmetic and the glossary for terms; then answer briefly."
 )
 
 _OPS = {
@@ -73,7 +72,7 @@ def _eval(node: ast.AST) -> float:
 
 @tool
 def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression such as 3 * (4 + 5)."""
+    """Evaluate an arithmetic expression, such as (3 + 4) * 5 or 2 ^ 10; parentheses as the question groups."""
     try:
         value = _eval(ast.parse(expression.strip(), mode="eval"))
     except (SyntaxError, ValueError, ZeroDivisionError, TypeError, OverflowError) as e:
@@ -92,7 +91,13 @@ GLOSSARY = {
 @tool
 def lookup(term: str) -> str:
     """Look a term up in the speculative-decoding glossary."""
-    return GLOSSARY.get(term.strip().lower(), f"no entry for {term!r}; known terms: {', '.join(GLOSSARY)}")
+    key = " ".join(term.lower().replace("-", " ").replace("_", " ").strip(" \"'?.").split())
+    # as written, else a known term the words hold ("the KV cache"), else a near spelling
+    found = [key] if key in GLOSSARY else [t for t in GLOSSARY if f" {t} " in f" {key} "]
+    found = found or difflib.get_close_matches(key, GLOSSARY, n=1, cutoff=0.8)
+    if not found:
+        return f"no entry for {term!r}; known terms: {', '.join(GLOSSARY)}"
+    return GLOSSARY[max(found, key=len)]
 
 
 TOOLS = [calculator, lookup]
@@ -103,22 +108,37 @@ def _key(call: dict) -> tuple[str, str]:
 
 
 @wrap_model_call
-def answer_instead_of_repeating(request: ModelRequest, handler) -> ModelResponse:
-    """A call the agent has already run gets the same result again, so it is not run: the
-    model is asked once more with no tools shown, and answers from the results it has. (A
-    small model repeats calls: Qwen2.5-Coder 1.5B called ``calculator("2^20")`` three times
-    after its result, until the agent stopped it.)"""
+def answer_from_the_results(request: ModelRequest, handler) -> ModelResponse:
+    """A reply that only repeats calls the agent has already run (they would give the same
+    results), or says nothing at all, is not the model's last word: it is asked once more
+    with no tools shown, and answers from the results it has. (Qwen2.5-Coder 1.5B called
+    ``calculator("2^20")`` three times after its result, and after a lookup that found nothing
+    it replied with an empty message.)"""
     response = handler(request)
     done = {_key(c) for m in request.messages if isinstance(m, AIMessage) for c in m.tool_calls}
     reply = response.result[-1]
-    if isinstance(reply, AIMessage) and reply.tool_calls and all(_key(c) in done for c in reply.tool_calls):
-        response = handler(request.override(tools=[], tool_choice=None))
+    if isinstance(reply, AIMessage) and not reply.invalid_tool_calls:
+        repeats = reply.tool_calls and all(_key(c) in done for c in reply.tool_calls)
+        empty = not reply.tool_calls and not str(reply.content).strip()
+        if (repeats or empty) and done:
+            response = handler(request.override(tools=[], tool_choice=None))
     return response
+
+
+@wrap_model_call
+def call_a_tool_first(request: ModelRequest, handler) -> ModelResponse:
+    """Until a tool has answered, the model must call one (``tool_choice="any"``: the engine's
+    grammar makes the call well-formed). A small model otherwise answers from memory what
+    the tools are there to answer, or writes its call in a form of its own: Qwen2.5-Coder
+    1.5B defined "KV cache" without looking it up, and wrote ``<tools>{...}</tools>``."""
+    if not any(isinstance(m, ToolMessage) for m in request.messages):
+        request = request.override(tool_choice="any")
+    return handler(request)
 
 
 def run(chat: ChatSpecDec, question: str, max_steps: int = 4, log=print) -> dict:
     """The agent on ``question``: {"messages", "model_calls", "calls", "invalid", "answer", "stopped"}."""
-    agent = create_agent(chat, TOOLS, system_prompt=SYSTEM, middleware=[answer_instead_of_repeating])
+    agent = create_agent(chat, TOOLS, system_prompt=SYSTEM, middleware=[call_a_tool_first, answer_from_the_results])
     state: dict = {"messages": []}
     stopped = None
     try:  # a model call and its tools' turn are two steps of the graph

@@ -33,11 +33,12 @@ def tiny_long(tiny_pair_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def run_example(tiny_long, tiny_tools_pair_dir, tmp_path):
+def run_example(tiny_long, closing_tools_pair_dir, tmp_path):
     pairs = tmp_path / "pairs.toml"
     pairs.write_text(
         f'[pairs.tiny]\ntarget = "{tiny_long / "target"}"\ndraft = "{tiny_long / "draft"}"\n'
-        + tools_pair("tiny-tools", tiny_tools_pair_dir)  # its chat template renders tools (agent.py)
+        # its chat template renders tools, and its models close the JSON they open (agent.py)
+        + tools_pair("tiny-tools", closing_tools_pair_dir)
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
     env.update(
@@ -97,15 +98,16 @@ def test_bulk_documents_job_and_export(run_example, tmp_path):
 
 def test_agent_runs_to_completion_and_every_call_parses(run_example):
     """examples/agent.py: create_agent over ChatSpecDec with two tools, on the tiny pair whose
-    template renders them (a random model: it runs the loop, it does not call much)."""
+    template renders them (a random model: the first model call must call a tool, and the
+    grammar makes it a valid one; what it does after that is its own)."""
     out = run_example(
-        "agent.py", "What is 6 * 7?", "--pair", "tiny-tools", "--max-new-tokens", "16", "--max-steps", "2"
+        "agent.py", "What is 6 * 7?", "--pair", "tiny-tools", "--max-new-tokens", "96", "--max-steps", "2"
     )
     assert "# pair tiny-tools, local mode" in out and "--- model" in out
     summary = re.search(r"(\d+) model calls, (\d+) tool calls \((\d+) parsed, (\d+) invalid\)", out)
     assert summary, out
     model_calls, calls, parsed, invalid = map(int, summary.groups())
-    assert 1 <= model_calls <= 2 and calls == parsed and invalid == 0, out
+    assert 1 <= model_calls <= 2 and calls == parsed >= 1 and invalid == 0, out
 
 
 def test_agent_on_a_pair_whose_template_has_no_tools_says_so(run_example):
@@ -146,6 +148,10 @@ def test_agent_tools():
     assert agent.calculator.invoke({"expression": "True + 1"}).startswith("error")
     assert agent.lookup.invoke({"term": " KV Cache "}).startswith("the keys and values")
     assert agent.lookup.invoke({"term": "nope"}).startswith("no entry for 'nope'")
+    draft = agent.GLOSSARY["draft"]
+    assert agent.lookup.invoke({"term": "Speculative-Decoding"}) == agent.GLOSSARY["speculative decoding"]
+    assert agent.lookup.invoke({"term": "the draft"}) == agent.lookup.invoke({"term": "drafts"}) == draft
+    assert agent.lookup.invoke({"term": "small model"}).startswith("no entry")
 
 
 def test_agent_answers_instead_of_running_a_call_again():
