@@ -38,7 +38,8 @@ from specdec_llm.pairs import quiet_loading
 from specdec_llm.settings import get_settings
 
 SYSTEM = (
-    "You are a careful assistant. Use the calculator for arithmetic and the glossary for terms; then answer briefly."
+    "You are a careful assistant. Use the calculator for arithmetic (keep the question's parentheses in its "
+    "expression) and the glossary for terms; then answer briefly."
 )
 
 _OPS = {
@@ -72,12 +73,12 @@ def _eval(node: ast.AST) -> float:
 
 @tool
 def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression, such as (3 + 4) * 5 or 2 ^ 10; parentheses as the question groups."""
+    """Evaluate an arithmetic expression such as 3 * (4 + 5)."""
     try:
         value = _eval(ast.parse(expression.strip(), mode="eval"))
     except (SyntaxError, ValueError, ZeroDivisionError, TypeError, OverflowError) as e:
         return f"error: {e}"
-    return str(int(value) if isinstance(value, float) and value.is_integer() else value)
+    return f"{expression.strip()} = {int(value) if isinstance(value, float) and value.is_integer() else value}"
 
 
 GLOSSARY = {
@@ -97,7 +98,8 @@ def lookup(term: str) -> str:
     found = found or difflib.get_close_matches(key, GLOSSARY, n=1, cutoff=0.8)
     if not found:
         return f"no entry for {term!r}; known terms: {', '.join(GLOSSARY)}"
-    return GLOSSARY[max(found, key=len)]
+    entry = max(found, key=len)
+    return f"{entry}: {GLOSSARY[entry]}"
 
 
 TOOLS = [calculator, lookup]

@@ -140,48 +140,58 @@ def _load(name: str):
 
 def test_agent_tools():
     agent = _load("agent")
-    assert agent.calculator.invoke({"expression": "17 * 23 + 4"}) == "395"
-    assert (
-        agent.calculator.invoke({"expression": "2 ** 10"}) == agent.calculator.invoke({"expression": "2^10"}) == "1024"
-    )
+    assert agent.calculator.invoke({"expression": " 17 * 23 + 4"}) == "17 * 23 + 4 = 395"  # (what it computed)
+    assert agent.calculator.invoke({"expression": "2 ** 10"}) == "2 ** 10 = 1024"
+    assert agent.calculator.invoke({"expression": "2^10"}) == "2^10 = 1024"  # a power, as models write it
+    assert agent.calculator.invoke({"expression": "7 / 2"}) == "7 / 2 = 3.5"
     assert agent.calculator.invoke({"expression": "__import__('os')"}).startswith("error")
     assert agent.calculator.invoke({"expression": "True + 1"}).startswith("error")
-    assert agent.lookup.invoke({"term": " KV Cache "}).startswith("the keys and values")
+    assert agent.lookup.invoke({"term": " KV Cache "}).startswith("kv cache: the keys and values")
     assert agent.lookup.invoke({"term": "nope"}).startswith("no entry for 'nope'")
-    draft = agent.GLOSSARY["draft"]
-    assert agent.lookup.invoke({"term": "Speculative-Decoding"}) == agent.GLOSSARY["speculative decoding"]
+    draft = "draft: " + agent.GLOSSARY["draft"]
+    sd = "speculative decoding: " + agent.GLOSSARY["speculative decoding"]
+    assert agent.lookup.invoke({"term": "Speculative-Decoding"}) == sd
     assert agent.lookup.invoke({"term": "the draft"}) == agent.lookup.invoke({"term": "drafts"}) == draft
     assert agent.lookup.invoke({"term": "small model"}).startswith("no entry")
 
 
-def test_agent_answers_instead_of_running_a_call_again():
-    """A model that calls the calculator again after its result (Qwen2.5-Coder 1.5B does) is
-    asked once more with no tools shown: the repeat is not run, and its answer ends the loop.
-    (A scripted model stands in: no real model repeats a call on demand.)"""
+@pytest.mark.parametrize("after_result", ["repeat", "empty"])
+def test_agent_asks_for_an_answer_instead_of_a_repeated_call_or_an_empty_reply(after_result):
+    """A model that, once it has a result, calls the calculator again (Qwen2.5-Coder 1.5B did)
+    or replies with nothing (it did that too) is asked once more with no tools shown: the
+    repeat is not run, and that answer ends the loop; and its first call is forced (it is
+    shown tools with tool_choice "any"). A scripted model stands in: no real model repeats a
+    call or falls silent on demand."""
     from langchain_core.language_models import BaseChatModel
-    from langchain_core.messages import AIMessage
+    from langchain_core.messages import AIMessage, ToolMessage
     from langchain_core.outputs import ChatGeneration, ChatResult
 
     agent = _load("agent")
+    choices = []
 
-    class Repeater(BaseChatModel):
-        """Calls the calculator whenever it is shown tools; answers from the last result when not."""
+    class Scripted(BaseChatModel):
+        """Shown tools: calls the calculator, or after a result does ``after_result``; shown
+        none: answers from the last result."""
 
         @property
         def _llm_type(self) -> str:
-            return "repeater"
+            return "scripted"
 
-        def bind_tools(self, tools, **kwargs):
+        def bind_tools(self, tools, tool_choice=None, **kwargs):
+            choices.append(tool_choice)
             return self.bind(shown=[t.name for t in tools])
 
         def _generate(self, messages, stop=None, run_manager=None, shown=None, **kwargs):
-            if shown:
-                call = {"name": "calculator", "args": {"expression": "2^20"}, "id": f"c{len(messages)}"}
-                reply = AIMessage("", tool_calls=[call])
+            call = {"name": "calculator", "args": {"expression": "2^20"}, "id": f"c{len(messages)}"}
+            if not shown:
+                reply = AIMessage(f"So {messages[-1].content}.")
+            elif after_result == "empty" and isinstance(messages[-1], ToolMessage):
+                reply = AIMessage("")
             else:
-                reply = AIMessage(f"2^20 is {messages[-1].content}.")
+                reply = AIMessage("", tool_calls=[call])
             return ChatResult(generations=[ChatGeneration(message=reply)])
 
-    result = agent.run(Repeater(), "What is 2 to the power of 20?", max_steps=4, log=lambda *_: None)
+    result = agent.run(Scripted(), "What is 2 to the power of 20?", max_steps=4, log=lambda *_: None)
     assert [c["args"] for c in result["calls"]] == [{"expression": "2^20"}]
-    assert result["answer"] == "2^20 is 1048576." and result["model_calls"] == 2 and result["stopped"] is None
+    assert result["answer"] == "So 2^20 = 1048576." and result["model_calls"] == 2 and result["stopped"] is None
+    assert choices[0] == "any" and choices[1:] == [None]
