@@ -29,7 +29,7 @@ import sys
 
 from langchain.agents import create_agent
 from langchain.agents.middleware import ModelRequest, ModelResponse, wrap_model_call
-from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.errors import GraphRecursionError
 
@@ -73,7 +73,7 @@ def _eval(node: ast.AST) -> float:
 
 @tool
 def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression such as 3 * (4 + 5)."""
+    """Evaluate an arithmetic expression: numbers, + - * / ^ and parentheses."""
     try:
         value = _eval(ast.parse(expression.strip(), mode="eval"))
     except (SyntaxError, ValueError, ZeroDivisionError, TypeError, OverflowError) as e:
@@ -112,8 +112,9 @@ def _key(call: dict) -> tuple[str, str]:
 @wrap_model_call
 def answer_from_the_results(request: ModelRequest, handler) -> ModelResponse:
     """A reply that only repeats calls the agent has already run (they would give the same
-    results), or says nothing at all, is not the model's last word: it is asked once more
-    with no tools shown, and answers from the results it has. (Qwen2.5-Coder 1.5B called
+    results), or says nothing at all, is not the model's last word: it is asked once more,
+    with no tools shown, to answer from the results it has (that request only: the
+    conversation keeps its own turns). (Qwen2.5-Coder 1.5B called
     ``calculator("2^20")`` three times after its result, and after a lookup that found nothing
     it replied with an empty message.)"""
     response = handler(request)
@@ -123,7 +124,8 @@ def answer_from_the_results(request: ModelRequest, handler) -> ModelResponse:
         repeats = reply.tool_calls and all(_key(c) in done for c in reply.tool_calls)
         empty = not reply.tool_calls and not str(reply.content).strip()
         if (repeats or empty) and done:
-            response = handler(request.override(tools=[], tool_choice=None))
+            ask = HumanMessage("Answer the question now, in words, from the tool results above.")
+            response = handler(request.override(tools=[], tool_choice=None, messages=[*request.messages, ask]))
     return response
 
 

@@ -183,8 +183,10 @@ def test_agent_asks_for_an_answer_instead_of_a_repeated_call_or_an_empty_reply(a
 
         def _generate(self, messages, stop=None, run_manager=None, shown=None, **kwargs):
             call = {"name": "calculator", "args": {"expression": "2^20"}, "id": f"c{len(messages)}"}
-            if not shown:
-                reply = AIMessage(f"So {messages[-1].content}.")
+            if not shown:  # (asked in words to answer)
+                result = next(m for m in reversed(messages) if isinstance(m, ToolMessage))
+                assert messages[-1].type == "human" and "Answer the question now" in messages[-1].content
+                reply = AIMessage(f"So {result.content}.")
             elif after_result == "empty" and isinstance(messages[-1], ToolMessage):
                 reply = AIMessage("")
             else:
