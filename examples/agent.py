@@ -6,9 +6,10 @@ The tools are a calculator (arithmetic only: the expression is parsed, never eva
 Python) and a glossary lookup. ``ChatSpecDec.bind_tools`` shows them to the model through its
 own chat template, and reads its tool calls back from the text it generates; the agent runs
 them and hands the results back as tool turns, until the model answers without a call or
-``--max-steps`` model calls have been made. A call it has already run is not run again: the
-model is asked for its answer instead (``answer_from_the_results``). Until a tool has
-answered, the model must call one (``call_a_tool_first``).
+``--max-steps`` model calls have been made. Two middlewares make a small model usable: until
+a tool has answered, the model must call one (``call_a_tool_first``); a reply that only repeats
+calls already run, or says nothing, is not run but asked again, without tools, for an answer
+from the results (``answer_from_the_results``).
 
 The pair's chat template must render tools: Qwen2.5's does (``specdec-llm pairs install
 qwen2.5-coder-1.5b``, then ``--pair qwen2.5-coder-1.5b``); a ChatML pair whose tokenizer has no
