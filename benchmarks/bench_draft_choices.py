@@ -11,8 +11,9 @@ with its head over ``--subset`` tokens (``draft_vocab``); and the target's own i
 Agreement: the target's greedy answers to the prompts (chat template), every variant
 teacher-forced on them, the share of positions where its argmax is the target's (what
 acceptance follows). Step: one new token on a 100-token context through the engine's cache,
-batch 1, interleaved medians, as a share of the target's step (what the schedule weighs against acceptance). Tokens a verification gains per
-draft token cost: see the last column, agreement / (1 + step share), a rough figure of merit.
+batch 1, interleaved medians, as a share of the target's step (what the schedule weighs
+against acceptance). Tokens a verification gains per draft token cost: see the last column,
+agreement / (1 + step share), a rough figure of merit.
 Prints the CPU first.
 """
 

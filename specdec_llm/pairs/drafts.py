@@ -153,8 +153,10 @@ def quantized_model(spec: PairSpec, model, ref: str, scheme: str, tokenizer, tar
         raise PairError(f"pair {spec.name}: {e}") from None
     if spec.draft_vocab:
         ids = vocab_subset(tokenizer, spec.draft_vocab, model.config.vocab_size)
-        draft.set_output_embeddings(SubsetHead(model.get_output_embeddings(), ids))
-        draft.quantization["head"] = f"subset: {len(ids)} of {model.config.vocab_size} tokens (fp32)"
+        head = SubsetHead(model.get_output_embeddings(), ids)  # (in the model's dtype: the pair's choice)
+        draft.set_output_embeddings(head)
+        dtype = str(head.weight.dtype).removeprefix("torch.")
+        draft.quantization["head"] = f"subset: {len(ids)} of {model.config.vocab_size} tokens ({dtype})"
     info = {"kind": "quantized", **draft.quantization, "draft_bytes": model_bytes(draft, target)}
     if target is not None:
         info["target_bytes"] = model_bytes(target)

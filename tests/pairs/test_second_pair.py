@@ -46,7 +46,9 @@ def test_a_subset_head_draft_keeps_the_target_greedy_output(base_pair):
     assert isinstance(head, SubsetHead) and len(head.ids) == 64
     specials = set(base_pair.all_special_ids)
     assert specials <= set(head.ids.tolist())  # a draft can always end a turn
-    assert pair.draft_info["head"].startswith("subset: 64 of")
+    assert pair.draft_info["head"].startswith("subset: 64 of") and pair.draft_info["head"].endswith(
+        f"({head.weight.dtype})".replace("torch.", "")
+    )
     assert pairs.vocab_subset(base_pair, 64, len(base_pair)).tolist() == head.ids.tolist()  # cached, the same
     dec = pair.decoder()
     for prompt in ([5, 6, 7, 8], list(range(40, 70))):
