@@ -175,10 +175,19 @@ def _wait_port(port: int, timeout: float = 30) -> None:
 def paced_steps(folder: Path, step_s: float) -> dict[str, str]:
     """Worker environment that makes each row's step take at least ``step_s`` (a sleep before
     its stop check: a bigger model's pace, without its CPU): a Celery config module written in
-    ``folder``, loaded by the workers as ``SPECDEC_CELERY_CONFIG``."""
+    ``folder``, loaded by the workers as ``SPECDEC_CELERY_CONFIG``. The pace is read from
+    ``folder/pace_s`` at each step: ``set_pace`` changes it while the workers run."""
+    set_pace(folder, step_s)
     (folder / "paced_steps.py").write_text(
         "import time as _time\nimport workers.cancels as _cancels\n\n_ask = _cancels.RowStop.__call__\n\n\n"
-        f"def _paced(self):\n    _time.sleep({step_s})\n    return _ask(self)\n\n\n"
+        f"def _paced(self):\n    _time.sleep(float(open({str(folder / 'pace_s')!r}).read()))\n    return _ask(self)\n\n\n"
         "_cancels.RowStop.__call__ = _paced\n"
     )
     return {"SPECDEC_CELERY_CONFIG": "paced_steps", "PYTHONPATH": os.pathsep.join([str(folder), *sys.path])}
+
+
+def set_pace(folder: Path, step_s: float) -> None:
+    """Each row's step of the workers paced by ``paced_steps(folder, ...)`` takes at least ``step_s`` from now."""
+    tmp = folder / "pace_s.tmp"
+    tmp.write_text(repr(step_s))
+    tmp.replace(folder / "pace_s")  # (atomic: a step never reads half a number)

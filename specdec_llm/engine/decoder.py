@@ -313,8 +313,11 @@ class Batch:
         if not cost.calibrated and any(r.drafters and r.k != 0 for r in rows):
             self.dec.ensure_calibrated(len(rows))  # outside the iteration's clock
         t_start = time.perf_counter()
-        offers = schedule.offers(rows, self.free, self.dec.max_k)
-        choices = self.chooser.choose(rows, offers, cost)
+        if any(r.drafters and r.k != 0 for r in rows):
+            offers = schedule.offers(rows, self.free, self.dec.max_k)
+            choices = self.chooser.choose(rows, offers, cost)
+        else:  # no row may draft (k = 0 asked): nothing to offer or pick, as target-only decoding
+            offers, choices = {b: {} for b in range(len(rows))}, [(None, 0)] * len(rows)
         t_chosen = time.perf_counter()
         props = self.propose(choices, offers)
         widths = [len(props[b].tokens) if b in props else 0 for b in range(len(rows))]

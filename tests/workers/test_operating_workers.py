@@ -16,7 +16,7 @@ import time
 
 import pytest
 from conftest import tiny_llama, tiny_tokenizer
-from fleet import Fleet, make_fleet
+from fleet import Fleet, make_fleet, paced_steps, set_pace
 from helpers import unavailable, wait_for
 from typer.testing import CliRunner
 
@@ -47,26 +47,11 @@ def long_pairs(tmp_path_factory):
 
 
 STEP_S = 0.05  # s each row's step takes at least in the fleet's worker: 0.1 s per iteration of 2 rows
-# (a model's pace on a GPU, where an iteration outlasts a broadcast's delivery and one store read)
-# the embedded broker's row alone: a 1.5B model's pace on these CPUs (a step ~0.15 s), which its
-# filesystem fanout must beat on a machine as loaded as `make test`'s 4 processes leave it
-EMBEDDED_STEP_S = 0.15
-
-
-def paced_steps(step_s: float) -> str:
-    """A Celery config module making each row's step take at least ``step_s``."""
-    return f"""
-import time as _time
-import workers.cancels as _cancels
-
-_ask = _cancels.RowStop.__call__
-
-def _paced(self):  # the server asks each row's stop check before each of its steps
-    _time.sleep({step_s})
-    return _ask(self)
-
-_cancels.RowStop.__call__ = _paced
-"""
+# While a cancel is timed: an iteration that outlasts the broadcast's delivery and one store read
+# (what "within two iterations" needs) on a machine as loaded as `make test` leaves it (4 test
+# processes on 2 cores): 0.1 s per iteration was not, once, under more load (the rows stopped 3
+# and 4 iterations after the cancel). A 1.5B model's pace on these CPUs is a step of 0.15-0.3 s.
+CANCEL_STEP_S = 0.25
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -74,7 +59,7 @@ def fleet(request, tmp_path_factory, redis_url, long_pairs):
     """One batching worker (2 rows per batch, task events on, a heartbeat a second), each
     row's step at least ``STEP_S`` long (``paced_steps``, loaded as its Celery config)."""
     folder = tmp_path_factory.mktemp(f"ops_{request.param}")
-    (folder / "paced_steps.py").write_text(paced_steps(STEP_S))
+    paced = paced_steps(folder, STEP_S)
     with contextlib.ExitStack() as stack:
         if request.param == "postgresql":
             why = postgres_available()
@@ -86,7 +71,6 @@ def fleet(request, tmp_path_factory, redis_url, long_pairs):
         store.ensure_schema(url)
         f = make_fleet(folder, redis_url, 6 if request.param == "sqlite" else 7, url, long_pairs)
         f.env["SPECDEC_LEASE_HEARTBEAT_S"] = "1"
-        paced = {"SPECDEC_CELERY_CONFIG": "paced_steps", "PYTHONPATH": os.pathsep.join([str(folder), *sys.path])}
         f.start_worker("ops", args=("--max-batch", "2", "--max-wait-ms", "100", "--events"), **paced)
         stack.callback(f.stop)
         yield f
@@ -147,10 +131,19 @@ def test_submit_and_run_take_drafter(fleet, use, tmp_path):
 def test_cancel_now_stops_running_rows_and_the_batch_goes_on(fleet, use, tmp_path):
     """``cancel --now`` ends a long row within two iterations of the cancel being written (its
     worker counts them: the error says how many), partial text kept, while the other row of
-    its batch goes on and finishes whole: the same text as that row decoded alone."""
+    its batch goes on and finishes whole: the same text as that row decoded alone. Each row's
+    step is ``CANCEL_STEP_S`` here."""
     use(fleet)
+    set_pace(fleet.folder, CANCEL_STEP_S)
+    try:
+        cancel_now_in_a_batch(fleet, tmp_path)
+    finally:
+        set_pace(fleet.folder, STEP_S)
+
+
+def cancel_now_in_a_batch(fleet, tmp_path):
     long = {"max_new_tokens": 8000, "k": 0}  # minutes of decoding, unless cancelled
-    short = {"max_new_tokens": 40, "k": 0}  # 4 s: still decoding when the other row stops
+    short = {"max_new_tokens": 20, "k": 0}  # 10 s: still decoding when the other row stops
     a = client.submit(prompts(tmp_path / "a.jsonl", "The quick brown fox"), "tiny", long)["job_id"]
     b = client.submit(prompts(tmp_path / "b.jsonl", "over the lazy dog"), "tiny", short)["job_id"]
     wait_for(lambda: client.job_counts(a)["running"] == 1 and client.job_counts(b)["running"] == 1, 120)
@@ -171,7 +164,7 @@ def test_cancel_now_stops_running_rows_and_the_batch_goes_on(fleet, use, tmp_pat
     assert late <= 2, ra["error"]
     client.wait(b, workers=fleet.procs, timeout_s=120)
     [rb] = client.results(b)
-    assert (rb["status"], rb["finish_reason"], rb["output_tokens"]) == ("ok", "length", 40), rb
+    assert (rb["status"], rb["finish_reason"], rb["output_tokens"]) == ("ok", "length", 20), rb
     (tmp_path / "c.jsonl").write_text(json.dumps({"id": "alone", "prompt": "over the lazy dog"}) + "\n")
     alone = client.submit(tmp_path / "c.jsonl", "tiny", short)["job_id"]
     client.wait(alone, workers=fleet.procs, timeout_s=120)
@@ -186,10 +179,12 @@ def test_a_worker_started_with_events_sends_task_events(fleet, use, tmp_path):
 
     app = get_app()
     seen: list[dict] = []
+    listening = threading.Event()  # the receiver's queue is bound: it got an event (a worker heartbeat)
     with app.connection_for_read() as conn:
         recv = app.events.Receiver(conn, handlers={})
 
         def on_event(event: dict) -> None:
+            listening.set()
             seen.append(event)
             if event.get("type") == "task-succeeded":
                 recv.should_stop = True
@@ -197,7 +192,9 @@ def test_a_worker_started_with_events_sends_task_events(fleet, use, tmp_path):
         recv.handlers = {"*": on_event}
         thread = threading.Thread(target=lambda: recv.capture(limit=None, timeout=90), daemon=True)
         thread.start()
-        time.sleep(1.5)  # the receiver's queue is bound (events sent before are not kept)
+        # events sent before the queue is bound are not kept (a fixed sleep was too short on a
+        # loaded machine): the worker's heartbeat (every 2 s) says it is
+        assert listening.wait(60), "no event (not even a worker heartbeat) in 60 s"
         job = client.submit(prompts(tmp_path / "e.jsonl", "Speculative decoding"), "tiny", {"max_new_tokens": 4})
         thread.join(90)
     types = {e["type"] for e in seen}
@@ -236,10 +233,9 @@ def embedded(folder, pairs) -> Fleet:
 
 def test_cancel_now_over_the_embedded_broker(long_pairs, use, tmp_path):
     """The embedded broker broadcasts too (kombu's filesystem fanout): the row stops within two
-    iterations (``EMBEDDED_STEP_S`` each), long before the lease heartbeat (30 s) could find the flag."""
+    iterations (``CANCEL_STEP_S`` each), long before the lease heartbeat (30 s) could find the flag."""
     f = embedded(tmp_path, long_pairs)
-    (tmp_path / "paced_steps.py").write_text(paced_steps(EMBEDDED_STEP_S))
-    paced = {"SPECDEC_CELERY_CONFIG": "paced_steps", "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    paced = paced_steps(tmp_path, CANCEL_STEP_S)
     f.start_worker("embedded", args=("--max-batch", "2", "--max-wait-ms", "100"), **paced)
     try:
         use(f)
