@@ -463,11 +463,12 @@ def _restart_killed(
     ``restarts`` < ``max_restarts``; raises RuntimeError when every one has stopped. Returns
     the restarts so far."""
     for i, p in enumerate(workers):
-        if p.poll() is not None and p.returncode < 0 and restart is not None and restarts < max_restarts:
+        code = p.poll()  # (once: a worker found alive here and dead below would be neither restarted nor waited for)
+        if code is not None and code < 0 and restart is not None and restarts < max_restarts:
             restarts += 1
-            log.warning("the local worker was killed (signal %d); starting another", -p.returncode)
+            log.warning("the local worker was killed (signal %d); starting another", -code)
             workers[i] = restart(p)
-    if workers and all(p.poll() is not None for p in workers):
+    if workers and all(p.returncode is not None for p in workers):
         p = workers[0]
         raise RuntimeError(f"the local worker stopped (exit code {p.returncode}); its log {p.log_path}:\n{log_tail(p)}")
     return restarts
