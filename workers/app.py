@@ -33,7 +33,9 @@ def get_app() -> Celery:
         from .leases import LeaseStep
 
         # Celery's remote control: the main process of every worker runs it on a broadcast
-        control_command(name=CANCEL_COMMAND, args=[("job_id", str)], signature="<job_id>")(on_cancel)
+        control_command(name=CANCEL_COMMAND, args=[("job_id", str), ("written", str)], signature="<job_id> [written]")(
+            on_cancel
+        )
 
         app = Celery("specdec", set_as_current=False)
         app.conf.update(celery_config(get_settings()))

@@ -1,17 +1,20 @@
 """``cancel JOB --now``, the worker's side: a signal over the broker, the store as the record.
 
-- The client writes the cancel in the store (``jobs.cancel_requested_at``), then broadcasts
-  Celery's remote-control command ``protocol.CANCEL_COMMAND`` to every worker (Redis pub/sub
-  fanout; the embedded broker's fanout folder). A worker's main process takes it
-  (``on_cancel``, registered with Celery's ``Panel``) and ``announce``s it: a counter in
-  shared memory, made before the prefork pool forks, so the pool process that holds the row
-  sees it too.
+- The client writes the cancel in the store (``jobs.cancel``, the flag's time chosen by the
+  client), then broadcasts Celery's remote-control command ``protocol.CANCEL_COMMAND`` with
+  the job's id and that time to every worker (Redis pub/sub fanout; the embedded broker's
+  fanout folder). A worker's main process takes it (``on_cancel``, registered with Celery's
+  ``Panel``) and ``announce``s it: the job and its time in a small ring in shared memory, then
+  a counter, made before the prefork pool forks, so the pool process that holds the row sees
+  it too.
 - Each row's stop check (a ``RowStop``, asked by the BatchServer before every step) only
-  reads memory: the counter and this process's cancelled jobs. When the counter moved since
-  this process last looked, its looker thread reads the cancel flags of the jobs it is
-  running, once (``store.jobs.cancel_times``), and their rows stop at their next step. The
-  decode loop never waits on the database; a store that is away only delays a stop. No
-  cancel, no query: a busy worker no longer polls.
+  reads memory: when the counter moved, the announcements since this process last looked.
+  A row of an announced job stops at that step: no store read stands between the broadcast
+  and the stop. An announcement without a job (the lease heartbeat's), or more than the ring
+  holds at once, wakes this process's looker thread instead, which reads the cancel flags of
+  the jobs it is running, once (``store.jobs.cancel_times``); their rows stop at their next
+  step. The decode loop never waits on the database; a store that is away only delays a stop.
+  No cancel, no query: a busy worker does not poll.
 - A worker that missed the signal (restarted, or the broker was away when it was sent) still
   finds the record: the task reads the job's flag with its row when it takes it
   (``jobs.start``: a row of a cancelled job stops at its first step), and the lease
@@ -19,7 +22,7 @@
   them (``jobs.renew_leases``) and announces a cancelled one as the broadcast would.
 
 So a row stops within two iterations of the cancel being written (the one running then, at
-most one more) when an iteration outlasts the broadcast's delivery plus one store read.
+most one more) when an iteration outlasts the broadcast's delivery.
 
 Each ``RowStop`` also counts the iterations that ended after the cancel was written (the
 flag carries its time), what ``end_cancelled`` records in the row's error.
@@ -32,7 +35,7 @@ import multiprocessing
 import threading
 import time
 from collections import Counter, deque
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from specdec_llm.store import jobs, utcnow
@@ -41,16 +44,41 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # s before the looker tries the store again after a failed read
 _REMEMBERED = 256  # the last steps a row remembers the start of (to count those after a cancel)
+SLOTS = 16  # announcements the ring holds: more at once between two steps, and the looker reads the store
+_ID_BYTES = 64  # a job id longer than this is announced without it (the looker reads the store)
 
-# Cancels announced to this worker: bumped by its main process, read by every process of the
-# worker (shared memory, inherited by the prefork pool's children). Only its change matters.
-_announced = multiprocessing.get_context("fork").RawValue("Q", 0)
+# Cancels announced to this worker, written by its main process, read by every process of the
+# worker (shared memory, inherited by the prefork pool's children): announcement n's job id
+# and flag time (POSIX seconds) in slot n % SLOTS, then the count of announcements. An empty
+# id: "some job was cancelled" (the looker reads which).
+_fork = multiprocessing.get_context("fork")
+_announced = _fork.RawValue("Q", 0)
+_ids = _fork.RawArray("c", SLOTS * _ID_BYTES)
+_times = _fork.RawArray("d", SLOTS)
+_writing = threading.Lock()  # (the main process announces from the control command and the lease step)
 
 
-def announce() -> None:
-    """A job was cancelled (a broadcast, or the lease heartbeat found the flag): every process
-    of this worker looks at the store for the jobs it is running, once, at its next step."""
-    _announced.value = (_announced.value + 1) % 2**63
+def announce(job_id: str | None = None, written: datetime | None = None) -> None:
+    """A job was cancelled (a broadcast, with the job and its flag's time; or the lease
+    heartbeat found a flag): every process of this worker learns it at its next step."""
+    raw, seconds = b"", 0.0
+    if job_id and written is not None and len(job_id.encode()) <= _ID_BYTES:
+        raw, seconds = job_id.encode(), written.replace(tzinfo=UTC).timestamp()
+    with _writing:
+        n = _announced.value
+        slot = n % SLOTS
+        _ids[slot * _ID_BYTES : (slot + 1) * _ID_BYTES] = raw.ljust(_ID_BYTES, b"\0")
+        _times[slot] = seconds
+        _announced.value = n + 1  # (last: a reader that sees the count finds the slot written)
+
+
+def _announcement(n: int) -> tuple[str, datetime] | None:
+    """Announcement ``n``'s job and flag time, or None where it named none."""
+    slot = n % SLOTS
+    raw = _ids[slot * _ID_BYTES : (slot + 1) * _ID_BYTES].rstrip(b"\0")
+    if not raw:
+        return None
+    return raw.decode(errors="replace"), datetime.fromtimestamp(_times[slot], UTC).replace(tzinfo=None)
 
 
 class RowStop:
@@ -65,7 +93,7 @@ class RowStop:
 
     def __call__(self) -> bool:
         if _announced.value != self.flags.seen:  # a cancel was announced since this process looked
-            self.flags.wake.set()
+            self.flags.catch_up()
         written = self.flags.flagged.get(self.job_id)
         if written is None:
             self.steps.append(utcnow())
@@ -84,7 +112,10 @@ class CancelFlags:
         self.lock = threading.Lock()
         self.watched: Counter[str] = Counter()  # job id -> rows of it being generated here
         self.flagged: dict[str, datetime] = {}  # watched jobs whose cancel flag is set -> when it was written
-        self.seen = _announced.value  # the announcement this process last looked for
+        self.seen = _announced.value  # the announcements this process has looked at
+        # watched job -> the announcements made before it was watched: what the store said when
+        # its row was taken is newer than those (a retried job's old cancel must not stop it)
+        self.since: dict[str, int] = {}
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -96,6 +127,7 @@ class CancelFlags:
             if cancelled_at is not None:
                 flagged[job_id] = cancelled_at
             self.flagged = flagged
+            self.since.setdefault(job_id, _announced.value)
             self.watched[job_id] += 1
             if self.thread is None or not self.thread.is_alive():  # (a forked child starts its own)
                 self.thread = threading.Thread(target=self._look, name="specdec-cancels", daemon=True)
@@ -106,24 +138,47 @@ class CancelFlags:
         with self.lock:
             self.watched[job_id] -= 1
             if self.watched[job_id] <= 0:
-                del self.watched[job_id]
+                del self.watched[job_id], self.since[job_id]
+
+    def catch_up(self) -> None:
+        """The announcements since this process last looked: a watched job named there is
+        flagged now; one that named no job, more than the ring holds, or a job's announcement
+        from before its row was taken (made while the row was being taken, or stale) wake the
+        looker, which asks the store."""
+        with self.lock:
+            now = _announced.value
+            unknown = now - self.seen >= SLOTS  # (the oldest may have been written over)
+            found = {}
+            for n in range(max(self.seen, now - SLOTS + 1), now):
+                said = _announcement(n)
+                if said is None:
+                    unknown = True
+                elif said[0] in self.watched:
+                    if n >= self.since[said[0]]:
+                        found[said[0]] = said[1]
+                    else:
+                        unknown = True
+            self.seen = now
+            if found:
+                self.flagged = {**self.flagged, **found}
+        if unknown:
+            self.wake.set()
 
     def _look(self) -> None:
-        """Read the watched jobs' cancel flags each time a step saw a new announcement."""
+        """Read the watched jobs' cancel flags each time an announcement named no job."""
         while True:
             self.wake.wait()
             self.wake.clear()
-            self.seen = _announced.value  # steps stop waking this thread for it
             with self.lock:
                 ids = list(self.watched)
             if not ids:
                 continue
             try:
                 found = jobs.cancel_times(ids)
-            except Exception as e:  # noqa: BLE001 - the store is away: rows go on, a later step asks again
+            except Exception as e:  # noqa: BLE001 - the store is away: rows go on, the looker asks again
                 log.warning("could not read the cancelled jobs (%s: %s); trying again", type(e).__name__, e)
                 time.sleep(RETRY_S)
-                self.seen = -1  # the next step wakes this thread again
+                self.wake.set()
                 continue
             with self.lock:
                 self.flagged = {**{k: v for k, v in self.flagged.items() if k not in ids}, **found}
@@ -132,8 +187,13 @@ class CancelFlags:
 flags = CancelFlags()
 
 
-def on_cancel(state: Any, job_id: str | None = None) -> dict[str, Any]:
+def on_cancel(state: Any, job_id: str | None = None, written: str | None = None) -> dict[str, Any]:
     """The control command ``protocol.CANCEL_COMMAND`` (``app.control.broadcast`` from
-    ``specdec_llm.client.jobs.cancel``), run in the worker's main process."""
-    announce()
+    ``specdec_llm.client.jobs.cancel``), run in the worker's main process. ``written``: the
+    flag's time (ISO, naive UTC); without it the looker reads the store."""
+    try:
+        when = datetime.fromisoformat(written) if written else None
+    except ValueError:
+        when = None
+    announce(job_id, when)
     return {"ok": f"cancel of job {job_id} announced"}

@@ -36,7 +36,7 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from specdec_llm.errors import SpecDecError
@@ -211,14 +211,15 @@ def check_broker() -> None:
         conn.ensure_connection(max_retries=1, interval_start=0.2, interval_step=0.2, timeout=3)
 
 
-def broadcast_cancel(job_id: str) -> bool:
-    """Tell every worker that ``job_id`` was cancelled ``--now`` (Celery's remote control:
-    ``CANCEL_COMMAND`` broadcast, no reply awaited); False when the broker cannot be reached.
-    The store holds the cancel either way: a worker that misses this finds it at its next
-    lease heartbeat, and at the start of each row."""
+def broadcast_cancel(job_id: str, written: datetime) -> bool:
+    """Tell every worker that ``job_id`` was cancelled ``--now``, its flag ``written`` then
+    (naive UTC) (Celery's remote control: ``CANCEL_COMMAND`` broadcast, no reply awaited);
+    False when the broker cannot be reached. The store holds the cancel either way: a worker
+    that misses this finds it at its next lease heartbeat, and at the start of each row."""
     try:
         check_broker()  # (a broadcast to a broker that is away would retry for as long as it is away)
-        get_app().control.broadcast(CANCEL_COMMAND, arguments={"job_id": job_id})
+        arguments = {"job_id": job_id, "written": written.isoformat()}
+        get_app().control.broadcast(CANCEL_COMMAND, arguments=arguments)
         return True
     except Exception as e:  # noqa: BLE001 - the store has the cancel: workers find it by themselves
         log.warning("could not broadcast the cancel of job %s (%s); workers find it in the store", job_id, e)

@@ -314,9 +314,10 @@ def cancel(job_id: str, *, now: bool = False) -> dict[str, Any]:
     left to run, and nothing was changed)."""
     if get_job(job_id)["status"] == "done":
         return {"job_id": job_id, "cancelled": 0, "stopping": 0, "finished": True}
-    cancelled = jobs.cancel(job_id, now=now)
-    if now:  # the store holds the flag; the broadcast tells the workers to read it now
-        broadcast_cancel(job_id)
+    written = store.utcnow()
+    cancelled = jobs.cancel(job_id, now=now, at=written)
+    if now:  # the store holds the flag; the broadcast tells the workers (the job and the flag's time)
+        broadcast_cancel(job_id, written)
     stopping = jobs.counts(job_id)["running"] if now else 0
     return {"job_id": job_id, "cancelled": cancelled, "stopping": stopping, "finished": False}
 

@@ -343,15 +343,17 @@ def refused_count(job_id: str, *, url: str | None = None) -> int:
         return s.scalar(select(func.count()).where(Request.job_id == job_id, Request.status == "failed", refused)) or 0
 
 
-def cancel(job_id: str, *, now: bool = False, url: str | None = None) -> int:
+def cancel(job_id: str, *, now: bool = False, at: datetime | None = None, url: str | None = None) -> int:
     """Cancel every queued row of a job in one UPDATE (running rows finish); how many.
-    ``now``: also set the job's cancel flag, in the same transaction, so workers end its
-    running rows at their next iteration (their partial text kept: ``end_cancelled``); a
-    finished job (no row queued or running) gets no flag: nothing of it runs."""
+    ``now``: also set the job's cancel flag (the time ``at``, naive UTC; default now), in the
+    same transaction, so workers end its running rows at their next iteration (their partial
+    text kept: ``end_cancelled``); a finished job (no row queued or running) gets no flag:
+    nothing of it runs."""
     with writing(url) as s:
         if now:  # first: whether any row is left to run, before the queued ones are cancelled
             pending = select(Request.id).where(Request.job_id == job_id, Request.status.in_(PENDING)).exists()
-            s.execute(update(Job).where(Job.id == job_id, pending).values(cancel_requested_at=utcnow()))
+            flag = at or utcnow()
+            s.execute(update(Job).where(Job.id == job_id, pending).values(cancel_requested_at=flag))
         rows = s.execute(
             update(Request)
             .where(Request.job_id == job_id, Request.status == "queued")

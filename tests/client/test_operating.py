@@ -322,6 +322,33 @@ def test_a_worker_reads_a_cancel_flag_when_told_and_forgets_it_after_a_retry(url
     flags.release("fl")
 
 
+def test_a_broadcast_naming_its_job_stops_the_row_at_the_next_step_without_a_store_read(url):
+    """The broadcast carries the job and its flag's time: the row's next stop check says yes
+    (the store has never heard of these jobs: nothing was read). An announcement from before a
+    row of its job was taken (a retried job's old cancel) does not stop it: the looker asks the
+    store, which holds no flag."""
+    import time
+
+    from specdec_llm.store import utcnow
+    from workers.cancels import SLOTS, CancelFlags, announce
+
+    flags = CancelFlags()
+    stale = utcnow()
+    announce("old-job", stale)
+    check = flags.watch("new-job")
+    old = flags.watch("old-job")
+    assert not check() and not old()
+    written = utcnow()
+    announce("new-job", written)
+    assert check() and check.iterations_after == 1  # the step running when it was written
+    time.sleep(0.3)  # (the looker, woken by the stale announcement, found no flag: the store has no such job)
+    assert not old()
+    for i in range(SLOTS + 1):  # more at once than the ring holds: the looker reads the store
+        announce(f"other-{i}", written)
+    assert not old()
+    flags.release("new-job"), flags.release("old-job")
+
+
 def test_a_task_takes_and_reads_its_row_in_one_go_and_the_lease_heartbeat_reads_cancel_flags(url):
     make_job(url, "st", ok=1, queued=2)
     row = jobs.start("st-1", "w1@h", lease_timeout_s=60, max_attempts=3, url=url)
