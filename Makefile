@@ -37,11 +37,13 @@ demo: $(ALL)
 # cores. Tests that share a module's fixture stay on one process, the slow ones start first
 # (tests/conftest.py). TEST_PROCS=0: one process, as plain pytest. The tests of a real pair
 # (marked real_pair; they skip where its packages are not installed) hold 9-11 GB each: they run
-# alone, after the rest, so four processes never share the machine's memory with them.
+# alone, after the rest, so four processes never share the machine's memory with them. Tests
+# whose assertions measured timings decide (marked quiet) run in one process after the rest too.
 TEST_PROCS ?= 4
 test: $(TEST)
 	./scripts/services.sh
-	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_PROCS) --dist loadgroup --no-loadscope-reorder -m "not real_pair"
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_PROCS) --dist loadgroup --no-loadscope-reorder -m "not real_pair and not quiet"
+	$(BIN)/python -m pytest -q --durations=5 -m quiet
 	$(BIN)/python -m pytest -q --durations=5 -m real_pair
 
 # ruff (lint and format) and mypy, configured in pyproject.toml; .ci/run runs it before the tests

@@ -17,6 +17,10 @@ from specdec_llm.engine.calibration import Calibration
 from specdec_llm.engine.decoder import SpeculativeDecoder
 from specdec_llm.store.reports import SPEEDUP_BASIS  # the reports' label: the engine's, word for word
 
+# what these assert is decided by timings of sub-millisecond forwards: beside make test's other
+# processes, a forward descheduled for 30 ms decided them (make test runs them after the rest)
+pytestmark = pytest.mark.quiet
+
 
 @pytest.fixture(scope="module")
 def models():
@@ -118,22 +122,24 @@ def test_a_second_cli_generate_spends_no_time_calibrating(pairs_file, tmp_path, 
 
 def test_a_drafting_job_keeps_measuring_the_target_only_step(models):
     """Auto rows that draft every iteration still run a plain iteration every PLAIN_EVERY
-    drafting ones: a calibration whose k = 0 point came out 3x too slow (a shape error no
-    live scale of drafting iterations corrects) is corrected from real plain steps."""
+    drafting ones: a calibration whose k = 0 point came out 10x too slow (a shape error no
+    live scale of drafting iterations corrects) is corrected from real plain steps. (3x was too
+    little to tell apart: this tiny model's plain forward in a real row ran up to 3.4x its
+    calibrated one, measured truly, and the test failed in one module run of three.)"""
     from specdec_llm.engine.schedule import PLAIN_EVERY
 
     dec = SpeculativeDecoder(*models)
     dec.ensure_calibrated(1)
     cost = dec.costs[1]
     cost.draft_s = {k: v / 100 for k, v in cost.draft_s.items()}  # drafting looks free: auto rows always draft
-    cost.verify_s[0] *= 3
+    cost.verify_s[0] *= 10
     wrong = cost.plain_step()
     results = [dec.generate(GenerationRequest(prompt=[1, 2, 3, i], max_new_tokens=160)) for i in range(6)]
     ks = [k for r in results for k in r.stats.k_values]
     assert len(ks) > 2 * (PLAIN_EVERY + 1) and ks.count(0) >= 2, ks
     # the plain step the speedup uses is the plain forward those iterations measured (plus the
     # plain iterations' own overhead), not the wrong shape
-    assert cost.plain_ratio is not None and cost.plain_forward() < 0.6 * wrong
+    assert cost.plain_ratio is not None and cost.plain_forward() < 0.5 * wrong
     assert cost.plain_step() == pytest.approx(cost.plain_forward() + cost.plain_overhead_s)
 
 

@@ -166,7 +166,10 @@ class CostModel:
     def observe_verify(self, k: int, seconds: float) -> None:
         if not self.calibrated:
             return
-        ratio = seconds / self._calibrated_verify(k)
+        # a k = 0 forward against the k = 0 point as plain forwards measured it (plain_ratio): the
+        # calibrated point's own error must not move the common scale (it did, and the plain
+        # ratio measured against that scale then hid the error it was there to correct)
+        ratio = seconds / (self._calibrated_verify(k) * ((self.plain_ratio or 1.0) if k == 0 else 1.0))
         self.verify_scale = self._observe("verify", ratio)
         if k > 0:  # what is left once the common scale moved: this width's own error
             self.width_ratio[k] = self._observe(f"verify:{k}", ratio / self.verify_scale)

@@ -199,6 +199,7 @@ def test_a_burst_of_load_during_calibration_slows_no_point_alone():
     assert cost.draft_per_token("model") == pytest.approx(0.001)
 
 
+@pytest.mark.quiet  # (the plan's costs are measured: under make test's load a probe's noise drafted 6 times)
 def test_auto_k_batched_with_a_useless_draft_stays_target_only(target):
     dec = SpeculativeDecoder(target, tiny_llama(7, layers=1))
     reqs = [GenerationRequest(prompt=p, max_new_tokens=60) for p in PROMPTS * 2]
