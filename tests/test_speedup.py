@@ -123,9 +123,9 @@ def test_a_second_cli_generate_spends_no_time_calibrating(pairs_file, tmp_path, 
 def test_a_drafting_job_keeps_measuring_the_target_only_step(models):
     """Auto rows that draft every iteration still run a plain iteration every PLAIN_EVERY
     drafting ones: a calibration whose k = 0 point came out 10x too slow (a shape error no
-    live scale of drafting iterations corrects) is corrected from real plain steps. (3x was too
-    little to tell apart: this tiny model's plain forward in a real row ran up to 3.4x its
-    calibrated one, measured truly, and the test failed in one module run of three.)"""
+    live scale of drafting iterations corrects) is corrected from real plain steps. (Once
+    k = 0 forwards moved the common scale against that wrong point, and the plain ratio,
+    measured against the scale they had moved, hid the error: this failed 1 run in 3.)"""
     from specdec_llm.engine.schedule import PLAIN_EVERY
 
     dec = SpeculativeDecoder(*models)
