@@ -180,8 +180,8 @@ class CancelFlags:
                 time.sleep(RETRY_S)
                 self.wake.set()
                 continue
-            with self.lock:
-                self.flagged = {**{k: v for k, v in self.flagged.items() if k not in ids}, **found}
+            with self.lock:  # (a flag set meanwhile by a broadcast stays: this read may predate it)
+                self.flagged = {**self.flagged, **found}
 
 
 flags = CancelFlags()

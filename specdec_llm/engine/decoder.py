@@ -310,10 +310,11 @@ class Batch:
         """One iteration: propose -> verify -> accept -> commit, for every row at once."""
         self.merge()
         rows, cost = self.rows, self.dec.costs[len(self.rows)]
-        if not cost.calibrated and any(r.drafters and r.k != 0 for r in rows):
+        may_draft = any(r.drafters and r.k != 0 for r in rows)
+        if not cost.calibrated and may_draft:
             self.dec.ensure_calibrated(len(rows))  # outside the iteration's clock
         t_start = time.perf_counter()
-        if any(r.drafters and r.k != 0 for r in rows):
+        if may_draft:
             offers = schedule.offers(rows, self.free, self.dec.max_k)
             choices = self.chooser.choose(rows, offers, cost)
         else:  # no row may draft (k = 0 asked): nothing to offer or pick, as target-only decoding
