@@ -1,7 +1,7 @@
 """A row's tree: its chain and the branches that pay (tree.py verifies and accepts them).
 
 The plan's proposal for a row is its chain; the other drafters' offers for the row, and a
-model drafter's second choices (``runner_ups``), join it as branches, each where it leaves the
+model drafter's own alternatives (``Proposal.branches``), join it as branches, each where it leaves the
 tree, as far as it pays. A node's chance of being accepted is its parent's times its own
 acceptance estimate times what its earlier siblings leave (greedy: one child at most is the
 target's token); the tokens a tree is expected to give are one plus the sum of those
@@ -60,17 +60,6 @@ def grow(
     return Proposal(
         chain.drafter, tokens, None, accept, [*chain.buckets, *[None] * (len(tokens) - len(chain.tokens))], parents
     )
-
-
-def runner_ups(chain: Proposal) -> list[Proposal]:
-    """A model drafter's second choice at each depth of its chain (``Proposal.runner_up``), as a
-    one-token branch leaving the chain there: no draft forward more, only verification width."""
-    accept = chain.accept or [0.0] * len(chain.tokens)
-    return [
-        Proposal(chain.drafter, [*chain.tokens[:i], token], None, [*accept[:i], chance])
-        for i, (token, chance) in enumerate(chain.runner_up or ())
-        if token != chain.tokens[i]
-    ]
 
 
 def expected(prop: Proposal) -> float:

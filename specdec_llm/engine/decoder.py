@@ -365,8 +365,8 @@ class Batch:
         return self.widen(props, offers) if self.dec.trees else props
 
     def widen(self, props: dict[int, Proposal], offers: schedule.Offers) -> dict[int, Proposal]:
-        """Each chain with the other drafters' offers for its row, and its own drafter's second
-        choices, as branches where they pay (branches.grow): one target forward verifies them
+        """Each chain with the other drafters' offers for its row, and its own drafter's
+        alternatives, as branches where they pay (branches.grow): one target forward verifies them
         all. A row with a grammar, or sampled with a draft distribution, keeps its chain
         (tree.py's exact rules are for deterministic drafts)."""
         cost, rows = self.dec.costs[len(self.rows)], self.rows
@@ -380,7 +380,7 @@ class Batch:
 
         for b, prop in props.items():
             r = rows[b]
-            others = [o for name, o in offers[b].items() if name != prop.drafter] + branches.runner_ups(prop)
+            others = [o for name, o in offers[b].items() if name != prop.drafter] + (prop.branches or [])
             if others and r.grammar is None and (r.req.greedy or prop.q is None):
                 props[b] = branches.grow(prop, others, price, token_s, self.dec.max_k)
         return props

@@ -69,11 +69,16 @@ class RaggedCache:
         keep: int,
         embeds: list[torch.Tensor] | None = None,
         trees: dict[int, list[int]] | None = None,
+        sees: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Append one chunk per row (a row may feed nothing); logits of the last ``keep`` columns [B, keep, V].
         ``embeds``: per row [len(chunk), H], the inputs instead of the tokens' embeddings.
         ``trees``: row -> the parents of its chunk's tokens after the first (tree.py): each
-        sees its ancestors only, at its depth's position; the rejected branches are dropped after."""
+        sees its ancestors only, at its depth's position; the rejected branches are dropped after.
+        ``sees``: row -> (past [n, width], chunk [n, n]), what each of its n chunk tokens attends
+        to among the cache's columns and the chunk (a draft's tree whose branches were fed by
+        earlier forwards: each token sees its ancestors and itself); its position is the number
+        of keys it sees, less one."""
         assert len(inputs) == self.rows and any(inputs)
         w = max(len(x) for x in inputs)
         ids = torch.tensor([[0] * (w - len(x)) + list(x) for x in inputs], dtype=torch.long)
@@ -87,31 +92,43 @@ class RaggedCache:
         new = torch.tensor([[False] * (w - len(x)) + [True] * len(x) for x in inputs], dtype=torch.bool)
         mask: Any = None
         positions = None
-        window = self.attention.window
-        if window or trees or not bool(new.all()) or not bool(self.valid.all()):
-            start = self.valid.sum(1, keepdim=True)
-            positions = (start + new.long().cumsum(1) - 1).clamp_min(0)
-            causal = torch.ones(w, w, dtype=torch.bool).tril()
-            eye = torch.eye(w, dtype=torch.bool)
-            chunk = (causal[None] & new[:, None, :]) | eye[None]  # [B, W(query), W(key)]
-            for b, parents in (trees or {}).items():
-                lo = w - len(parents) - 1
-                chunk[b, lo:, lo:] = tree.ancestry(parents)
-                positions[b, lo:] = start[b, 0] + torch.tensor([0, *tree.depths(parents)])
-            past = self.valid[:, None, :].expand(-1, w, -1)
-            mask = torch.cat([past, chunk], -1)[:, None]
-            if window:  # a sliding layer's query sees the keys less than `window` positions back
-                keys = torch.cat([self.valid.long().cumsum(1) - 1, positions], 1)  # [B, L + W] (holes: masked)
-                near = (positions[:, :, None] - keys[:, None, :]) < window
-                mask = self.attention.masks(mask.to(self.model.device), (mask & near[:, None]).to(self.model.device))
-            else:
-                mask = mask.to(self.model.device)
-            positions = positions.to(self.model.device)
+        if self.attention.window or trees or sees or not bool(new.all()) or not bool(self.valid.all()):
+            mask, positions = self._mask(new, trees or {}, sees or {})
         logits, self.last_features = hf.forward_rows(
             self.model, ids, self.cache, keep, mask, positions, padded, self.features
         )
         self.valid = torch.cat([self.valid, new], 1)
         return logits
+
+    def _mask(
+        self, new: torch.Tensor, trees: dict[int, list[int]], sees: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[Any, torch.Tensor]:
+        """The attention mask and positions of a forward feeding ``new`` [B, W] (forward's args)."""
+        w, window = new.shape[1], self.attention.window
+        start = self.valid.sum(1, keepdim=True)
+        positions = (start + new.long().cumsum(1) - 1).clamp_min(0)
+        causal = torch.ones(w, w, dtype=torch.bool).tril()
+        eye = torch.eye(w, dtype=torch.bool)
+        chunk = (causal[None] & new[:, None, :]) | eye[None]  # [B, W(query), W(key)]
+        for b, parents in trees.items():
+            lo = w - len(parents) - 1
+            chunk[b, lo:, lo:] = tree.ancestry(parents)
+            positions[b, lo:] = start[b, 0] + torch.tensor([0, *tree.depths(parents)])
+        past = self.valid[:, None, :].expand(-1, w, -1)
+        if sees:
+            past = past.clone()
+            for b, (before, mine) in sees.items():
+                n = len(mine)
+                past[b, w - n :], chunk[b, w - n :, w - n :] = before, mine
+                positions[b, w - n :] = before.sum(-1) + mine.sum(-1) - 1
+        mask = torch.cat([past, chunk], -1)[:, None]
+        if window:  # a sliding layer's query sees the keys less than `window` positions back
+            keys = torch.cat([self.valid.long().cumsum(1) - 1, positions], 1)  # [B, L + W] (holes: masked)
+            near = (positions[:, :, None] - keys[:, None, :]) < window
+            mask = self.attention.masks(mask.to(self.model.device), (mask & near[:, None]).to(self.model.device))
+        else:
+            mask = mask.to(self.model.device)
+        return mask, positions.to(self.model.device)
 
     # -- rollback and housekeeping ------------------------------------------------------------
     def drop(self, row: int, columns: Iterable[int]) -> None:

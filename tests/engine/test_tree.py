@@ -178,6 +178,43 @@ def test_a_model_drafters_second_choices_join_its_chain_as_branches(monkeypatch)
     assert per_forward[True] > per_forward[False]
 
 
+@torch.inference_mode()
+def test_a_draft_drafts_on_its_branches_as_it_would_on_their_paths(monkeypatch):
+    """A draft model's branches are drafted on in the chain's forwards (each token seeing only
+    its own path): every token after a branch's second choice is the draft's greedy token
+    after that path, as a plain forward of the path gives it; rows side by side, greedy
+    identical, caches exact."""
+    target = tiny_llama(0)
+    drafter = "model"  # (the self-draft's cache holds the target's keys: no plain forward to compare)
+    dec = SpeculativeDecoder(target, perturbed(target, 0.3, 3), drafters=[drafter])
+    flat(dec, 3)
+    model = dec.drafter(drafter).model
+    session_type = type(Batch(dec).sessions[drafter])
+    propose, seen = session_type.propose, []
+
+    def checking(self, rows, ks):
+        drafts = propose(self, rows, ks)
+        for b, prop in drafts.proposals.items():
+            for path in prop.branches or ():
+                fork = prop.fork(path)
+                for i in range(fork + 1, len(path.tokens)):
+                    ids = torch.tensor([rows[b].tokens + path.tokens[:i]])
+                    assert path.tokens[i] == int(model(ids).logits[0, -1].argmax()), (b, path.tokens, i)
+                    seen.append(i - fork)
+        return drafts
+
+    monkeypatch.setattr(session_type, "propose", checking)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [20, 21, 22, 23, 24, 20, 21], [3, 1, 4, 1, 5, 9, 2, 6]]
+    batch = Batch(dec)
+    rows = [batch.add(GenerationRequest(prompt=p, max_new_tokens=30, k=4)) for p in prompts]
+    while batch.rows:
+        batch.step()
+        check_caches(batch)
+    for row in rows:
+        assert row.result.token_ids == greedy_reference(target, row.prompt, 30)
+    assert len(seen) > 10 and max(seen) >= 2  # branches drafted on, some more than once
+
+
 def test_sampled_rows_verified_as_trees_keep_the_target_distribution(monkeypatch):
     prompt = [1, 2, 1, 2, 1]
     target = tiny_llama(11, vocab=V, hidden=32)

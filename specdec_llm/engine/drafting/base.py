@@ -79,9 +79,10 @@ class Proposal:
     deterministic drafter), the estimated acceptance of each token given the ones before it
     and each token's acceptance bucket (``buckets``: what its acceptance is learnt under).
     ``parents``: a tree's parent index per token (-1: the row's last token); None is a chain.
-    ``runner_up``: a model drafter's second choice at each position of a greedy row's chain,
-    with its chance of being the target's token where the first choice is not (the draft's
-    p2 / (1 - p1)); the loop may verify them as one-token branches (branches.py)."""
+    ``branches``: a model drafter's own alternatives for a greedy row, each a path from the
+    row's last token that leaves the chain where the draft's second choice may be the
+    target's token (its ``accept`` there: the draft's p2 / (1 - p1)), with what the draft
+    drafted after it; the loop may verify them as tree branches (branches.py)."""
 
     drafter: str
     tokens: list[int]
@@ -89,7 +90,7 @@ class Proposal:
     accept: list[float] = field(default_factory=list)
     buckets: list[Hashable] = field(default_factory=list)
     parents: list[int] | None = None
-    runner_up: list[tuple[int, float]] | None = None
+    branches: list[Proposal] | None = None
 
     def expected(self, k: int) -> float:
         """Expected tokens from one verification of the first ``k`` tokens (the target's own one included)."""
@@ -103,8 +104,12 @@ class Proposal:
         """The first ``k`` tokens."""
         q = self.q[:k] if self.q is not None else None
         parents = self.parents[:k] if self.parents is not None else None
-        runner_up = self.runner_up[:k] if self.runner_up is not None else None
-        return Proposal(self.drafter, self.tokens[:k], q, self.accept[:k], self.buckets[:k], parents, runner_up)
+        branches = [p for p in self.branches or () if self.fork(p) < k] or None
+        return Proposal(self.drafter, self.tokens[:k], q, self.accept[:k], self.buckets[:k], parents, branches)
+
+    def fork(self, path: Proposal) -> int:
+        """Where ``path`` leaves these tokens: the index of its first token that differs."""
+        return next((i for i, (a, b) in enumerate(zip(path.tokens, self.tokens)) if a != b), len(self.tokens))
 
 
 @dataclass(frozen=True)
@@ -250,4 +255,4 @@ class DraftContext:
     offers: Offers = no_offers
     price: Price = unmeasured
     grammar: Callable[[dict[str, Any]], Any] | None = None  # response_format -> a fresh matcher (forced.py)
-    trees: bool = True  # the loop verifies trees: a model drafter's second choices are wanted (runner_up)
+    trees: bool = True  # the loop verifies trees: a model drafter's alternatives are wanted (Proposal.branches)

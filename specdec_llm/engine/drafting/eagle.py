@@ -64,6 +64,8 @@ class EagleBackend(RaggedBackend):
     """A ragged cache fed (feature, token) pairs: the target's pending features first, then
     the draft's own output ``h`` of the previous forward."""
 
+    branching = False  # (a branch's inputs would need the draft's own output at its parent)
+
     def __init__(self, drafter: EagleDrafter) -> None:
         super().__init__(drafter.name, drafter.context.vocab_size, drafter.draft.model, OWN)
         self.d = drafter

@@ -51,16 +51,36 @@ def runner_ups(logits: torch.Tensor) -> list[tuple[int, float]]:
 
 
 @dataclass
+class Branch:
+    """A greedy row's alternative path: it leaves the chain at draft ``fork`` with the draft's
+    second choice there, then what the draft drafts after it (``tokens``, each with its
+    estimated acceptance given the ones before). ``reach``: the chance that its last token is
+    reached and is the target's. A branching backend feeds its tokens beside the chain's in
+    the same forwards (``cols``: their cache columns); it sees the chain's first ``seen`` fed
+    tokens (the row's tokens fed this iteration, then its drafts up to the fork)."""
+
+    fork: int
+    tokens: list[int]
+    accept: list[float]
+    reach: float
+    seen: int
+    cols: list[int] = field(default_factory=list)
+
+
+@dataclass
 class ModelRow:
     acceptance: Acceptance
     held: int = 0  # tokens of the row (then its drafts) the backend holds
     fed: list[Any] = field(default_factory=list)  # the backend's positions of what this iteration fed
     used: bool = False  # it drafted for this row
+    branches: list[Branch] = field(default_factory=list)  # this iteration's alternative paths
 
 
 class Backend:
     """Where a model drafter's tokens go. The defaults suit a backend whose state is all in
     ``row.state`` (a llama.cpp context); override what differs."""
+
+    branching = False  # it can feed a row's branches beside its chain (``feed_tree``)
 
     def __init__(self, name: str, vocab_size: int) -> None:
         self.name, self.vocab_size = name, vocab_size
@@ -92,10 +112,26 @@ class Backend:
         """Feed ``inputs[b]`` after what row ``b`` holds; logits [keep[b], V] of its last tokens."""
         raise NotImplementedError
 
+    def feed_tree(
+        self,
+        rows: dict[int, RowView],
+        inputs: dict[int, list[int]],
+        keep: dict[int, int],
+        feeding: dict[int, list[Branch]],
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], list[Forward]]:
+        """``feed``, and ``feeding[b]``: the branches of row ``b`` whose next token this forward
+        feeds too, before its inputs (each sees the chain up to its fork, its own tokens and
+        itself); their logits [len(feeding[b]), V] (a branching backend)."""
+        raise NotImplementedError
+
     def truncate(self, b: int, row: RowView, n: int) -> None:
         """Keep at most the first ``n`` of the row's tokens and drafts (only what this iteration fed goes)."""
         st = row.state[self.name]
         st.held = min(st.held, n)
+
+    def unbranch(self, b: int, row: RowView) -> None:
+        """The row's branches leave the cache (after their verification)."""
+        row.state[self.name].branches = []
 
     def trim(self) -> None:
         """After a step's truncations (a batch-wide cache crops its unused columns)."""
@@ -109,10 +145,14 @@ class Backend:
 class RaggedBackend(Backend):
     """A transformers causal LM with its own ragged KV cache over the batch (ragged.py)."""
 
+    branching = True
+
     def __init__(self, name: str, vocab_size: int, model: PreTrainedModel, features: tuple[int, ...] = ()) -> None:
         super().__init__(name, vocab_size)
         self.model, self.features = model, features
         self.cache = RaggedCache(model, 0, features)
+        # (a sliding window reads key positions off the valid columns, which a branch's would skew)
+        self.branching = type(self).branching and not self.cache.attention.window
         self.joining: list[RaggedCache] = []
 
     def join(self, b: int, row: RowView, features: torch.Tensor | None) -> None:
@@ -156,14 +196,18 @@ class RaggedBackend(Backend):
             hf.sync(self.model)
         return logits, t.seconds
 
-    def record(self, rows: dict[int, RowView], inputs: dict[int, list[int]], seconds: float) -> Forward:
-        """Note the cache columns each row's tokens took; the forward's record."""
+    def record(
+        self, rows: dict[int, RowView], inputs: dict[int, list[int]], seconds: float, fed: dict[int, int] | None = None
+    ) -> Forward:
+        """Note the cache columns each row's tokens took; the forward's record (``fed``: the
+        tokens each row fed, where branches fed more than its inputs)."""
         w = self.cache.width
         for b, x in inputs.items():
             st = rows[b].state[self.name]
             st.fed += range(w - len(x), w)
             st.held += len(x)
-        return Forward({b: len(x) for b, x in inputs.items()}, max(len(x) for x in inputs.values()), seconds)
+        fed = fed or {b: len(x) for b, x in inputs.items()}
+        return Forward(fed, max(fed.values()), seconds)
 
     def feed(
         self, rows: dict[int, RowView], inputs: dict[int, list[int]], keep: dict[int, int]
@@ -173,12 +217,59 @@ class RaggedBackend(Backend):
         record = self.record(rows, inputs, seconds)
         return {b: logits[b, width - keep[b] :] for b in inputs}, [record]
 
+    def feed_tree(
+        self,
+        rows: dict[int, RowView],
+        inputs: dict[int, list[int]],
+        keep: dict[int, int],
+        feeding: dict[int, list[Branch]],
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], list[Forward]]:
+        """Each row's chunk is its fed branches' next tokens, then its inputs."""
+        chunks = [
+            [br.tokens[len(br.cols)] for br in feeding.get(b, [])] + inputs.get(b, []) for b in range(self.cache.rows)
+        ]
+        sees = {b: self.sees(b, rows[b], len(chunks[b]), feeding.get(b, [])) for b in inputs}
+        w = max(keep[b] + len(feeding.get(b, [])) for b in inputs)
+        with Timer() as t:
+            logits = self.cache.forward(chunks, w, sees=sees)[..., : self.vocab_size]
+            hf.sync(self.model)
+        record = self.record(rows, inputs, t.seconds, {b: len(x) for b, x in enumerate(chunks) if x})
+        out, side = {}, {}
+        for b in inputs:
+            nb = len(feeding.get(b, []))
+            out[b], side[b] = logits[b, w - keep[b] :], logits[b, w - keep[b] - nb : w - keep[b]]
+            for j, br in enumerate(feeding.get(b, [])):
+                br.cols.append(self.cache.width - len(chunks[b]) + j)  # (chunks are left-padded)
+        return out, side, [record]
+
+    def sees(self, b: int, row: RowView, n: int, feeding: list[Branch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each of row ``b``'s ``n`` chunk tokens attends to (``RaggedCache.forward``'s
+        ``sees``): the chain's tokens see the row without any branch; a branch's token sees
+        the chain's first ``seen`` fed tokens, its own earlier tokens and itself."""
+        st = row.state[self.name]
+        base = self.cache.valid[b].clone()
+        base[[c for br in st.branches for c in br.cols]] = False
+        past = base.expand(n, -1).clone()
+        mine = torch.ones(n, n, dtype=torch.bool).tril()
+        for j, br in enumerate(feeding):
+            past[j, st.fed[br.seen :]] = False
+            past[j, br.cols] = True
+            mine[j] = False
+            mine[j, j] = True
+        mine[len(feeding) :, : len(feeding)] = False
+        return past, mine
+
     def truncate(self, b: int, row: RowView, n: int) -> None:
         st = row.state[self.name]
         if st.held > n:
             self.cache.drop(b, st.fed[n - st.held :])
             del st.fed[n - st.held :]
             st.held = n
+
+    def unbranch(self, b: int, row: RowView) -> None:
+        if cols := [c for br in row.state[self.name].branches for c in br.cols]:
+            self.cache.drop(b, cols)
+        super().unbranch(b, row)
 
     def trim(self) -> None:
         self.cache.trim()
@@ -259,6 +350,7 @@ class ModelSession:
             elif isinstance(e, Accepted):
                 if e.features is not None:
                     self.backend.observe(e.row, e.features)
+                self.backend.unbranch(e.b, e.row)
                 if e.proposal is not None and e.n is not None:
                     self.d.state(e.row).acceptance.update([None] * len(e.proposal.tokens), e.n)
                     self.backend.truncate(e.b, e.row, self.backend.kept(e.row, e.n))
@@ -281,15 +373,18 @@ class ModelSession:
             rows[b].state[self.d.name].fed = []
         drafts: dict[int, list[int]] = {b: [] for b in ks}
         qs: dict[int, list[torch.Tensor]] = {b: [] for b in ks}
-        runners: dict[int, list[tuple[int, float]]] = {b: [] for b in ks}
         while left := {b: ks[b] - len(drafts[b]) for b in ks if len(drafts[b]) < ks[b]}:
-            forwards += self.step({b: rows[b] for b in left}, left, heads, drafts, (qs, runners))
+            forwards += self.step({b: rows[b] for b in left}, left, heads, drafts, qs)
         proposals = {}
         for b, k in ks.items():
             st = self.d.state(rows[b])
             st.used = True
             rate = [st.acceptance.rate()] * k
-            proposals[b] = Proposal(self.d.name, drafts[b], qs[b] or None, rate, [None] * k, None, runners[b] or None)
+            paths = [
+                Proposal(self.d.name, drafts[b][: br.fork] + br.tokens, None, rate[: br.fork] + br.accept)
+                for br in st.branches
+            ]
+            proposals[b] = Proposal(self.d.name, drafts[b], qs[b] or None, rate, [None] * k, None, paths or None)
         return Drafts(proposals, forwards)
 
     def step(
@@ -298,29 +393,69 @@ class ModelSession:
         left: dict[int, int],
         heads: dict[int, list[int]],
         drafts: dict[int, list[int]],
-        out: tuple[dict[int, list[torch.Tensor]], dict[int, list[tuple[int, float]]]],
+        qs: dict[int, list[torch.Tensor]],
     ) -> list[Forward]:
         """One draft forward for the rows ``left`` to draft: each feeds its pending token(s)
-        and what it checks, keeps what the draft agrees with plus the draft's own token (and
-        ``out``: a sampled row's draft distributions, a greedy row's second choices)."""
-        qs, runners = out
+        and what it checks, keeps what the draft agrees with plus the draft's own token (a
+        sampled row: its draft distributions, ``qs``). A greedy row's second choices become
+        branches, and the branches most likely to be the target's are drafted on in the same
+        forward where a branching backend makes them worth their width (``branch``)."""
         inputs, checked = {}, {}
         for b, n in left.items():
             head = heads[b] if not drafts[b] else drafts[b][-1:]
             checked[b] = self.check(rows[b], drafts[b], n, len(head), len(left))
             inputs[b] = head + checked[b]
-        logits, forwards = self.backend.feed(rows, inputs, {b: len(c) + 1 for b, c in checked.items()})
+        keep = {b: len(c) + 1 for b, c in checked.items()}
+        feeding = self.branch(rows, inputs, drafts, left) if self.backend.branching else {}
+        if self.backend.branching and any(rows[b].state[self.d.name].branches for b in rows):
+            logits, side, forwards = self.backend.feed_tree(rows, inputs, keep, feeding)
+        else:
+            (logits, forwards), side = self.backend.feed(rows, inputs, keep), {}
         for b, row in rows.items():
-            m = len(checked[b])
+            st, m, d0 = row.state[self.d.name], len(checked[b]), len(drafts[b])
             a, nxt, q = accept_checked(row, checked[b], logits[b])
-            self.backend.truncate(b, row, row.state[self.d.name].held - (m - a))  # the checked tokens it disagreed with
+            for br, out in zip(feeding.get(b, []), side.get(b, [])):  # each drafted branch's next token
+                br.tokens.append(int(out.argmax()))
+                br.accept.append(st.acceptance.rate())
+                br.reach *= st.acceptance.rate()
+            if row.sampling.greedy and self.d.context.trees:  # the second choices at its new drafts
+                rate, seen = st.acceptance.rate(), len(st.fed) - m  # (fed[:seen + j]: the token before draft d0 + j)
+                for j, (token, chance) in enumerate(runner_ups(logits[b][: a + 1])):
+                    st.branches.append(Branch(d0 + j, [token], [chance], rate ** (d0 + j) * chance, seen + j))
+            self.backend.truncate(b, row, st.held - (m - a))  # the checked tokens it disagreed with
             drafts[b] += checked[b][:a] + [nxt]
             qs[b] += q
-            if row.sampling.greedy and self.d.context.trees:
-                runners[b] += runner_ups(logits[b][: a + 1])
         self.backend.trim()
         catching_up = any(len(x) - len(checked[b]) > 1 for b, x in inputs.items())
         return [Forward(f.rows, f.width, f.seconds, "catch-up") for f in forwards] if catching_up else forwards
+
+    def branch(
+        self, rows: dict[int, RowView], inputs: dict[int, list[int]], drafts: dict[int, list[int]], left: dict[int, int]
+    ) -> dict[int, list[Branch]]:
+        """The branches each row drafts on in this forward: the likeliest first, while one more
+        token in the forward (at its measured seconds per width) costs less than the chance it
+        is accepted times a draft step (what a token is at least worth), and no deeper than
+        the chain will be."""
+        price = self.d.context.price
+        width = max(len(x) for x in inputs.values())
+        step = price(self.d.name, len(inputs), 1)
+        out: dict[int, list[Branch]] = {}
+        for b in inputs:
+            depth = len(drafts[b]) + left[b]
+            wanted = sorted(
+                (br for br in rows[b].state[self.d.name].branches if br.fork + len(br.tokens) < depth),
+                key=lambda br: -br.reach,
+            )
+            w = len(inputs[b])
+            for br in wanted:
+                extra = price(self.d.name, len(inputs), max(width, w + 1)) - price(
+                    self.d.name, len(inputs), max(width, w)
+                )
+                if br.reach * step < extra:
+                    break
+                out.setdefault(b, []).append(br)
+                w += 1
+        return out
 
     def check(self, row: RowView, drafts: list[int], left: int, head: int, rows: int) -> list[int]:
         if self.d.levels < 2:
