@@ -112,7 +112,7 @@ class SpeculativeDecoder:
         if drafters is None:
             drafters = ["model"] if draft is not None else []
         self.context_length = context_length or getattr(target.config, "max_position_embeddings", None) or 2048
-        self.drafters: list[Drafter] = self._build(drafters, draft, tokenizer, target_file)
+        self.drafters: list[Drafter] = self._build(drafters, draft, tokenizer, target_file, max_k)
         # the target layers whose outputs a feature-level drafter reads (eagle.py): every
         # target forward returns them (a pair has one draft, so at most one such drafter)
         self.feature_layers: tuple[int, ...] = next((d.feature_layers for d in self.drafters if d.feature_layers), ())
@@ -127,7 +127,7 @@ class SpeculativeDecoder:
         self.plain = PlainIterations()  # forced plain iterations, per batch-size bucket (schedule.py)
 
     def _build(
-        self, drafters: list[str | Drafter], draft: Any, tokenizer: Any, target_file: str | None
+        self, drafters: list[str | Drafter], draft: Any, tokenizer: Any, target_file: str | None, max_k: int
     ) -> list[Drafter]:
         """The drafters by name (or given built); with a tokenizer, the grammar's too (forced
         tokens of constrained rows, free: drafting/forced.py) when there is any drafting."""
@@ -145,6 +145,7 @@ class SpeculativeDecoder:
             self.draft_seconds,
             grammar,
             self.trees,
+            max_k,
         )
         built = iter(registry.build(names, context))
         return [next(built) if isinstance(d, str) else d for d in drafters]

@@ -256,3 +256,4 @@ class DraftContext:
     price: Price = unmeasured
     grammar: Callable[[dict[str, Any]], Any] | None = None  # response_format -> a fresh matcher (forced.py)
     trees: bool = True  # the loop verifies trees: a model drafter's alternatives are wanted (Proposal.branches)
+    nodes: int = 8  # the most drafted tokens one verification of a row holds (its chain and branches)
