@@ -12,6 +12,10 @@
 - The same transaction that renews the held rows reads their jobs' cancel flags
   (``jobs.renew_leases``): a ``cancel --now`` whose broadcast this worker missed is announced
   to its processes here (``cancels.announce``), within one heartbeat.
+- An idle worker (holding no row) also sends again the rows of its pair queued for longer
+  than a lease timeout while the queue is empty (``client.resend_unsent``): their messages
+  were lost (a worker killed between the broker handing one out and its row being taken, a
+  broker restarted without persistence), and a job fed by ``submit`` has nobody else to.
 - A late duplicate of the message (Redis redelivers an unacknowledged message after its
   visibility timeout; a message requeued by ``task_reject_on_worker_lost`` when a pool
   child died) finds the row finished (no-op) or running under another worker's live lease
@@ -26,12 +30,12 @@ from typing import Any
 from celery import bootsteps
 from celery.worker import state
 
-from specdec_llm.client.jobs import reclaim_and_enqueue
+from specdec_llm.client.jobs import reclaim_and_enqueue, resend_unsent
 from specdec_llm.client.protocol import TASK
 from specdec_llm.settings import get_settings
 from specdec_llm.store import jobs
 
-from . import cancels
+from . import cancels, runtime
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +72,12 @@ class LeaseStep(bootsteps.StartStopStep):
 
     def beat(self, c: Any) -> None:
         try:
-            if jobs.renew_leases(held_request_ids(TASK), c.hostname):  # a held row's job was cancelled --now
+            held = held_request_ids(TASK)
+            if jobs.renew_leases(held, c.hostname):  # a held row's job was cancelled --now
                 cancels.announce()
             reclaim_and_enqueue()
+            pair = runtime.configured_pair()
+            if not held and pair is not None and not runtime.load_failed():  # idle: rows waiting on a lost message?
+                resend_unsent(pair)
         except Exception as e:  # noqa: BLE001 - the database or broker is away: the next beat tries again
             log.warning("lease heartbeat failed (%s: %s); the next one tries again", type(e).__name__, e)

@@ -122,6 +122,11 @@ def load_error_text(pair: str, e: BaseException) -> str:
     return text
 
 
+def configured_pair() -> str | None:
+    """The pair this worker serves (None before ``configure``)."""
+    return _options.pair if _options is not None else None
+
+
 def serves(pair: str) -> bool:
     """Whether this process is (or will be) the one for ``pair``."""
     if _runtime is not None:

@@ -343,6 +343,22 @@ def reclaim_and_enqueue(max_attempts: int = MAX_ATTEMPTS) -> list[dict[str, Any]
     return rows
 
 
+def resend_unsent(pair: str) -> int:
+    """Send again the rows of ``pair`` queued for longer than a lease timeout while its queue
+    is empty: their messages were lost (a worker killed between the broker handing one out and
+    its row being taken, a broker restarted without persistence), and a job fed by ``submit``
+    has no ``run`` watching to resend them. Each row at most once per lease timeout, whoever
+    asks (every idle worker's lease step: ``store.jobs.unsent`` gives each row to one). A
+    duplicate is harmless: a row running or finished is left alone. Returns how many were sent."""
+    if queue_size(pair) != 0:  # (None: the broker cannot say; leave it)
+        return 0
+    ids = jobs.unsent(pair, get_settings().lease_timeout_s)
+    if ids:
+        log.warning("%d rows of pair %s were queued with no message waiting: sent again", len(ids), pair)
+        enqueue(ids, pair, check_pair=False)
+    return len(ids)
+
+
 def requeue_lost(job_id: str) -> int:
     """Enqueue again the job's rows that are still queued while their pair's queue is empty
     and none of the job's rows is running: their messages were lost (a broker restarted

@@ -234,6 +234,31 @@ def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str
         return [{"id": r.id, "pair": names.get(r.pair_id)} for r in requeued]
 
 
+def unsent(pair: str, older_than_s: float, *, url: str | None = None) -> list[str]:
+    """Claim the rows of ``pair`` queued for over ``older_than_s`` whose message was not sent
+    again as recently (their message may be lost: a worker killed between the broker handing
+    it out and its row being taken, a broker restarted without persistence): a queued row's
+    ``heartbeat_at`` notes when it was last sent again. One atomic UPDATE, so one caller gets
+    each row however many ask at once. Returns their ids, for the caller to enqueue."""
+    with writing(url) as s:
+        now = utcnow()
+        cutoff = now - timedelta(seconds=older_than_s)
+        pair_id = select(Pair.id).where(Pair.name == pair).scalar_subquery()
+        rows = s.execute(
+            update(Request)
+            .where(
+                Request.status == "queued",
+                Request.pair_id == pair_id,
+                Request.created_at < cutoff,
+                or_(Request.heartbeat_at.is_(None), Request.heartbeat_at < cutoff),
+            )
+            .values(heartbeat_at=now)
+            .returning(Request.id)
+            .execution_options(synchronize_session=False)
+        ).all()
+        return [r.id for r in rows]
+
+
 def _pair_names(session: Session, ids: Iterable[int | None]) -> dict[int, str]:
     known = [i for i in ids if i is not None]
     return dict(session.execute(select(Pair.id, Pair.name).where(Pair.id.in_(known))).all()) if known else {}

@@ -177,6 +177,34 @@ class Redis:
             self.proc.wait(10)
 
 
+def test_rows_whose_messages_were_lost_are_sent_again_with_nobody_waiting(tmp_path, redis_url, pairs_toml, use):
+    """A job fed by `submit` alone (no `run` or `wait` resending): its messages are lost
+    before any worker takes them (the queue purged, as a broker restarted without persistence
+    loses it; a worker SIGKILLed between taking a message and its row loses one). An idle
+    worker's lease step sends those rows again once they are a lease timeout old: every row
+    finishes, once."""
+    from specdec_llm.client.broker import get_app
+    from specdec_llm.client.protocol import queue_name
+
+    fleet = make_fleet(tmp_path, redis_url, 8, sqlite_url(tmp_path), pairs_toml)
+    fleet.env.update(LEASES)
+    use(fleet)
+    try:
+        job = client.submit(write_prompts(tmp_path / "p.jsonl", 6, "lost"), "tiny", {"max_new_tokens": 8})["job_id"]
+        with get_app().connection_for_write() as conn:
+            assert conn.default_channel.queue_purge(queue_name("tiny")) == 6
+        worker = fleet.start_worker("w", ("--no-calibrate",))
+        wait_for(lambda: client.job_counts(job)["ok"] == 6, 120)  # (leases of 3 s: sent again within a few)
+        assert_exactly_once(job, 6)
+        assert "were queued with no message waiting: sent again" in fleet.log()
+        assert worker.poll() is None
+    except BaseException:
+        print(fleet.log()[-4000:])
+        raise
+    finally:
+        fleet.stop()
+
+
 @pytest.mark.parametrize("persistent", [True, False], ids=["aof", "no-persistence"])
 def test_broker_restarted_mid_job(tmp_path, pairs_toml, use, persistent):
     """Redis killed and restarted mid-job. The row being generated when it died comes back

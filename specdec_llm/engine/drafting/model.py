@@ -330,10 +330,11 @@ class ModelDrafter:
 
     def settle(self, branches: list[Branch], chain: list[int], emitted: list[int]) -> None:
         """The target's tokens (``emitted``, greedy) settle each second choice whose fork the
-        chain reached and lost there: whether it was the target's token."""
+        chain reached and lost there: whether it was the target's token (a chain a grammar cut
+        short settles only the forks it kept)."""
         for br in branches:
             i = br.fork
-            if len(emitted) > i and emitted[:i] == chain[:i] and emitted[i] != chain[i]:
+            if i < min(len(chain), len(emitted)) and emitted[:i] == chain[:i] and emitted[i] != chain[i]:
                 hits, chances = self.second
                 self.second = [SECOND_MEMORY * hits + (emitted[i] == br.tokens[0]), SECOND_MEMORY * chances + br.chance]
 
