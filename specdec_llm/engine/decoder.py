@@ -400,7 +400,12 @@ class Batch:
         steps = [f for f in drafts.forwards if f.kind != "prefill"]
         if drafts.proposals and steps and all(f.kind == "draft" for f in steps):
             longest = max(len(p.tokens) for p in drafts.proposals.values())
-            costs[len(self.rows)].observe_drafting(name, sum(f.seconds for f in steps), longest)
+            cost = costs[len(self.rows)]  # (a forward's seconds at its chains' own width: branches are not their cost)
+            chains = sum(
+                f.seconds * (cost.draft(name, f.width - f.branches) / cost.draft(name, f.width) if f.branches else 1.0)
+                for f in steps
+            )
+            cost.observe_drafting(name, chains, longest)
 
     def verify(self, props: dict[int, Proposal], widths: list[int]) -> tuple[Any, float]:
         """ONE target forward over every row's [last token] + proposal (right-aligned to the

@@ -124,6 +124,7 @@ class Forward:
     width: int
     seconds: float
     kind: str = "draft"
+    branches: int = 0  # of its width, the tokens branches fed (model.py): not the chains' cost
 
 
 @dataclass

@@ -241,6 +241,9 @@ class RaggedBackend(Backend):
             logits = self.cache.forward(chunks, w, sees=sees)[..., : self.vocab_size]
             hf.sync(self.model)
         record = self.record(rows, inputs, t.seconds, {b: len(x) for b, x in enumerate(chunks) if x})
+        record = Forward(
+            record.rows, record.width, record.seconds, branches=record.width - max(map(len, inputs.values()))
+        )
         out, side = {}, {}
         for b in inputs:
             nb = len(feeding.get(b, []))
@@ -448,13 +451,16 @@ class ModelSession:
                 rate, seen = st.acceptance.rate(), len(st.fed) - m  # (fed[:seen + j]: the token before draft d0 + j)
                 for j, (token, chance) in enumerate(runner_ups(logits[b][: a + 1])):
                     p = self.d.second_chance(chance)
-                    st.branches.append(Branch(d0 + j, [token], [p], rate ** (d0 + j) * p, seen + j, chance))
+                    reach = rate ** (d0 + j) * (1 - rate) * p  # the chain reaches the fork, loses there, this wins
+                    st.branches.append(Branch(d0 + j, [token], [p], reach, seen + j, chance))
             self.backend.truncate(b, row, st.held - (m - a))  # the checked tokens it disagreed with
             drafts[b] += checked[b][:a] + [nxt]
             qs[b] += q
         self.backend.trim()
         catching_up = any(len(x) - len(checked[b]) > 1 for b, x in inputs.items())
-        return [Forward(f.rows, f.width, f.seconds, "catch-up") for f in forwards] if catching_up else forwards
+        return (
+            [Forward(f.rows, f.width, f.seconds, "catch-up", f.branches) for f in forwards] if catching_up else forwards
+        )
 
     def branch(
         self, rows: dict[int, RowView], inputs: dict[int, list[int]], drafts: dict[int, list[int]], left: dict[int, int]
@@ -473,7 +479,7 @@ class ModelSession:
             for br in sorted(branches, key=lambda br: -br.reach):
                 cost = 1 if br.cols else 2  # (a branch not drafted on yet: its second choice joins too)
                 extra = price(name, n, max(width, w + 1)) - price(name, n, max(width, w))
-                if cost > room or br.reach * step < extra:
+                if cost > room or not br.reach * step >= extra:  # (an unmeasured width: nan or inf, never)
                     continue
                 out.setdefault(b, []).append(br)
                 room, w = room - cost, w + 1
