@@ -15,6 +15,7 @@ positions of what this iteration fed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -447,7 +448,8 @@ class ModelSession:
                 br.tokens.append(int(out.argmax()))
                 br.accept.append(st.acceptance.rate())
                 br.reach *= st.acceptance.rate()
-            if row.sampling.greedy and self.d.context.trees:  # the second choices at its new drafts
+            room = self.d.context.nodes > d0 + left[b]  # (a chain that fills the verification has no branch)
+            if row.sampling.greedy and self.d.context.trees and room:  # the second choices at its new drafts
                 rate, seen = st.acceptance.rate(), len(st.fed) - m  # (fed[:seen + j]: the token before draft d0 + j)
                 for j, (token, chance) in enumerate(runner_ups(logits[b][: a + 1])):
                     p = self.d.second_chance(chance)
@@ -469,20 +471,20 @@ class ModelSession:
         verification has room for their tokens beside the chain (``DraftContext.nodes``) and
         one more token in this forward (at its measured seconds per width) costs less than the
         chance it is accepted times a draft step (what a token is at least worth)."""
-        price, name, n = self.d.context.price, self.d.name, len(inputs)
-        width, step = max(len(x) for x in inputs.values()), price(self.d.name, len(inputs), 1)
-        out: dict[int, list[Branch]] = {}
+        name, n, out = self.d.name, len(inputs), dict[int, list[Branch]]()
+        width, step = max(len(x) for x in inputs.values()), self.d.context.price(name, n, 1)
+        price = functools.cache(lambda w: self.d.context.price(name, n, max(width, w)))  # (padded to the widest)
         for b in inputs:
             branches = rows[b].state[name].branches
             room = self.d.context.nodes - len(drafts[b]) - left[b] - sum(len(br.tokens) for br in branches if br.cols)
             w = len(inputs[b])
             for br in sorted(branches, key=lambda br: -br.reach):
+                if not br.reach * step >= price(w + 1) - price(w):  # (nor the less likely; unmeasured: nan, inf)
+                    break
                 cost = 1 if br.cols else 2  # (a branch not drafted on yet: its second choice joins too)
-                extra = price(name, n, max(width, w + 1)) - price(name, n, max(width, w))
-                if cost > room or not br.reach * step >= extra:  # (an unmeasured width: nan or inf, never)
-                    continue
-                out.setdefault(b, []).append(br)
-                room, w = room - cost, w + 1
+                if cost <= room:
+                    out.setdefault(b, []).append(br)
+                    room, w = room - cost, w + 1
         return out
 
     def check(self, row: RowView, drafts: list[int], left: int, head: int, rows: int) -> list[int]:
