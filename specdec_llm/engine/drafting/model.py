@@ -204,18 +204,14 @@ class RaggedBackend(Backend):
             hf.sync(self.model)
         return logits, t.seconds
 
-    def record(
-        self, rows: dict[int, RowView], inputs: dict[int, list[int]], seconds: float, fed: dict[int, int] | None = None
-    ) -> Forward:
-        """Note the cache columns each row's tokens took; the forward's record (``fed``: the
-        tokens each row fed, where branches fed more than its inputs)."""
+    def record(self, rows: dict[int, RowView], inputs: dict[int, list[int]], seconds: float) -> Forward:
+        """Note the cache columns each row's tokens took; the forward's record."""
         w = self.cache.width
         for b, x in inputs.items():
             st = rows[b].state[self.name]
             st.fed += range(w - len(x), w)
             st.held += len(x)
-        fed = fed or {b: len(x) for b, x in inputs.items()}
-        return Forward(fed, max(fed.values()), seconds)
+        return Forward({b: len(x) for b, x in inputs.items()}, max(len(x) for x in inputs.values()), seconds)
 
     def feed(
         self, rows: dict[int, RowView], inputs: dict[int, list[int]], keep: dict[int, int]
@@ -241,10 +237,9 @@ class RaggedBackend(Backend):
         with Timer() as t:
             logits = self.cache.forward(chunks, w, sees=sees)[..., : self.vocab_size]
             hf.sync(self.model)
-        record = self.record(rows, inputs, t.seconds, {b: len(x) for b, x in enumerate(chunks) if x})
-        record = Forward(
-            record.rows, record.width, record.seconds, branches=record.width - max(map(len, inputs.values()))
-        )
+        chain = self.record(rows, inputs, t.seconds)  # (the chains' columns; the branches' are noted below)
+        fed = {b: len(x) for b, x in enumerate(chunks) if x}
+        record = Forward(fed, max(fed.values()), t.seconds, branches=max(fed.values()) - chain.width)
         out, side = {}, {}
         for b in inputs:
             nb = len(feeding.get(b, []))
@@ -437,7 +432,8 @@ class ModelSession:
             inputs[b] = head + checked[b]
         keep = {b: len(c) + 1 for b, c in checked.items()}
         feeding = self.branch(rows, inputs, drafts, left) if self.backend.branching else {}
-        if self.backend.branching and any(rows[b].state[self.d.name].branches for b in rows):
+        hide = any(br.cols for b in rows for br in rows[b].state[self.d.name].branches)  # (branch columns cached)
+        if feeding or hide:
             logits, side, forwards = self.backend.feed_tree(rows, inputs, keep, feeding)
         else:
             (logits, forwards), side = self.backend.feed(rows, inputs, keep), {}
@@ -448,8 +444,8 @@ class ModelSession:
                 br.tokens.append(int(out.argmax()))
                 br.accept.append(st.acceptance.rate())
                 br.reach *= st.acceptance.rate()
-            room = self.d.context.nodes > d0 + left[b]  # (a chain that fills the verification has no branch)
-            if row.sampling.greedy and self.d.context.trees and room:  # the second choices at its new drafts
+            has_room = self.d.context.nodes > d0 + left[b]  # (a chain that fills the verification has no branch)
+            if row.sampling.greedy and self.d.context.trees and has_room:  # the second choices at its new drafts
                 rate, seen = st.acceptance.rate(), len(st.fed) - m  # (fed[:seen + j]: the token before draft d0 + j)
                 for j, (token, chance) in enumerate(runner_ups(logits[b][: a + 1])):
                     p = self.d.second_chance(chance)
