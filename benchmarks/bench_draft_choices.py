@@ -7,7 +7,8 @@ subset) measured for agreement with the target and for its step's cost, side by 
 Variants: the pair's draft model (when it has one of its own) in fp32, bf16 and int4 (its GGUF's
 own int4 blocks where exact, else re-quantized: ``draft_quantize``), each with its full head and
 with its head over ``--subset`` tokens (``draft_vocab``); and the target's own int4 copy
-(``draft = "quantized:int4"``) with its full head and a subset head, each in fp32 and bf16.
+(``draft = "quantized:int4"``) with its full head in fp32, bf16, int8 and int4, and a subset
+head in fp32 and bf16.
 Agreement: the target's greedy answers to the prompts (chat template), every variant
 teacher-forced on them, the share of positions where its argmax is the target's (what
 acceptance follows). Step: one new token on a 100-token context through the engine's cache,
@@ -57,18 +58,16 @@ def variants(spec, target, tokenizer, subset: int) -> dict:
         for name, model in (("draft model fp32", fp32), ("draft model bf16", bf16), ("draft model int4", int4)):
             out[f"{name}, full head"] = model
         out[f"draft model int4, {subset} head"] = headed(int4, SubsetHead(fp32.get_output_embeddings(), ids))
-    own = quantized_copy(
-        target,
-        "int4",
-        "target",
-        cached_gguf_blocks(Path(local_ref(spec.target)), target) if local_ref(spec.target).endswith(".gguf") else {},
-        kernel_cache=kernels,
-    )
+    ref = local_ref(spec.target)
+    blocks = cached_gguf_blocks(Path(ref), target) if ref.endswith(".gguf") else {}
+    own = quantized_copy(target, "int4", "target", blocks, kernel_cache=kernels)
     full = target.get_output_embeddings()
     out["target int4 copy, full head"] = own
     out["target int4 copy, bf16 head"] = headed(own, CastHead(full, torch.bfloat16))
     out[f"target int4 copy, {subset} head"] = headed(own, SubsetHead(full, ids))
     out[f"target int4 copy, {subset} bf16 head"] = headed(own, SubsetHead(full, ids, torch.bfloat16))
+    for head in ("int8", "int4"):
+        out[f"target int4 copy, {head} head"] = quantized_copy(target, "int4", head, blocks, kernel_cache=kernels)
     return out
 
 

@@ -61,6 +61,10 @@ def _copy(kind: str, w: torch.Tensor) -> torch.Tensor:
         return w.t().contiguous().t()
     if kind == "onednn":
         return cast(torch.Tensor, torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None))
+    if kind == "int8":  # an int8 copy of the weight (a draft's head: quant.DynamicInt8Linear), timed for fastest_ms
+        from .quant import DynamicInt8Linear
+
+        return cast(torch.Tensor, DynamicInt8Linear(w, None))
     raise ValueError(kind)
 
 
@@ -71,6 +75,8 @@ def _fn(kind: str) -> Kernel:
     """y2d = fn(x2d, copy)."""
     if kind == "onednn":
         return lambda x, p: torch.ops.mkldnn._linear_pointwise(x.contiguous(), p, None, "none", [], "")
+    if kind == "int8":
+        return lambda x, m: m(x)
     return torch.nn.functional.linear
 
 
@@ -127,6 +133,15 @@ def sample(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     return weights[: max(2, math.ceil(COLD * last_level_cache() / each))]
 
 
+def _copies(kind: str, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The timed copies: one per matrix, or for an int8 copy (a quarter of fp32's bytes) enough of
+    them to stream ``COLD`` times the last-level cache too (a head timed from cache would flatter it)."""
+    n = len(weights)
+    if kind == "int8":
+        n = max(n, math.ceil(COLD * last_level_cache() / weights[0].numel()))
+    return [_copy(kind, weights[i % len(weights)]) for i in range(n)]
+
+
 @torch.inference_mode()
 def measure(weights: list[torch.Tensor], kinds_: list[str]) -> dict[str, list[float]]:
     """Seconds per kernel to multiply POINTS rows by the matrices of ``weights`` (one shape)
@@ -135,7 +150,7 @@ def measure(weights: list[torch.Tensor], kinds_: list[str]) -> dict[str, list[fl
     out: dict[str, list[float]] = {}
     for kind in kinds_:
         try:
-            copies, fn = [_copy(kind, w) for w in weights], _fn(kind)
+            copies, fn = _copies(kind, weights), _fn(kind)
             fn(torch.zeros(1, weights[0].shape[1], dtype=weights[0].dtype), copies[0])
         except RuntimeError as e:  # a kernel this build or dtype lacks
             log.info("kernel %s unavailable for %s: %s", kind, tuple(weights[0].shape), e)
@@ -250,31 +265,35 @@ def _save(cache_file: Path | None, data: dict[str, Any]) -> None:
         log.info("could not save kernel timings to %s: %s", cache_file, e)
 
 
-def _entry(cached: dict[str, Any], machine: str, weights: list[torch.Tensor]) -> tuple[dict[str, Any], bool]:
+def _entry(
+    cached: dict[str, Any], machine: str, weights: list[torch.Tensor], kind: str | None = None
+) -> tuple[dict[str, Any], bool]:
     """The timings of ``weights`` (one shape and dtype) from ``cached``, else measured now and
-    added to it; and whether they were measured."""
+    added to it; and whether they were measured. ``kind``: that kernel only (its own entry)."""
     shape, dtype = tuple(weights[0].shape), weights[0].dtype
     key = f"{machine}|{str(dtype).removeprefix('torch.')}|{shape[0]}x{shape[1]}x{len(weights)}"
+    key += f"|{kind}" if kind else ""
     entry = cached.get(key)
     if entry is not None and entry.get("points") == list(POINTS):
         return entry, False
     logging.getLogger("specdec_llm.load").info(f"timing matmul kernels for {key.split('|', 4)[-1]} (once per machine)")
-    times = measure(weights, kinds(dtype))
+    times = measure(weights, [kind] if kind else kinds(dtype))
     entry = {"points": list(POINTS), "ms": {k: [round(t * 1e3, 4) for t in v] for k, v in times.items()}}
     cached[key] = entry
     return entry, True
 
 
-def fastest_ms(weight: torch.Tensor, rows: int = 1, cache_file: Path | None = None) -> float:
+def fastest_ms(weight: torch.Tensor, rows: int = 1, cache_file: Path | None = None, kind: str | None = None) -> float:
     """Milliseconds of the fastest kernel multiplying ``rows`` rows by ``weight`` on this
     machine (the timings ``tune`` uses, from the same cache): for load-time choices between
-    copies of a weight in different dtypes."""
+    copies of a weight in different dtypes. ``kind``: that kernel's time only (``"int8"``: an
+    int8 copy of the weight); infinite where this build lacks it."""
     cached = _load(cache_file)
-    entry, new = _entry(cached, machine_key(), [weight.detach()])
+    entry, new = _entry(cached, machine_key(), [weight.detach()], kind)
     if new:
         _save(cache_file, cached)
     i = next((i for i, p in enumerate(POINTS) if p >= rows), len(POINTS) - 1)
-    return min(float(v[i]) for v in entry["ms"].values())
+    return min((float(v[i]) for v in entry["ms"].values()), default=math.inf)
 
 
 @torch.no_grad()

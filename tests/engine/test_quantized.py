@@ -18,8 +18,18 @@ from typer.testing import CliRunner
 
 from specdec_llm.engine import GenerationRequest, SpeculativeDecoder, compiled, hf
 from specdec_llm.engine.decoder import Batch
-from specdec_llm.engine.kernels import fastest_ms
-from specdec_llm.engine.quant import CastHead, Fp8Linear, Int4Linear, Int8Linear, choose_head, quantize4, quantized_copy
+from specdec_llm.engine.quant import (
+    SMOOTH_ALPHA,
+    CastHead,
+    DynamicInt8Linear,
+    Fp8Linear,
+    Int4Linear,
+    Int8Linear,
+    choose_head,
+    model_bytes,
+    quantize4,
+    quantized_copy,
+)
 from specdec_llm.engine.ragged import RaggedCache
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9], [30, 31, 32, 30, 31], [100, 3, 100, 3, 100], [7]]
@@ -43,13 +53,22 @@ def test_int4_blocks_round_trip_and_the_kernel_multiplies_by_them():
     assert (y - ref).abs().max() < 0.05 * ref.abs().max()  # bf16 activations and scales inside the kernel
     lin8 = Int8Linear(w, None)
     assert (lin8(x) - x @ w.t()).abs().max() < 0.02 * (x @ w.t()).abs().max()
+    dyn8 = DynamicInt8Linear(w, None)  # int8 weights and int8 activations (quantized per call)
+    assert dyn8(x).shape == (3, 5, 96) and dyn8(x).dtype == x.dtype and dyn8.held_bytes >= 96 * 64
+    assert (dyn8(x) - x @ w.t()).abs().max() < 0.05 * (x @ w.t()).abs().max()
+    x[..., 3] *= 60  # an outlier channel, as LLM hidden states have: smoothing moves it into the weight scales
+    ref = x @ w.t()
+    s = x.abs().flatten(0, -2).amax(0) ** SMOOTH_ALPHA / w.abs().amax(0) ** (1 - SMOOTH_ALPHA)
+    plain, smoothed = ((m(x) - ref).norm() / ref.norm() for m in (dyn8, DynamicInt8Linear(w, None, s)))
+    assert smoothed < 0.5 * plain, (smoothed, plain)
     fp8 = Fp8Linear(w, None)  # e4m3 weights and activations: 3 mantissa bits each
     assert fp8.q.dtype == torch.float8_e4m3fn and fp8(x).dtype == x.dtype
     assert (fp8(x) - x @ w.t()).abs().max() < 0.1 * (x @ w.t()).abs().max()
 
 
 @pytest.mark.parametrize(
-    "scheme,head", [("int4", "target"), ("int4", "bf16"), ("int4", "int4"), ("int8", "target"), ("fp8", "target")]
+    "scheme,head",
+    [("int4", "target"), ("int4", "bf16"), ("int4", "int8"), ("int4", "int4"), ("int8", "target"), ("fp8", "target")],
 )
 def test_quantized_drafter_alone_and_mixed_is_greedy_identical(target, scheme, head):
     draft = quantized_copy(target, scheme, head)
@@ -79,27 +98,33 @@ def test_quantized_drafter_alone_and_mixed_is_greedy_identical(target, scheme, h
 
 
 def test_auto_head_follows_this_machines_measured_timings(target, tmp_path):
-    """ "auto" takes the bf16 copy of the LM head only where the kernel timings (measured on
-    the real weights, cached per machine in kernels.json) make it faster by AUTO_MARGIN."""
+    """ "auto" takes the faster of a bf16 and an int8 copy of the LM head only where the kernel
+    timings (measured on the real weights, cached per machine in kernels.json) make it faster by
+    AUTO_MARGIN."""
     cache = tmp_path / "kernels.json"
     head = target.get_output_embeddings()
-    fastest_ms(head.weight, 1, cache)  # measured now and cached, as quantized_copy does at load
-    fastest_ms(head.weight.to(torch.bfloat16), 1, cache)
+    choose_head(head, cache)  # measured now and cached, as quantized_copy does at load
     timings = json.loads(cache.read_text())
-    assert {k.split("|")[-2] for k in timings} == {"float32", "bfloat16"}
+    kind = {key: "int8" if key.endswith("|int8") else key.split("|")[-2] for key in timings}
+    assert sorted(kind.values()) == ["bfloat16", "float32", "int8"]
 
-    def cached(fp32_ms: float, bf16_ms: float) -> None:
+    def cached(**ms: float) -> None:
         for key, entry in timings.items():
-            ms = bf16_ms if "|bfloat16|" in key else fp32_ms
-            entry["ms"] = {kind: [ms] * len(v) for kind, v in entry["ms"].items()}
+            entry["ms"] = {k: [ms[kind[key]]] * len(v) for k, v in entry["ms"].items()}
         cache.write_text(json.dumps(timings))
 
-    cached(fp32_ms=2.0, bf16_ms=1.0)
-    assert choose_head(head, cache) == ("bf16", {"target": 2.0, "bf16": 1.0})
+    cached(float32=2.0, bfloat16=1.0, int8=1.5)
+    assert choose_head(head, cache) == ("bf16", {"target": 2.0, "bf16": 1.0, "int8": 1.5})
     draft = quantized_copy(target, head="auto", kernel_cache=cache)
     assert isinstance(draft.lm_head, CastHead) and draft.lm_head.weight.dtype == torch.bfloat16
     assert draft.quantization["head"] == "bf16"
-    cached(fp32_ms=1.0, bf16_ms=0.9)  # faster, but not by the margin a copy of the head must earn
+    cached(float32=2.0, bfloat16=1.5, int8=1.0)
+    draft = quantized_copy(target, head="auto", kernel_cache=cache)
+    assert isinstance(draft.lm_head, DynamicInt8Linear) and draft.quantization["head"] == "int8"
+    own = model_bytes(draft, target)  # its own bytes count the packed int8 head (not a tensor) and its smoothing
+    extra = draft.lm_head.held_bytes + 4 * draft.lm_head.inv.numel()
+    assert own - model_bytes(quantized_copy(target, head="target"), target) == extra
+    cached(float32=1.0, bfloat16=0.9, int8=0.85)  # faster, but not by the margin a copy of the head must earn
     assert choose_head(head, cache)[0] == "target"
     assert quantized_copy(target, head="auto", kernel_cache=cache).lm_head is target.lm_head
 
