@@ -76,7 +76,7 @@ def _fn(kind: str) -> Kernel:
     if kind == "onednn":
         return lambda x, p: torch.ops.mkldnn._linear_pointwise(x.contiguous(), p, None, "none", [], "")
     if kind == "int8":
-        return lambda x, m: m(x)
+        return lambda x, m: cast(Callable[[torch.Tensor], torch.Tensor], m)(x)  # (the module: _copy)
     return torch.nn.functional.linear
 
 

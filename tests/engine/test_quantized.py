@@ -16,7 +16,7 @@ from conftest import check_caches, exact_two_token_distribution, greedy_referenc
 from helpers import N, V, assert_target_distribution, sampled_requests, sharpen
 from typer.testing import CliRunner
 
-from specdec_llm.engine import GenerationRequest, SpeculativeDecoder, compiled, hf
+from specdec_llm.engine import GenerationRequest, SpeculativeDecoder, compiled, hf, quant
 from specdec_llm.engine.decoder import Batch
 from specdec_llm.engine.quant import (
     SMOOTH_ALPHA,
@@ -97,10 +97,10 @@ def test_quantized_drafter_alone_and_mixed_is_greedy_identical(target, scheme, h
     assert accepted > 0.6 * proposed, (accepted, proposed)  # a faithful copy of the target agrees with it
 
 
-def test_auto_head_follows_this_machines_measured_timings(target, tmp_path):
+def test_auto_head_follows_this_machines_measured_timings(target, tmp_path, monkeypatch):
     """ "auto" takes the faster of a bf16 and an int8 copy of the LM head only where the kernel
     timings (measured on the real weights, cached per machine in kernels.json) make it faster by
-    AUTO_MARGIN."""
+    AUTO_MARGIN, and an int8 one only where it agrees with the full head (INT8_AGREEMENT)."""
     cache = tmp_path / "kernels.json"
     head = target.get_output_embeddings()
     choose_head(head, cache)  # measured now and cached, as quantized_copy does at load
@@ -119,8 +119,12 @@ def test_auto_head_follows_this_machines_measured_timings(target, tmp_path):
     assert isinstance(draft.lm_head, CastHead) and draft.lm_head.weight.dtype == torch.bfloat16
     assert draft.quantization["head"] == "bf16"
     cached(float32=2.0, bfloat16=1.5, int8=1.0)
+    monkeypatch.setattr(quant, "INT8_AGREEMENT", 1.01)  # no int8 head agrees that well: the best float one
+    assert quantized_copy(target, head="auto", kernel_cache=cache).quantization["head"] == "bf16"
+    monkeypatch.setattr(quant, "INT8_AGREEMENT", 0.0)
     draft = quantized_copy(target, head="auto", kernel_cache=cache)
     assert isinstance(draft.lm_head, DynamicInt8Linear) and draft.quantization["head"] == "int8"
+    assert 0 < draft.quantization["head_agreement"] < 1
     own = model_bytes(draft, target)  # its own bytes count the packed int8 head (not a tensor) and its smoothing
     extra = draft.lm_head.held_bytes + 4 * draft.lm_head.inv.numel()
     assert own - model_bytes(quantized_copy(target, head="target"), target) == extra
