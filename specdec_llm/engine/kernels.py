@@ -137,7 +137,7 @@ def _copies(kind: str, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """The timed copies: one per matrix, or for an int8 copy (a quarter of fp32's bytes) enough of
     them to stream ``COLD`` times the last-level cache too (a head timed from cache would flatter it)."""
     n = len(weights)
-    if kind == "int8":
+    if kind == "int8" and weights[0].numel() >= 1 << 20:  # (a model's; a tiny test model's stays in cache either way)
         n = max(n, math.ceil(COLD * last_level_cache() / weights[0].numel()))
     return [_copy(kind, weights[i % len(weights)]) for i in range(n)]
 
