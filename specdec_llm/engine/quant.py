@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from .kernels import DynamicInt8Linear
+from .kernels import DynamicInt8Linear, fastest_ms
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -235,14 +235,18 @@ def choose_head(head: torch.nn.Module, kernel_cache: Path | None = None) -> tupl
     weight = cast(torch.Tensor, head.weight)
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return "target", {}  # a bf16/fp16 target's head is already small; GPUs: not measured here
-    from .kernels import fastest_ms
-
     ms = {"target": fastest_ms(weight, 1, kernel_cache), "bf16": fastest_ms(weight.to(torch.bfloat16), 1, kernel_cache)}
     int8 = fastest_ms(weight, 1, kernel_cache, kind="int8")
     if math.isfinite(int8):  # (a torch without the quantized engine: not a choice)
         ms["int8"] = int8
-    best = min(("bf16", "int8"), key=lambda name: ms.get(name, math.inf))
-    return (best if ms[best] <= AUTO_MARGIN * ms["target"] else "target"), ms
+    return faster_copy(ms, ("bf16", "int8")), ms
+
+
+def faster_copy(ms: dict[str, float], copies: tuple[str, ...]) -> str:
+    """Of ``copies`` timed in ``ms``, the fastest where it takes at most AUTO_MARGIN of the
+    target head's time (``ms["target"]``), else "target"."""
+    best = min(copies, key=lambda name: ms.get(name, math.inf))
+    return best if ms.get(best, math.inf) <= AUTO_MARGIN * ms["target"] else "target"
 
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # sibling projections of one input
@@ -381,7 +385,7 @@ def quantized_copy(
         head, head_ms = choose_head(target.get_output_embeddings(), kernel_cache)
     int8_head, agreement = smoothed_int8(target, target.get_output_embeddings()) if head == "int8" else (None, 1.0)
     if head_ms and int8_head is not None and agreement < INT8_AGREEMENT:  # (auto) too inexact: the best float head
-        int8_head, head = None, "bf16" if head_ms["bf16"] <= AUTO_MARGIN * head_ms["target"] else "target"
+        int8_head, head = None, faster_copy(head_ms, ("bf16",))
     blocks = blocks or {}
     draft = _sharing_copy(target)
     head_module = draft.get_output_embeddings()
