@@ -320,11 +320,14 @@ def replace_by_slices(module: torch.nn.Module, names: tuple[str, ...] | list[str
 
 def _fuse(module: torch.nn.Module, names: tuple[str, ...]) -> None:
     parts = [p for n in names if isinstance(p := getattr(module, n, None), Int4Linear)]
-    if len(parts) < len(names) or any(p.bias is not None for p in parts):
+    if len(parts) < len(names):
         return
     blocks = [p.blocks for p in parts]
     merged = Blocks(*(torch.cat([getattr(b, f) for b in blocks]) for f in ("q", "scale", "low")))
-    whole = Int4Linear(merged, None, parts[0].packed.device)
+    biases = [p.bias for p in parts]  # (Qwen2's q/k/v have biases; zeros for a sibling without)
+    ref = next((b for b in biases if b is not None), None)
+    bias = None if ref is None else torch.cat([ref.new_zeros(p.out_features) if b is None else b for p, b in zip(parts, biases)])
+    whole = Int4Linear(merged, bias, parts[0].packed.device)
     whole.sizes = [p.out_features for p in parts]  # its parts' widths, in order
     replace_by_slices(module, names, whole)
 

@@ -62,11 +62,12 @@ def decoders(pair):
 
 
 def check_contexts(batch) -> None:
-    for row in batch.rows:
-        st = row.state["llamacpp"]
-        if st.context is not None:
+    for row in batch.rows:  # a context holds a prefix of its row's tokens, rollbacks undone
+        st = row.view.state.get("llamacpp")
+        if st is not None and st.context is not None:
             held = st.context.tokens
-            assert held[: st.dlen] == row.seq[: st.dlen] and st.dlen < len(row.seq)
+            assert held == row.view.tokens[: len(held)] and len(held) < len(row.view.tokens)
+            assert st.held == len(held)
 
 
 def test_greedy_with_llamacpp_drafting_is_identical_to_the_target(q4):

@@ -148,3 +148,22 @@ def test_a_family_the_engine_cannot_decode_is_refused_at_load(tmp_path):
     with pytest.raises(PairError, match=r"pair m: the target \(mamba, MambaForCausalLM\) cannot be decoded"):
         load_pair(PairSpec(name="m", target=str(tmp_path / "mamba")))
     assert [n for n in sorted(CONFIGS) if unservable(tiny_family(n))] == []
+
+
+def test_int4_copy_runs_projections_with_biases_as_one_matmul():
+    """Qwen2's q/k/v carry biases: its int4 copy still multiplies them as one matmul (the
+    biases concatenated), with the logits of a copy that keeps them apart."""
+    from specdec_llm.engine import lean
+
+    target = tiny_family("qwen2")
+    with torch.no_grad():
+        for layer in target.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    fused, apart = (quantized_copy(target, head="target", fuse=f) for f in (True, False))
+    assert lean.runner(fused).layers[0].qkv is not None
+    assert lean.runner(apart).layers[0].qkv is None
+    ids = torch.tensor([list(range(3, 30))])
+    with torch.no_grad():
+        got, want = fused(ids).logits, apart(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
