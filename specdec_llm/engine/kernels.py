@@ -179,9 +179,9 @@ def _copies(kind: str, weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def measure(weights: list[torch.Tensor], kinds_: list[str]) -> dict[str, list[float]]:
-    """Seconds per kernel to multiply POINTS rows by the matrices of ``weights`` (one shape)
-    that ``sample`` picks."""
+def measure(weights: list[torch.Tensor], kinds_: list[str], points: tuple[int, ...] = POINTS) -> dict[str, list[float]]:
+    """Seconds per kernel to multiply ``points`` rows by the matrices of ``weights`` (one
+    shape) that ``sample`` picks."""
     weights = sample(weights)
     out: dict[str, list[float]] = {}
     for kind in kinds_:
@@ -192,7 +192,7 @@ def measure(weights: list[torch.Tensor], kinds_: list[str]) -> dict[str, list[fl
             log.info("kernel %s unavailable for %s: %s", kind, tuple(weights[0].shape), e)
             continue
         times: list[float] = []
-        for i, m in enumerate(POINTS):
+        for i, m in enumerate(points):
             rival = min((t[i - 1] for t in out.values()), default=float("inf")) if i else float("inf")
             if times and times[-1] > GIVE_UP * rival:
                 times.append(float("inf"))  # far behind another kernel: not timed at larger counts
@@ -302,19 +302,24 @@ def _save(cache_file: Path | None, data: dict[str, Any]) -> None:
 
 
 def _entry(
-    cached: dict[str, Any], machine: str, weights: list[torch.Tensor], kind: str | None = None
+    cached: dict[str, Any],
+    machine: str,
+    weights: list[torch.Tensor],
+    kind: str | None = None,
+    points: tuple[int, ...] = POINTS,
 ) -> tuple[dict[str, Any], bool]:
-    """The timings of ``weights`` (one shape and dtype) from ``cached``, else measured now and
-    added to it; and whether they were measured. ``kind``: that kernel only (its own entry)."""
+    """The timings of ``weights`` (one shape and dtype) at ``points`` rows from ``cached``,
+    else measured now and added to it; and whether they were measured. ``kind``: that kernel
+    only (its own entry)."""
     shape, dtype = tuple(weights[0].shape), weights[0].dtype
     key = f"{machine}|{str(dtype).removeprefix('torch.')}|{shape[0]}x{shape[1]}x{len(weights)}"
     key += f"|{kind}" if kind else ""
     entry = cached.get(key)
-    if entry is not None and entry.get("points") == list(POINTS):
+    if entry is not None and entry.get("points") == list(points):
         return entry, False
     logging.getLogger("specdec_llm.load").info(f"timing matmul kernels for {key.split('|', 4)[-1]} (once per machine)")
-    times = measure(weights, [kind] if kind else kinds(dtype))
-    entry = {"points": list(POINTS), "ms": {k: [round(t * 1e3, 4) for t in v] for k, v in times.items()}}
+    times = measure(weights, [kind] if kind else kinds(dtype), points)
+    entry = {"points": list(points), "ms": {k: [round(t * 1e3, 4) for t in v] for k, v in times.items()}}
     cached[key] = entry
     return entry, True
 
@@ -323,12 +328,15 @@ def fastest_ms(weight: torch.Tensor, rows: int = 1, cache_file: Path | None = No
     """Milliseconds of the fastest kernel multiplying ``rows`` rows by ``weight`` on this
     machine (the timings ``tune`` uses, from the same cache): for load-time choices between
     copies of a weight in different dtypes. ``kind``: that kernel's time only (``"int8"``: an
-    int8 copy of the weight); infinite where this build lacks it."""
+    int8 copy of the weight, timed up to ``rows`` rows only: no Linear is tuned with it);
+    infinite where this build lacks it."""
+    upto = next((i for i, p in enumerate(POINTS) if p >= rows), len(POINTS) - 1)
+    points = POINTS if kind is None else POINTS[: upto + 1]
     cached = _load(cache_file)
-    entry, new = _entry(cached, machine_key(), [weight.detach()], kind)
+    entry, new = _entry(cached, machine_key(), [weight.detach()], kind, points)
     if new:
         _save(cache_file, cached)
-    i = next((i for i, p in enumerate(POINTS) if p >= rows), len(POINTS) - 1)
+    i = next((i for i, p in enumerate(points) if p >= rows), len(points) - 1)
     return min((float(v[i]) for v in entry["ms"].values()), default=math.inf)
 
 

@@ -326,7 +326,11 @@ def _fuse(module: torch.nn.Module, names: tuple[str, ...]) -> None:
     merged = Blocks(*(torch.cat([getattr(b, f) for b in blocks]) for f in ("q", "scale", "low")))
     biases = [p.bias for p in parts]  # (Qwen2's q/k/v have biases; zeros for a sibling without)
     ref = next((b for b in biases if b is not None), None)
-    bias = None if ref is None else torch.cat([ref.new_zeros(p.out_features) if b is None else b for p, b in zip(parts, biases)])
+    bias = (
+        None
+        if ref is None
+        else torch.cat([ref.new_zeros(p.out_features) if b is None else b for p, b in zip(parts, biases)])
+    )
     whole = Int4Linear(merged, bias, parts[0].packed.device)
     whole.sizes = [p.out_features for p in parts]  # its parts' widths, in order
     replace_by_slices(module, names, whole)
