@@ -26,6 +26,7 @@ own nibbles and scales, so we call the kernels directly (one small module, no su
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +35,11 @@ from typing import TYPE_CHECKING, cast
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from .kernels import DynamicInt8Linear, fastest_ms
+from . import kernels
+from .kernels import DynamicInt8Linear, absmax, fastest_ms
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from transformers import PreTrainedModel
 
@@ -139,16 +141,31 @@ SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength: s = max|x|^a / max|w|^(1
 INT8_AGREEMENT = 0.9
 
 
-def smoothed_int8(target: PreTrainedModel, head: torch.nn.Module) -> tuple[DynamicInt8Linear, float]:
-    """``head`` as a DynamicInt8Linear smoothed by what it sees in ``target`` (``head_inputs``),
-    and the share of those inputs where its argmax is the full head's."""
+def smoothed_int8(
+    target: PreTrainedModel, head: torch.nn.Module, cache_file: Path | None = None
+) -> tuple[Callable[[], DynamicInt8Linear], float]:
+    """``head`` as a DynamicInt8Linear smoothed by what it sees in ``target`` (``head_inputs``)
+    (a builder: built only where it is kept), and the share of those inputs where its argmax is
+    the full head's. The smoothing and the share are kept in ``cache_file`` per machine and head
+    (a later load skips the target's forward and the check: ~4 s of a 1.5B's load)."""
     w = cast(torch.Tensor, head.weight).detach().float()
+    key = f"int8 head {head_fingerprint(w)}"
+    if (seen := kernels.remembered(cache_file, key)) is not None:
+        smooth = torch.tensor(seen["smooth"], dtype=torch.float32)
+        return (lambda: DynamicInt8Linear(w, None, smooth)), float(seen["agreement"])
     x = head_inputs(target, head)
-    scale = x.abs().amax(0).clamp(min=1e-5) ** SMOOTH_ALPHA / w.abs().amax(0).clamp(min=1e-5) ** (1 - SMOOTH_ALPHA)
-    int8 = DynamicInt8Linear(w, None, scale)
+    smooth = absmax(x, 0).clamp(min=1e-5) ** SMOOTH_ALPHA / absmax(w, 0).clamp(min=1e-5) ** (1 - SMOOTH_ALPHA)
+    int8 = DynamicInt8Linear(w, None, smooth)
     with torch.inference_mode():
         agree = (int8(x).argmax(-1) == head(x.to(w.dtype)).argmax(-1)).float().mean().item()
-    return int8, agree
+    kernels.remember(cache_file, key, {"smooth": smooth.tolist(), "agreement": agree})
+    return (lambda: int8), agree
+
+
+def head_fingerprint(w: torch.Tensor) -> str:
+    """A head's shape and 64 of its rows, hashed: which weights a kept smoothing belongs to."""
+    rows = w[:: max(1, w.shape[0] // 64)].contiguous()
+    return f"{w.shape[0]}x{w.shape[1]} " + hashlib.sha256(rows.numpy().tobytes()).hexdigest()[:16]
 
 
 @torch.inference_mode()
@@ -390,9 +407,11 @@ def quantized_copy(
     head_ms: dict[str, float] = {}
     if head == "auto":
         head, head_ms = choose_head(target.get_output_embeddings(), kernel_cache)
-    int8_head, agreement = smoothed_int8(target, target.get_output_embeddings()) if head == "int8" else (None, 1.0)
-    if head_ms and int8_head is not None and agreement < INT8_AGREEMENT:  # (auto) too inexact: the best float head
-        int8_head, head = None, faster_copy(head_ms, ("bf16",))
+    build, agreement = (
+        smoothed_int8(target, target.get_output_embeddings(), kernel_cache) if head == "int8" else (None, 1.0)
+    )
+    if head_ms and build is not None and agreement < INT8_AGREEMENT:  # (auto) too inexact: the best float head
+        build, head = None, faster_copy(head_ms, ("bf16",))
     blocks = blocks or {}
     draft = _sharing_copy(target)
     head_module = draft.get_output_embeddings()
@@ -402,8 +421,8 @@ def quantized_copy(
             draft.set_output_embeddings(_quantized(head_module, "int4", blocks.get("lm_head.weight")))
         elif head == "bf16":
             draft.set_output_embeddings(CastHead(head_module, torch.bfloat16))
-        elif head == "int8":
-            draft.set_output_embeddings(int8_head)
+        elif head == "int8" and build is not None:
+            draft.set_output_embeddings(build())
     for p in draft.parameters():
         p.requires_grad_(False)
     vars(draft)["quantization"] = {
