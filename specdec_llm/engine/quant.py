@@ -393,17 +393,7 @@ def quantized_copy(
     (``model.layers.0.mlp.up_proj.weight``): Blocks} to use as they are (the GGUF target's
     own quantized weights). ``fuse``: each layer's q/k/v and gate/up projections run as one
     int4 matmul (``FUSED`` names them). The target is unchanged."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization {scheme!r}; known: {', '.join(SCHEMES)}")
-    if head not in HEADS:
-        raise ValueError(f"unknown draft head {head!r}; known: {', '.join(HEADS)}")
-    device = next(target.parameters()).device
-    if scheme == "fp8" and device.type == "cuda" and not fp8_native(device):
-        major, minor = torch.cuda.get_device_capability(device)
-        raise ValueError(
-            f"quantization fp8 needs a GPU with fp8 tensor cores (compute capability 8.9+; this one has "
-            f"{major}.{minor}): use quantized:int4 or quantized:int8"
-        )
+    _check(scheme, head, next(target.parameters()).device)
     head_ms: dict[str, float] = {}
     if head == "auto":
         head, head_ms = choose_head(target.get_output_embeddings(), kernel_cache)
@@ -435,6 +425,20 @@ def quantized_copy(
     }
     draft.eval()
     return draft
+
+
+def _check(scheme: str, head: str, device: torch.device) -> None:
+    """A clear error for a scheme or head quantized_copy does not know, or fp8 without fp8 hardware."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization {scheme!r}; known: {', '.join(SCHEMES)}")
+    if head not in HEADS:
+        raise ValueError(f"unknown draft head {head!r}; known: {', '.join(HEADS)}")
+    if scheme == "fp8" and device.type == "cuda" and not fp8_native(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"quantization fp8 needs a GPU with fp8 tensor cores (compute capability 8.9+; this one has "
+            f"{major}.{minor}): use quantized:int4 or quantized:int8"
+        )
 
 
 def _sharing_copy(target: PreTrainedModel) -> PreTrainedModel:
