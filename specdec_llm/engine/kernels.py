@@ -360,8 +360,7 @@ def fastest_ms(weight: torch.Tensor, rows: int = 1, cache_file: Path | None = No
     entry, new = _entry(cached, machine_key(), [weight.detach()], kind, points)
     if new:
         _save(cache_file, cached)
-    i = next((i for i, p in enumerate(points) if p >= rows), len(points) - 1)
-    return min((float(v[i]) for v in entry["ms"].values()), default=math.inf)
+    return min((float(v[upto]) for v in entry["ms"].values()), default=math.inf)
 
 
 @torch.no_grad()

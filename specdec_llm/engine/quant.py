@@ -411,7 +411,7 @@ def quantized_copy(
             draft.set_output_embeddings(_quantized(head_module, "int4", blocks.get("lm_head.weight")))
         elif head == "bf16":
             draft.set_output_embeddings(CastHead(head_module, torch.bfloat16))
-        elif head == "int8" and build is not None:
+        elif build is not None:  # (head "int8")
             draft.set_output_embeddings(build())
     for p in draft.parameters():
         p.requires_grad_(False)

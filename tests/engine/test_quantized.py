@@ -124,15 +124,15 @@ def test_auto_head_follows_this_machines_measured_timings(target, tmp_path, monk
     assert quantized_copy(target, head="auto", kernel_cache=cache).quantization["head"] == "bf16"
     monkeypatch.setattr(quant, "INT8_AGREEMENT", 0.0)
     # the smoothing and its agreement were kept (per machine and head): no forward of the target again
+    head_inputs = quant.head_inputs
     monkeypatch.setattr(quant, "head_inputs", lambda *a: pytest.fail("the kept smoothing was not used"))
     draft = quantized_copy(target, head="auto", kernel_cache=cache)
     assert isinstance(draft.lm_head, DynamicInt8Linear) and draft.quantization["head"] == "int8"
     assert 0 < draft.quantization["head_agreement"] < 1
-    monkeypatch.undo()
+    monkeypatch.setattr(quant, "head_inputs", head_inputs)
     fresh = quant.smoothed_int8(target, head)[0]()  # (measured again: no cache)
     x = torch.randn(5, head.in_features)
     torch.testing.assert_close(draft.lm_head(x), fresh(x))
-    monkeypatch.setattr(quant, "INT8_AGREEMENT", 0.0)
     own = model_bytes(draft, target)  # its own bytes count the packed int8 head (not a tensor) and its smoothing
     extra = draft.lm_head.held_bytes + 4 * draft.lm_head.inv.numel()
     assert own - model_bytes(quantized_copy(target, head="target"), target) == extra
