@@ -78,29 +78,56 @@ class DynamicInt8Linear(torch.nn.Module):
 
     inv: torch.Tensor | None  # buffer
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, smooth: torch.Tensor | None = None):
+    def __init__(
+        self,
+        w: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        smooth: torch.Tensor | None = None,
+        stored: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    ):
+        """From ``w`` (smoothed by ``smooth``), or as ``stored`` gives it: (int8 rows, fp64 row
+        scales, 1 / smooth or None) from ``int8_rows`` (packed only)."""
         super().__init__()
-        w = w.detach().float()
-        n, k = w.shape
-        ints, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=torch.float64)
-        for i in range(0, n, ROWS_AT_ONCE):  # (smoothed a slice at a time: no fp32 copy of a 0.9 GB head)
-            part = w[i : i + ROWS_AT_ONCE] * smooth[None, :] if smooth is not None else w[i : i + ROWS_AT_ONCE]
-            s = (absmax(part, -1) / 127).clamp(min=1e-10)
-            ints[i : i + ROWS_AT_ONCE] = (part / s[:, None]).round().clamp(-128, 127).to(torch.int8)
-            scale[i : i + ROWS_AT_ONCE] = s
+        if stored is not None:
+            q, scale, inv = stored
+        else:
+            q, scale = _int8_rows(cast(torch.Tensor, w), smooth)
+            inv = None if smooth is None else (1 / smooth).float()
+        n, k = q.shape
         with warnings.catch_warnings():  # torch's quantized tensors are deprecated, not yet replaced on CPU
             warnings.simplefilter("ignore")
-            q = torch._make_per_channel_quantized_tensor(ints, scale, torch.zeros(n, dtype=torch.long), 0)
-            self.packed = torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
-        self.register_buffer("inv", None if smooth is None else (1 / smooth).float())
+            qt = torch._make_per_channel_quantized_tensor(q, scale, torch.zeros(n, dtype=torch.long), 0)
+            self.packed = torch.ops.quantized.linear_prepack(qt, None if bias is None else bias.detach().float())
+        self.register_buffer("inv", inv)
         self.in_features, self.out_features = k, n
         self.held_bytes = n * k + n * 8 + (0 if bias is None else n * 4)
+
+    def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What ``stored`` takes: the weight's int8 rows, fp64 row scales, ``inv`` (to keep them)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qt, _ = torch.ops.quantized.linear_unpack(self.packed)
+            return qt.int_repr(), qt.q_per_channel_scales().double(), self.inv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
         flat = flat if self.inv is None else flat * self.inv
         y: torch.Tensor = torch.ops.quantized.linear_dynamic(flat, self.packed, True)  # (reduce_range: 7-bit x)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def _int8_rows(w: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` (times ``smooth`` per column) in symmetric per-row int8: the rows and their scales,
+    ROWS_AT_ONCE rows at a time (no fp32 copy of a 0.9 GB head)."""
+    w = w.detach().float()
+    n, k = w.shape
+    ints, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=torch.float64)
+    for i in range(0, n, ROWS_AT_ONCE):
+        part = w[i : i + ROWS_AT_ONCE] * smooth[None, :] if smooth is not None else w[i : i + ROWS_AT_ONCE]
+        s = (absmax(part, -1) / 127).clamp(min=1e-10)
+        ints[i : i + ROWS_AT_ONCE] = (part / s[:, None]).round().clamp(-128, 127).to(torch.int8)
+        scale[i : i + ROWS_AT_ONCE] = s
+    return ints, scale
 
 
 def _copy(kind: str, w: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from transformers.pytorch_utils import Conv1D
 
 from . import kernels
 from .kernels import DynamicInt8Linear, absmax, fastest_ms
+from .mapped import mapped_tensors, save_tensors
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -99,6 +100,21 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("scales_zeros", sz.to(device=device, dtype=torch.bfloat16))
         self.blocks: Blocks | None = blocks  # kept until quantized_copy has fused siblings, then dropped
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def stored(cls, tensors: Mapping[str, torch.Tensor], key: str, sizes: list[int] | None = None) -> Int4Linear:
+        """The Int4Linear ``packed_state`` kept under ``key``: its packed weight, (scale, zero)
+        pairs and bias as the kernel reads them (nothing packed again); ``sizes``: a fused
+        one's parts' widths."""
+        self = cls.__new__(cls)
+        torch.nn.Module.__init__(self)
+        groups, n, _ = tensors[f"{key}.scales_zeros"].shape
+        self.in_features, self.out_features, self.sizes = groups * GROUP, n, sizes or [n]
+        self.register_buffer("packed", tensors[f"{key}.packed"])
+        self.register_buffer("scales_zeros", tensors[f"{key}.scales_zeros"])
+        self.blocks = None
+        self.register_buffer("bias", tensors.get(f"{key}.bias"))
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -381,6 +397,7 @@ def quantized_copy(
     blocks: Mapping[str, Blocks] | None = None,
     fuse: bool = True,
     kernel_cache: Path | None = None,
+    packed_cache: Path | None = None,
 ) -> PreTrainedModel:
     """A draft: the target's structure and norms, every Linear of its layers quantized
     (``scheme``), the embedding shared. Its LM head: the target's own (``"target"``, shared:
@@ -392,7 +409,10 @@ def quantized_copy(
     head's on INT8_AGREEMENT of ``head_inputs``), else the target's. ``blocks``: {parameter name
     (``model.layers.0.mlp.up_proj.weight``): Blocks} to use as they are (the GGUF target's
     own quantized weights). ``fuse``: each layer's q/k/v and gate/up projections run as one
-    int4 matmul (``FUSED`` names them). The target is unchanged."""
+    int4 matmul (``FUSED`` names them). ``packed_cache``: a folder where a CPU int4 draft is
+    kept as its kernels read it, per machine (``stored_draft_file``): a later load maps it
+    instead of reading the blocks and packing them again (8-9 s of a 1.5B target's load).
+    The target is unchanged."""
     _check(scheme, head, next(target.parameters()).device)
     head_ms: dict[str, float] = {}
     if head == "auto":
@@ -403,16 +423,23 @@ def quantized_copy(
     if head_ms and build is not None and agreement < INT8_AGREEMENT:  # (auto) too inexact: the best float head
         build, head = None, faster_copy(head_ms, ("bf16",))
     blocks = blocks or {}
+    file = stored_draft_file(packed_cache, target, scheme, head, fuse, blocks)
+    stored = _read_stored(file)
     draft = _sharing_copy(target)
     head_module = draft.get_output_embeddings()
     with torch.no_grad():
-        _quantize_layers(draft, head_module, scheme, blocks, fuse)
-        if head == "int4":
+        if stored:
+            _stored_layers(draft, stored)  # (an int4 head too)
+        else:
+            _quantize_layers(draft, head_module, scheme, blocks, fuse)
+        if head == "int4" and not stored:
             draft.set_output_embeddings(_quantized(head_module, "int4", blocks.get("lm_head.weight")))
         elif head == "bf16":
             draft.set_output_embeddings(CastHead(head_module, torch.bfloat16))
         elif build is not None:  # (head "int8")
-            draft.set_output_embeddings(build())
+            draft.set_output_embeddings(DynamicInt8Linear(None, None, stored=_int8_head(stored)) if "head.int8" in stored else build())
+    if file is not None and not stored:
+        save_tensors(file, packed_state(draft))
     for p in draft.parameters():
         p.requires_grad_(False)
     vars(draft)["quantization"] = {
@@ -480,6 +507,73 @@ def _quantize_layers(
         for child in module.modules():
             if isinstance(child, Int4Linear):
                 child.blocks = None
+
+
+def stored_draft_file(
+    folder: Path | None, target: PreTrainedModel, scheme: str, head: str, fuse: bool, blocks: Mapping[str, Blocks]
+) -> Path | None:
+    """Where ``quantized_copy`` keeps a CPU int4 draft of ``target`` in ``folder``, packed as
+    this machine's kernel reads it; None where none is kept (another scheme or device). Named
+    by what decides its bytes: the machine and torch (``kernels.machine_key``: the packing
+    follows the CPU), the draft's recipe, and 8 rows of every weight it quantizes."""
+    if folder is None or scheme != "int4" or next(target.parameters()).device.type != "cpu":
+        return None
+    machine = kernels.machine_key().rsplit("|threads", 1)[0]
+    h = hashlib.sha256(f"{machine}|{scheme}|{head}|{fuse}|{GROUP}|{sorted(blocks)}".encode())
+    for name, module in target.named_modules():
+        w = getattr(module, "weight", None)
+        if isinstance(module, (torch.nn.Linear, Conv1D)) and isinstance(w, torch.Tensor) and w.numel():
+            h.update(f"{name}{tuple(w.shape)}".encode())
+            h.update(w[:: max(1, w.shape[0] // 8)].detach().float().contiguous().numpy().tobytes())
+    return folder / f"int4-draft-{h.hexdigest()[:16]}.safetensors"
+
+
+def _read_stored(file: Path | None) -> dict[str, torch.Tensor]:
+    """A stored draft's tensors (mapped), or {} where there is none or it cannot be read."""
+    if file is None or not file.is_file():
+        return {}
+    try:
+        return dict(mapped_tensors(file))
+    except (OSError, ValueError, KeyError):  # damaged: built again and stored over it
+        return {}
+
+
+def packed_state(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """A draft's int4 matmuls (each fused one once, named by its parent and parts:
+    ``model.layers.0.mlp.gate_proj+up_proj``) and an int8 head, as ``_stored_layers`` reads them."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in draft.named_modules():
+        for child_name, child in module.named_children():
+            key = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, Slice) and child.start == 0 and isinstance(child.part_of, Int4Linear):
+                names = next(g for g in FUSED if g[0] == child_name)
+                child, key = child.part_of, f"{name}.{'+'.join(names)}"
+            elif not isinstance(child, Int4Linear) or isinstance(module, Fused):
+                continue
+            out.update({f"{key}.{part}": t for part, t in child.named_buffers() if t is not None})
+    head = draft.get_output_embeddings()
+    if isinstance(head, DynamicInt8Linear):
+        rows, scale, inv = head.int8_rows()
+        out.update({"head.int8": rows, "head.scale": scale, **({"head.inv": inv} if inv is not None else {})})
+    return out
+
+
+def _stored_layers(draft: PreTrainedModel, tensors: Mapping[str, torch.Tensor]) -> None:
+    """``draft``'s Linears that ``packed_state`` kept, as it kept them (fused ones fused)."""
+    for name, module in list(draft.named_modules()):
+        for names in FUSED:
+            key = f"{name}.{'+'.join(names)}"
+            if f"{key}.packed" in tensors:
+                sizes = [cast(torch.nn.Linear, getattr(module, n)).out_features for n in names]
+                replace_by_slices(module, names, Int4Linear.stored(tensors, key, sizes))
+        for child_name in [n for n, _ in module.named_children()]:
+            key = f"{name}.{child_name}" if name else child_name
+            if f"{key}.packed" in tensors:
+                setattr(module, child_name, Int4Linear.stored(tensors, key))
+
+
+def _int8_head(tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    return tensors["head.int8"], tensors["head.scale"], tensors.get("head.inv")
 
 
 def tensors(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -148,7 +148,8 @@ def quantized_model(spec: PairSpec, model, ref: str, scheme: str, tokenizer, tar
     if scheme == "int4" and ref.endswith(".gguf"):
         blocks = cached_gguf_blocks(Path(ref).expanduser(), model, spec.trust_remote_code)
     try:
-        draft = quantized_copy(model, scheme, blocks=blocks, kernel_cache=get_settings().cache_dir / "kernels.json")
+        cache = get_settings().cache_dir
+        draft = quantized_copy(model, scheme, blocks=blocks, kernel_cache=cache / "kernels.json", packed_cache=cache / "drafts")
     except ValueError as e:  # a scheme this device cannot run
         raise PairError(f"pair {spec.name}: {e}") from None
     if spec.draft_vocab:

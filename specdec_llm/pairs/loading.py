@@ -12,6 +12,7 @@ import torch
 
 from ..engine import SpeculativeDecoder, hf
 from ..engine.devices import device_problem
+from ..engine.mapped import mapped_tensors
 from ..engine.ragged import unservable
 from ..settings import get_settings
 from .drafts import REFERENCE, fingerprint, load_draft_dir, quantized_draft, quantized_draft_model, shared_draft
@@ -46,11 +47,9 @@ def stage(message: str) -> None:
 
 
 def read_weights(src: str, dtype: str):
-    """The model in the local directory ``src``, its safetensors read into the process's own
-    memory (``pread``, not mmap: a mapped file stays resident beside the prepared weights that
-    replace its tensors, twice the weights in all), converted to ``dtype`` a tensor at a time;
-    None where this does not apply (another layout, a model that needs its own code)."""
-    from safetensors import safe_open
+    """The model in the local directory ``src``, its safetensors mapped a tensor at a time
+    (``mapped_tensors``), converted to ``dtype`` a tensor at a time; None where this does not
+    apply (another layout, a model that needs its own code)."""
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -69,10 +68,8 @@ def read_weights(src: str, dtype: str):
     stage(f"reading {sum(f.stat().st_size for f in files) / 1e9:.1f} GB of weights ({dtype}) from {folder.name}")
     state = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu", backend="pread") as f:
-            for key in f.keys():
-                t = f.get_tensor(key)
-                state[key] = t.to(DTYPES[dtype]) if t.is_floating_point() else t
+        for key, t in mapped_tensors(file):
+            state[key] = t.to(DTYPES[dtype]) if t.is_floating_point() else t
     model = cls.from_pretrained(None, config=config, state_dict=state, dtype=DTYPES[dtype])
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(src)

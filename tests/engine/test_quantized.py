@@ -141,6 +141,32 @@ def test_auto_head_follows_this_machines_measured_timings(target, tmp_path, monk
     assert quantized_copy(target, head="auto", kernel_cache=cache).lm_head is target.lm_head
 
 
+@pytest.mark.parametrize(("head", "fuse"), [("target", True), ("int8", True), ("int4", False)])
+def test_a_stored_draft_maps_the_kernels_own_bytes_and_runs_as_built(target, tmp_path, monkeypatch, head, fuse):
+    """A CPU int4 draft is kept per machine and weights (``packed_cache``): a later load maps
+    what the kernels read (fused projections fused, an int8 head's rows) instead of quantizing
+    and packing again, and computes what the built one did; a damaged file is built again."""
+    x = torch.tensor([PROMPTS[0]])
+    built = quantized_copy(target, head=head, fuse=fuse, packed_cache=tmp_path)
+    (file,) = tmp_path.glob("int4-draft-*.safetensors")
+    real = quant._quantize_layers
+    monkeypatch.setattr(quant, "_quantize_layers", lambda *a: pytest.fail("the stored draft was not used"))
+    again = quantized_copy(target, head=head, fuse=fuse, packed_cache=tmp_path)
+    with torch.inference_mode():
+        assert torch.equal(again(x).logits, built(x).logits)
+    assert [type(m).__name__ for m in again.modules()] == [type(m).__name__ for m in built.modules()]
+    assert model_bytes(again, target) == model_bytes(built, target)
+    monkeypatch.setattr(quant, "_quantize_layers", real)
+    other = tiny_llama(1)  # other weights: another file
+    quantized_copy(other, head=head, fuse=fuse, packed_cache=tmp_path)
+    assert len(list(tmp_path.glob("int4-draft-*.safetensors"))) == 2
+    file.write_bytes(file.read_bytes()[:100])  # damaged: built again, and kept again
+    rebuilt = quantized_copy(target, head=head, fuse=fuse, packed_cache=tmp_path)
+    with torch.inference_mode():
+        assert torch.equal(rebuilt(x).logits, built(x).logits)
+    assert file.stat().st_size > 100
+
+
 def test_quantized_rows_join_and_leave_caches_exact(target):
     dec = SpeculativeDecoder(target, quantized_copy(target), drafters=["lookup", "quantized"])
     batch = Batch(dec)

@@ -1,0 +1,72 @@
+"""Safetensors files read by mapping each tensor on its own (``mapped_tensors``), and written
+whole, atomically (``save_tensors``).
+
+Reading a 7 GB model into fresh process memory costs what faulting in 7 GB of zeroed pages
+costs: 11.5 s with safetensors' ``pread`` backend on a 2-vCPU EPYC VM (3.5 s just to populate
+the pages), against 1 s to map the file from the page cache. safetensors' own ``mmap`` backend
+maps the file once, so every page a load touched stayed resident while any one tensor lived
+(the prepared weights that replace most of them sat beside them). Here each tensor has its own
+private (copy-on-write) mapping: it goes when the tensor goes, and a tensor kept as it is costs
+the page cache's pages, not a copy of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def header(file: Path | str) -> tuple[dict, int]:
+    """A safetensors file's header ({name: {dtype, shape, data_offsets}}) and where its data starts."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        meta = json.loads(f.read(n))
+    meta.pop("__metadata__", None)
+    return meta, 8 + n
+
+
+def mapped_tensors(file: Path | str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of a safetensors file, in file order, each over its own
+    private mapping of its bytes (released with the tensor; writes stay in the process)."""
+    meta, base = header(file)
+    items = sorted(meta.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    with open(file, "rb") as f:
+        for name, info in items:
+            start, end = info["data_offsets"]
+            dtype, shape = DTYPES[info["dtype"]], info["shape"]
+            if end == start:
+                yield name, torch.empty(shape, dtype=dtype)
+                continue
+            raw = np.memmap(f, dtype=np.uint8, mode="c", offset=base + start, shape=(end - start,))
+            yield name, torch.from_numpy(raw).view(dtype).view(shape)
+
+
+def save_tensors(file: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """``tensors`` as a safetensors ``file``, written beside it and renamed into place."""
+    from safetensors.torch import save_file
+
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    tmp.replace(file)
