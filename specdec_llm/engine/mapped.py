@@ -17,6 +17,7 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ DTYPES = {
 }
 
 
-def header(file: Path | str) -> tuple[dict, int]:
+def header(file: Path | str) -> tuple[dict[str, Any], int]:
     """A safetensors file's header ({name: {dtype, shape, data_offsets}}) and where its data starts."""
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))

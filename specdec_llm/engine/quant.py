@@ -437,7 +437,9 @@ def quantized_copy(
         elif head == "bf16":
             draft.set_output_embeddings(CastHead(head_module, torch.bfloat16))
         elif build is not None:  # (head "int8")
-            draft.set_output_embeddings(DynamicInt8Linear(None, None, stored=_int8_head(stored)) if "head.int8" in stored else build())
+            draft.set_output_embeddings(
+                DynamicInt8Linear(None, None, stored=_int8_head(stored)) if "head.int8" in stored else build()
+            )
     if file is not None and not stored:
         save_tensors(file, packed_state(draft))
     for p in draft.parameters():
