@@ -99,19 +99,13 @@ class CostModel:
 
     def plain_step_beside(self, k: int, verify_seconds: float) -> float:
         """The target-only step at the moment a verification of ``k`` drafts took
-        ``verify_seconds``: the plain forward at the speed that forward ran (its time over
-        ``verify(k)``, relative to the live scale), plus the plain iterations' overhead. Summed
-        over a request's iterations, the counterfactual follows the machine's mean speed, as
-        target-only decoding in its place would have: the live scale is a median, and where
-        another process makes the speed flip between two levels it sits at one of them (a 22%
-        over-report in tests/test_speedup.py). The speed is held between the second-least and
-        second-most of the window's (``samples["verify"]``): a one-off stall of one forward would
-        otherwise count once per token the iteration gave."""
-        latest = sorted(self.samples.get("verify", []))
-        speed = verify_seconds / self.verify(k)
-        if len(latest) >= 5:
-            speed = min(max(speed, latest[1] / self.verify_scale), latest[-2] / self.verify_scale)
-        return speed * self.plain_forward() + (self.plain_overhead_s or 0.0)
+        ``verify_seconds``: that forward times a plain forward's share of it (a ratio, so a
+        shared CPU's speed at that moment moves both), plus the plain iterations' overhead.
+        Summed over a request's iterations, the counterfactual follows the machine's mean speed
+        over the request, as target-only decoding in its place would have: a live scale (a
+        median) stands for every iteration, and where another process makes the speed flip
+        between two levels, it sat at one of them (a 2x over-report beside a busy process)."""
+        return verify_seconds * self.plain_forward() / self.verify(k) + (self.plain_overhead_s or 0.0)
 
     def observe_plain(self, seconds: float, forward_s: float) -> None:
         """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward."""
