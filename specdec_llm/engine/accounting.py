@@ -4,9 +4,9 @@ counterfactual behind its reported speedup (``Stats.baseline_s``; the basis is
 
 Target-only, a request would have spent the same time outside its iterations (prefill,
 joins, waits) and one plain step per token instead of its iterations. The plain step of
-an iteration is measured when the iteration is a plain one (k = 0 for every row), and
-otherwise is the iteration's own verification forward scaled by the cost model's plain
-share of it; each row is charged the iteration's wall time and its tokens' plain steps.
+an iteration is measured when the iteration is a plain one (k = 0 for every row) and read
+from the calibrated cost model otherwise; each row is charged the iteration's wall time
+and its tokens' plain steps.
 """
 
 from __future__ import annotations
@@ -86,14 +86,13 @@ class PlainClock:
     def step(self, cost: CostModel, big_k: int, seconds: float, verify_s: float) -> float:
         """A k = 0 iteration (``seconds`` from the picks to its end) is one: measured when it
         follows another (warm, as target-only decoding runs; schedule.PLAIN_RUN); any other
-        iteration's is its own verification forward (``verify_s``) scaled to a plain one
-        (``CostModel.plain_step_beside``; the proposals nobody verified are speculation's own
-        cost)."""
+        iteration reads the calibrated plain step (the proposals nobody verified are
+        speculation's own cost)."""
         if big_k == 0:
             plain = seconds
             if self.plain_before:
                 cost.observe_plain(plain, verify_s)
         else:
-            plain = cost.plain_step_beside(big_k, verify_s) if cost.calibrated else cost.plain_step()
+            plain = cost.plain_step()
         self.plain_before = big_k == 0
         return plain

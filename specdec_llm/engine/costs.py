@@ -97,16 +97,6 @@ class CostModel:
         shape at the live scale), plus the observed overhead of a plain iteration."""
         return self.plain_forward() + (self.plain_overhead_s or 0.0)
 
-    def plain_step_beside(self, k: int, verify_seconds: float) -> float:
-        """The target-only step at the moment a verification of ``k`` drafts took
-        ``verify_seconds``: that forward times a plain forward's share of it (a ratio, so a
-        shared CPU's speed at that moment moves both), plus the plain iterations' overhead.
-        Summed over a request's iterations, the counterfactual follows the machine's mean speed
-        over the request, as target-only decoding in its place would have: a live scale (a
-        median) stands for every iteration, and where another process makes the speed flip
-        between two levels, it sat at one of them (a 2x over-report beside a busy process)."""
-        return verify_seconds * self.plain_forward() / self.verify(k) + (self.plain_overhead_s or 0.0)
-
     def observe_plain(self, seconds: float, forward_s: float) -> None:
         """A k = 0 iteration took ``seconds`` in all, ``forward_s`` of it in the target forward."""
         self.plain_overhead_s = self._observe("plain", max(0.0, seconds - forward_s))
