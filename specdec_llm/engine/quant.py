@@ -414,14 +414,7 @@ def quantized_copy(
     instead of reading the blocks and packing them again (8-9 s of a 1.5B target's load).
     The target is unchanged."""
     _check(scheme, head, next(target.parameters()).device)
-    head_ms: dict[str, float] = {}
-    if head == "auto":
-        head, head_ms = choose_head(target.get_output_embeddings(), kernel_cache)
-    build, agreement = (
-        smoothed_int8(target, target.get_output_embeddings(), kernel_cache) if head == "int8" else (None, 1.0)
-    )
-    if head_ms and build is not None and agreement < INT8_AGREEMENT:  # (auto) too inexact: the best float head
-        build, head = None, faster_copy(head_ms, ("bf16",))
+    head, head_ms, build, agreement = _head_choice(target, head, kernel_cache)
     blocks = blocks or {}
     file = stored_draft_file(packed_cache, target, scheme, head, fuse, blocks)
     stored = _read_stored(file)
@@ -454,6 +447,23 @@ def quantized_copy(
     }
     draft.eval()
     return draft
+
+
+def _head_choice(
+    target: PreTrainedModel, head: str, kernel_cache: Path | None
+) -> tuple[str, dict[str, float], Callable[[], DynamicInt8Linear] | None, float]:
+    """``quantized_copy``'s head: its kind (``"auto"`` resolved by ``choose_head``), the timings
+    that chose it, an int8 head's builder and agreement (an ``"auto"`` int8 head that agrees
+    less than INT8_AGREEMENT: the best float head instead)."""
+    head_ms: dict[str, float] = {}
+    if head == "auto":
+        head, head_ms = choose_head(target.get_output_embeddings(), kernel_cache)
+    build, agreement = (
+        smoothed_int8(target, target.get_output_embeddings(), kernel_cache) if head == "int8" else (None, 1.0)
+    )
+    if head_ms and build is not None and agreement < INT8_AGREEMENT:  # (auto) too inexact: the best float head
+        build, head = None, faster_copy(head_ms, ("bf16",))
+    return head, head_ms, build, agreement
 
 
 def _check(scheme: str, head: str, device: torch.device) -> None:
