@@ -38,7 +38,7 @@ DTYPES = {
 }
 
 
-def header(file: Path | str) -> tuple[dict[str, Any], int]:
+def _header(file: Path | str) -> tuple[dict[str, Any], int]:
     """A safetensors file's header ({name: {dtype, shape, data_offsets}}) and where its data starts."""
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -50,7 +50,7 @@ def header(file: Path | str) -> tuple[dict[str, Any], int]:
 def mapped_tensors(file: Path | str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of a safetensors file, in file order, each over its own
     private mapping of its bytes (released with the tensor; writes stay in the process)."""
-    meta, base = header(file)
+    meta, base = _header(file)
     items = sorted(meta.items(), key=lambda kv: kv[1]["data_offsets"][0])
     with open(file, "rb") as f:
         for name, info in items:
@@ -63,11 +63,11 @@ def mapped_tensors(file: Path | str) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, torch.from_numpy(raw).view(dtype).view(shape)
 
 
-def save_tensors(file: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def save_tensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
     """``tensors`` as a safetensors ``file``, written beside it and renamed into place."""
     from safetensors.torch import save_file
 
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     tmp.replace(file)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..engine import hf
+from ..engine.mapped import save_tensors
 from ..settings import get_settings
 from . import files
 from .spec import PairError
@@ -165,8 +166,6 @@ def cached_gguf_blocks(path: Path, target, trust_remote_code: bool = False) -> M
     with Q4_K, which the first format left out): reading a GGUF's metadata and matching its
     tensors took ~6 s of every worker's start (70 s for a 1.5B model). Read back a weight at a
     time, as the draft is built (``StoredBlocks``): all of a 1.5B model's at once are 1.9 GB."""
-    from safetensors.torch import save_file
-
     file = _gguf_cache(path, trust_remote_code) / "int4_blocks-2.safetensors"
     if file.is_file():
         try:
@@ -175,9 +174,7 @@ def cached_gguf_blocks(path: Path, target, trust_remote_code: bool = False) -> M
             pass
     logging.getLogger("specdec_llm.load").info(f"reading the int4 blocks of {path.name} once (kept in {file.name})")
     blocks = gguf_blocks(path, target)
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    save_file({f"{n}.{p}": getattr(b, p).contiguous() for n, b in blocks.items() for p in BLOCK_PARTS}, str(tmp))
-    tmp.replace(file)
+    save_tensors(file, {f"{n}.{p}": getattr(b, p) for n, b in blocks.items() for p in BLOCK_PARTS})
     del blocks  # (read back a weight at a time below, as on every later load: not all held as the draft is built)
     return StoredBlocks(file)
 
