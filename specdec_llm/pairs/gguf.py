@@ -226,7 +226,7 @@ def gguf_blocks(path: Path, target) -> dict:
     for name, module in target.named_modules():
         if isinstance(module, torch.nn.Linear) and module is not target.get_output_embeddings():
             w = module.weight.detach()
-            weights.setdefault(tuple(w.shape), []).append((f"{name}.weight", w, w.double().sum()))
+            weights.setdefault(tuple(w.shape), []).append((f"{name}.weight", w, w.sum(dtype=torch.float64)))
     out = {}
     reader = GGUFReader(str(path))
     for t in reader.tensors:
@@ -238,10 +238,13 @@ def gguf_blocks(path: Path, target) -> dict:
             continue
         b = int4_blocks(kind, t.data, n, k)
         deq = b.dequantize()
-        total = deq.double().sum()
+        total = deq.sum(dtype=torch.float64)
         for name, w, w_total in weights[(n, k)]:
             if name in out or not torch.isclose(total, w_total, rtol=1e-9, atol=1e-6):  # the sum ignores row order
                 continue
+            if torch.equal(deq, w):  # (rows in the file's order: most families)
+                out[name] = b
+                break
             rows = {r.numpy().tobytes(): i for i, r in enumerate(deq)}
             order = [rows.get(r.float().numpy().tobytes()) for r in w]
             if None not in order:

@@ -151,6 +151,54 @@ def test_q4_k_blocks_are_exact_int4_groups():
     assert torch.equal(blocks.dequantize(), ref)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # (random bytes: NaN scales)
+@pytest.mark.parametrize(
+    "kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "BF16", "F16"]
+)
+def test_a_conversion_dequantizes_every_tensor_to_ggufs_own_values(kind, monkeypatch):
+    """Within ``gguf_parsed_once``, ``gguf.dequantize`` runs gguf's kernel over chunks of blocks on
+    a thread per core: the same float32 values and shape as gguf's own driver, across chunk
+    edges (any bytes: NaN where a random fp16 scale is one, in both)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(0).integers(0, 256, size=(3, 37 * size), dtype=np.uint8)  # 3 rows of 37 blocks
+    expected = gguf.dequantize(raw, qtype)
+    monkeypatch.setattr(hf, "DEQUANTIZE_CHUNK", 10)  # 111 blocks: 12 chunks, rows split across them
+    with hf.gguf_parsed_once():
+        assert gguf.dequantize.func is hf._dequantize  # (ours, not gguf's: else this compares gguf with itself)
+        got = gguf.dequantize(raw, qtype)
+    assert got.shape == expected.shape == (3, 37 * block) and got.dtype == np.float32
+    assert np.array_equal(got, expected, equal_nan=True)
+
+
+def test_a_gguf_parse_reads_what_ggufs_own_reader_reads(tmp_path):
+    """The parse a load shares (a plain view of the file's mapping) holds the same fields and
+    tensors as gguf's reader, and lets its pages go when done."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_token_list([f"tok{i}" for i in range(300)])
+    writer.add_token_scores([float(i) for i in range(300)])
+    writer.add_uint32("test.number", 7)
+    writer.add_tensor("t", np.arange(64, dtype=np.float32).reshape(2, 32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+    theirs = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    with hf.gguf_parsed_once():
+        ours = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+        assert type(ours.data) is np.ndarray and isinstance(ours.mapped, np.memmap)
+        assert list(ours.fields) == list(theirs.fields)
+        for name, field in theirs.fields.items():
+            assert ours.fields[name].contents() == field.contents(), name
+        assert [(t.name, t.tensor_type, t.data.tobytes()) for t in ours.tensors] == [
+            (t.name, t.tensor_type, t.data.tobytes()) for t in theirs.tensors
+        ]
+    assert gguf.GGUFReader is type(theirs)  # (the block restored gguf's own)
+
+
 def test_gguf_blocks_match_a_models_weights_by_value(tmp_path):
     """A GGUF holding Q4_K tensors of a tiny model's Linears (in another order, one with its rows
     permuted as llama.cpp's query heads are): each weight gets its blocks, rows in its own order."""
