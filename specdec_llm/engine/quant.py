@@ -173,7 +173,8 @@ def smoothed_int8(
     smooth = absmax(x, 0).clamp(min=1e-5) ** SMOOTH_ALPHA / absmax(w, 0).clamp(min=1e-5) ** (1 - SMOOTH_ALPHA)
     int8 = DynamicInt8Linear(w, None, smooth)
     with torch.inference_mode():
-        agree = (int8(x).argmax(-1) == head(x.to(w.dtype)).argmax(-1)).float().mean().item()
+        full = head(x.to(cast(torch.Tensor, head.weight).dtype))  # (in the target's dtype: bf16 targets too)
+        agree = (int8(x).argmax(-1) == full.argmax(-1)).float().mean().item()
     kernels.remember(cache_file, key, {"smooth": smooth.tolist(), "agreement": agree})
     return (lambda: int8), agree
 

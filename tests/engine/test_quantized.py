@@ -141,6 +141,15 @@ def test_auto_head_follows_this_machines_measured_timings(target, tmp_path, monk
     assert quantized_copy(target, head="auto", kernel_cache=cache).lm_head is target.lm_head
 
 
+def test_a_bf16_targets_int8_head_is_checked_against_its_bf16_head():
+    """The int8 head's agreement is measured against the full head in the target's own dtype (a
+    bf16 target's first load failed there: fp32 inputs into its bf16 head)."""
+    target = tiny_llama(0).to(torch.bfloat16)
+    build, agreement = quant.smoothed_int8(target, target.get_output_embeddings())
+    assert 0 < agreement <= 1
+    assert isinstance(build(), DynamicInt8Linear)
+
+
 @pytest.mark.parametrize(("head", "fuse"), [("target", True), ("int8", True), ("int4", False)])
 def test_a_stored_draft_maps_the_kernels_own_bytes_and_runs_as_built(target, tmp_path, monkeypatch, head, fuse):
     """A CPU int4 draft is kept per machine and weights (``packed_cache``): a later load maps
