@@ -370,8 +370,9 @@ def _entry(
     key = f"{machine}|{str(dtype).removeprefix('torch.')}|{shape[0]}x{shape[1]}x{len(weights)}"
     key += f"|{kind}" if kind else ""
     entry = cached.get(key)
-    if entry is not None and entry.get("points") == list(points):
-        return entry, False
+    if entry is not None and entry.get("points", [])[: len(points)] == list(points):
+        n = len(points)  # (an entry timed at more points serves the first of them)
+        return {"points": list(points), "ms": {k: v[:n] for k, v in entry["ms"].items()}}, False
     logging.getLogger("specdec_llm.load").info(f"timing matmul kernels for {key.split('|', 4)[-1]} (once per machine)")
     times = measure(weights, [kind] if kind else kinds(dtype), points)
     entry = {"points": list(points), "ms": {k: [round(t * 1e3, 4) for t in v] for k, v in times.items()}}
@@ -379,14 +380,17 @@ def _entry(
     return entry, True
 
 
-def fastest_ms(weight: torch.Tensor, rows: int = 1, cache_file: Path | None = None, kind: str | None = None) -> float:
+def fastest_ms(
+    weight: torch.Tensor, rows: int = 1, cache_file: Path | None = None, kind: str | None = None, every: bool = True
+) -> float:
     """Milliseconds of the fastest kernel multiplying ``rows`` rows by ``weight`` on this
     machine (the timings ``tune`` uses, from the same cache): for load-time choices between
     copies of a weight in different dtypes. ``kind``: that kernel's time only (``"int8"``: an
     int8 copy of the weight, timed up to ``rows`` rows only: no Linear is tuned with it);
-    infinite where this build lacks it."""
+    infinite where this build lacks it. ``every=False``: timed up to ``rows`` rows only (a copy
+    that may never be built; ``tune`` times the rest if it is)."""
     upto = next((i for i, p in enumerate(POINTS) if p >= rows), len(POINTS) - 1)
-    points = POINTS if kind is None else POINTS[: upto + 1]
+    points = POINTS if kind is None and every else POINTS[: upto + 1]
     cached = _load(cache_file)
     entry, new = _entry(cached, machine_key(), [weight.detach()], kind, points)
     if new:

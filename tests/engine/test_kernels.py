@@ -111,3 +111,19 @@ def test_lean_forward_equals_transformers(tuned, monkeypatch):
     eager.set_attn_implementation("eager")
     monkeypatch.setattr(lean, "ENABLED", True)
     assert lean.runner(eager) is None  # transformers' own forward
+
+
+def test_a_timing_at_every_row_count_serves_one_asked_at_fewer(tmp_path, monkeypatch):
+    """A copy that may never be built is timed at one row only (``every=False``); a shape timed
+    at every row count answers that question from the cache, and a one-row entry is timed at
+    the rest when every row count is asked for (``tune``)."""
+    cache, measured = tmp_path / "kernels.json", []
+    real = kernels.measure
+    monkeypatch.setattr(kernels, "measure", lambda *a: measured.append(tuple(a[2])) or real(*a))
+    full, small = torch.randn(64, 32), torch.randn(48, 32)
+    kernels.fastest_ms(full, 1, cache)
+    assert kernels.fastest_ms(full, 1, cache, every=False) == kernels.fastest_ms(full, 1, cache)
+    assert measured == [kernels.POINTS]  # (timed once)
+    kernels.fastest_ms(small, 1, cache, every=False)
+    kernels.fastest_ms(small, 1, cache)
+    assert measured == [kernels.POINTS, (1,), kernels.POINTS]
