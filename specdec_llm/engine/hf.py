@@ -328,7 +328,7 @@ def gguf_parsed_once() -> Iterator[None]:
     transformers 5.x parses the file's metadata on every call (config, tokenizer, weights:
     three parses, ~4.5 s each for SmolLM2's 49k-token vocabulary) and builds the name map once
     per module (~400 times, 5.7 s). Each parse slices a plain view of the file's mapping
-    (``_PlainReader``), and each tensor is dequantized by gguf's own block kernels over
+    (``_plain_reader``), and each tensor is dequantized by gguf's own block kernels over
     chunks on a thread per core (``_dequantize``). All of these are looked up as ``gguf.X`` at
     call time. A parse is kept until the block ends or ``gguf_done`` lets it go (a
     151k-token vocabulary's is 0.5 GB)."""
@@ -415,7 +415,7 @@ def gguf_done(path: Any) -> None:
 
 
 def drop_gguf_pages(reader: Any) -> None:
-    """Unmap the pages of a GGUF file that ``reader`` (gguf.GGUFReader) has read: they stay in
+    """Unmap the pages of a GGUF file that ``reader`` (a ``_plain_reader`` parse) has read: they stay in
     the page cache and a later read maps them again, but the process no longer holds them
     (a 1.5B model's file is 1.1 GB of resident memory once its weights were converted)."""
     import mmap
