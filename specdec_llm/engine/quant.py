@@ -25,9 +25,12 @@ own nibbles and scales, so we call the kernels directly (one small module, no su
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -46,6 +49,9 @@ if TYPE_CHECKING:
 
 GROUP = 32
 SCHEMES = ("int4", "int8", "fp8")  # draft = "quantized:SCHEME"
+# a stored draft (``stored_draft_file``) no load has mapped for this many days is deleted when
+# another is stored: a torch upgrade, another recipe or new target weights leave the old one behind
+STORED_UNUSED_DAYS = 30
 # the draft's LM head: "auto" (measured at load, below), the target's own (shared), a bf16 copy, an int4 copy,
 # an int8 copy (DynamicInt8Linear)
 HEADS = ("auto", "target", "bf16", "int4", "int8")
@@ -438,7 +444,7 @@ def quantized_copy(
                 DynamicInt8Linear(None, None, stored=_int8_head(stored)) if "head.int8" in stored else build()
             )
     if file is not None and not stored:
-        save_tensors(file, packed_state(draft))
+        _store(file, packed_state(draft))
     for p in draft.parameters():
         p.requires_grad_(False)
     vars(draft)["quantization"] = {
@@ -545,13 +551,31 @@ def stored_draft_file(
 
 
 def _read_stored(file: Path | None) -> dict[str, torch.Tensor]:
-    """A stored draft's tensors (mapped), or {} where there is none or it cannot be read."""
+    """A stored draft's tensors (mapped), or {} where there is none or it cannot be read. Its
+    modification time marks its last use (``_prune_stored``)."""
     if file is None or not file.is_file():
         return {}
     try:
-        return dict(mapped_tensors(file))
+        tensors = dict(mapped_tensors(file))
     except (OSError, ValueError, KeyError):  # damaged: built again and stored over it
         return {}
+    with contextlib.suppress(OSError):  # (a read-only cache is still used)
+        os.utime(file)
+    return tensors
+
+
+def _store(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Keeps a built draft in ``file``, then deletes the stored drafts beside it that no load
+    has used for STORED_UNUSED_DAYS (~1 GB each at 1.5B), and the temporary files of writers
+    that died a day ago or more. A process that still maps a deleted file keeps reading it."""
+    save_tensors(file, tensors)
+    now = time.time()
+    old = [(p, STORED_UNUSED_DAYS * 86400) for p in file.parent.glob("int4-draft-*.safetensors") if p != file]
+    old += [(p, 86400) for p in file.parent.glob(".int4-draft-*.tmp")]
+    for path, age in old:
+        with contextlib.suppress(OSError):  # (another process pruned it first)
+            if path.stat().st_mtime < now - age:
+                path.unlink()
 
 
 def packed_state(draft: PreTrainedModel) -> dict[str, torch.Tensor]:

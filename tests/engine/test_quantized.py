@@ -8,6 +8,8 @@ bit for bit; a pair naming an unknown quantization is refused with the known one
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -175,6 +177,31 @@ def test_a_stored_draft_maps_the_kernels_own_bytes_and_runs_as_built(target, tmp
     with torch.inference_mode():
         assert torch.equal(rebuilt(x).logits, built(x).logits)
     assert file.stat().st_size > 100
+
+
+def test_storing_a_draft_deletes_the_ones_no_load_used_for_a_month(target, tmp_path):
+    """Stored drafts of old weights, recipes or torch versions do not pile up (~1 GB each at
+    1.5B): a draft stored deletes those beside it unused for STORED_UNUSED_DAYS and dead writers'
+    temporary files; a load marks its file used."""
+    quantized_copy(target, head="target", packed_cache=tmp_path)
+    (used,) = tmp_path.glob("int4-draft-*.safetensors")
+    month = time.time() - (quant.STORED_UNUSED_DAYS + 1) * 86400
+    stale, recent, dead = (
+        tmp_path / "int4-draft-0.safetensors",
+        tmp_path / "int4-draft-1.safetensors",
+        tmp_path / ".int4-draft-2.safetensors.9.tmp",
+    )
+    for f in (stale, recent, dead):
+        f.write_bytes(b"x")
+    for f in (used, stale, dead):
+        os.utime(f, (month, month))
+    quantized_copy(target, head="target", packed_cache=tmp_path)  # a load: marks `used`
+    assert used.stat().st_mtime > month + 86400
+    assert stale.exists()  # (nothing stored yet)
+    quantized_copy(tiny_llama(1), head="target", packed_cache=tmp_path)  # another draft stored
+    assert not stale.exists() and not dead.exists()
+    assert used.exists() and recent.exists()
+    assert len(list(tmp_path.glob("int4-draft-*.safetensors"))) == 3
 
 
 def test_quantized_rows_join_and_leave_caches_exact(target):
