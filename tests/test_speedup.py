@@ -6,6 +6,7 @@ calibrating and no request's figures include a calibration."""
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -93,6 +94,32 @@ def test_calibration_is_before_the_clock_and_cached_on_disk(models, tmp_path, mo
     other = SpeculativeDecoder(tiny_llama(5, vocab=256, layers=2), models[1], kernel_cache=tmp_path / "kernels.json")
     other.generate(GenerationRequest(prompt=[1, 2, 3], max_new_tokens=4))
     assert calls == [1, 1] and len(json.loads((tmp_path / "costs.json").read_text())) == 2
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda e: {**e, "verify_s": [1, 2]},
+        lambda e: {**e, "verify_s": dict.fromkeys(e["verify_s"], 0.0)},
+        lambda e: {**e, "verify_s": {"1": 0.01}},
+        lambda e: {**e, "draft_s": {"model": float("nan")}},
+        lambda e: "x",
+    ],
+)
+def test_a_damaged_cost_entry_is_measured_again_not_a_crash(models, tmp_path, damage):
+    """A hand-edited or damaged ``costs.json`` entry (a list, zeros, no k = 0 point, NaN, not an
+    object) is measured again; another process's entries are kept when one is written."""
+    SpeculativeDecoder(*models, kernel_cache=tmp_path / "kernels.json").generate(
+        GenerationRequest(prompt=[1, 2, 3], max_new_tokens=4)
+    )
+    path = tmp_path / "costs.json"
+    ((key, entry),) = json.loads(path.read_text()).items()
+    path.write_text(json.dumps({key: damage(entry), "other": {"verify_s": {"0": 1.0}}}))
+    dec = SpeculativeDecoder(*models, kernel_cache=tmp_path / "kernels.json")
+    dec.generate(GenerationRequest(prompt=[1, 2, 3], max_new_tokens=4))
+    assert dec.costs[1].verify(0) > 0 and math.isfinite(dec.costs[1].draft())
+    saved = json.loads(path.read_text())
+    assert saved["other"] == {"verify_s": {"0": 1.0}} and saved[key]["verify_s"]["0"] > 0
 
 
 def test_a_second_cli_generate_spends_no_time_calibrating(pairs_file, tmp_path, monkeypatch):

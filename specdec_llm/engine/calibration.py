@@ -52,7 +52,7 @@ class Calibration:
                 cost.load(entry)
                 if cost.calibrated:
                     return
-            except (KeyError, TypeError, ValueError):  # a damaged entry: measure again
+            except (AttributeError, KeyError, TypeError, ValueError):  # a damaged entry: measure again
                 pass
         self.measure(rows)
         self.save(rows)

@@ -13,15 +13,14 @@ merges with what other processes wrote meanwhile and replaces the file atomicall
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import jsoncache
 from .hf import weights_fingerprint
 
 if TYPE_CHECKING:
@@ -59,27 +58,15 @@ def decoder_key(target: PreTrainedModel, drafters: list[Drafter], vocab_size: in
 
 
 def load(path: Path | None) -> dict[str, Any]:
-    if path is None or not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return jsoncache.load(path)
 
 
 def save(path: Path | None, entries: dict[str, dict[str, Any]]) -> None:
     """Merge ``entries`` into the file (another process's entries are kept)."""
     if path is None or not entries:
         return
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     try:
-        data = load(path)
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        for key, entry in entries.items():
-            data[key] = {**entry, "updated_at": now}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
+        jsoncache.update(path, {key: {**entry, "updated_at": now} for key, entry in entries.items()})
     except OSError as e:  # a read-only cache costs a calibration next time, nothing else
         log.info("could not save decoding costs to %s: %s", path, e)

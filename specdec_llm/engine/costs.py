@@ -6,6 +6,7 @@ iterations rescale them. The plan (plan.py) reads them; only the loop feeds them
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -132,6 +133,10 @@ class CostModel:
         self.plain_ratio = float(plain) / self.verify_s[0] if plain is not None and self.verify_s.get(0) else None
         self.verify_scale, self.draft_scale, self.width_ratio = 1.0, {}, {}
         self.samples = {}  # (the first live observation of each figure replaces the cached one)
+        widths = [v for shape in self.draft_width_s.values() for v in shape.values()]
+        figures = [*self.verify_s.values(), *self.draft_s.values(), *widths, *self.draft_token_ratio.values()]
+        if not self.calibrated or not all(math.isfinite(v) and v > 0 for v in figures):
+            raise ValueError("a cached cost is missing or not a positive number")  # (measured again)
 
     def _calibrated_verify(self, k: int) -> float:
         return interpolate(self.verify_s, k)

@@ -28,10 +28,8 @@ in the last bits between kernels; greedy outputs are checked token for token in 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
 import platform
 import time
 import types
@@ -42,12 +40,15 @@ from typing import Any, cast
 
 import torch
 
+from . import jsoncache
+
 log = logging.getLogger(__name__)
 
 POINTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64)
 GIVE_UP = 3.0  # a kernel this many times slower than another at a row count is not timed at larger counts
 TABLE = 1024  # row counts with a precomputed choice (larger counts use the last point's)
 COLD = 2  # the matrices timed stream at least this many times the last-level cache
+TIMINGS = "t2"  # what a cached timing is (t2: milliseconds per matrix; t1 summed the matrices timed)
 
 
 def _onednn_ok() -> bool:
@@ -223,8 +224,8 @@ def _copies(kind: str, weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @torch.inference_mode()
 def measure(weights: list[torch.Tensor], kinds_: list[str], points: tuple[int, ...] = POINTS) -> dict[str, list[float]]:
-    """Seconds per kernel to multiply ``points`` rows by the matrices of ``weights`` (one
-    shape) that ``sample`` picks."""
+    """Seconds per kernel to multiply ``points`` rows by one matrix of ``weights`` (one shape):
+    the mean over the matrices ``sample`` picks, streamed from memory."""
     weights = sample(weights)
     out: dict[str, list[float]] = {}
     for kind in kinds_:
@@ -242,7 +243,7 @@ def measure(weights: list[torch.Tensor], kinds_: list[str], points: tuple[int, .
                 continue
             x = torch.randn(m, weights[0].shape[1], dtype=weights[0].dtype)
             _time(fn, copies[:2], x, 1)  # warm up
-            times.append(_time(fn, copies, x))
+            times.append(_time(fn, copies, x) / len(copies))  # (per matrix: an int8 copy is timed over more)
         out[kind] = times
         del copies
     return out
@@ -322,26 +323,31 @@ def _install(module: torch.nn.Module, table_: list[str], copies: dict[str, torch
     setattr(module, getattr(module, "linear_method", None) or "forward", types.MethodType(linear, module))
 
 
-def _load(cache_file: Path | None) -> dict[str, Any]:
-    if cache_file is None or not cache_file.is_file():
-        return {}
-    try:
-        data: dict[str, Any] = json.loads(cache_file.read_text())
-        return data
-    except (OSError, ValueError):
-        return {}
+_load = jsoncache.load
 
 
 def _save(cache_file: Path | None, data: dict[str, Any]) -> None:
     if cache_file is None:
         return
     try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(cache_file)
+        jsoncache.update(cache_file, data)
     except OSError as e:  # a read-only cache costs a re-measure next time, nothing else
         log.info("could not save kernel timings to %s: %s", cache_file, e)
+
+
+def _usable(entry: Any, points: tuple[int, ...], kinds_: list[str]) -> bool:
+    """Whether a cached entry holds timings of known kernels at ``points`` (at least) rows: a
+    damaged or hand-edited one is measured again, not a crash at every load."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("ms"), dict) or not entry["ms"]:
+        return False
+    n = len(points)
+    return entry.get("points", [])[:n] == list(points) and all(
+        kind in kinds_
+        and isinstance(ms, list)
+        and len(ms) >= n
+        and all(isinstance(t, (int, float)) and t >= 0 for t in ms[:n])
+        for kind, ms in entry["ms"].items()
+    )
 
 
 def remembered(cache_file: Path | None, key: str) -> Any:
@@ -367,14 +373,14 @@ def _entry(
     else measured now and added to it; and whether they were measured. ``kind``: that kernel
     only (its own entry)."""
     shape, dtype = tuple(weights[0].shape), weights[0].dtype
-    key = f"{machine}|{str(dtype).removeprefix('torch.')}|{shape[0]}x{shape[1]}x{len(weights)}"
+    key = f"{machine}|{TIMINGS}|{str(dtype).removeprefix('torch.')}|{shape[0]}x{shape[1]}x{len(weights)}"
     key += f"|{kind}" if kind else ""
-    entry = cached.get(key)
-    if entry is not None and entry.get("points", [])[: len(points)] == list(points):
+    entry, kinds_ = cached.get(key), [kind] if kind else kinds(dtype)
+    if _usable(entry, points, kinds_):
         n = len(points)  # (an entry timed at more points serves the first of them)
         return {"points": list(points), "ms": {k: v[:n] for k, v in entry["ms"].items()}}, False
-    logging.getLogger("specdec_llm.load").info(f"timing matmul kernels for {key.split('|', 4)[-1]} (once per machine)")
-    times = measure(weights, [kind] if kind else kinds(dtype), points)
+    logging.getLogger("specdec_llm.load").info(f"timing matmul kernels for {key.split('|', 5)[-1]} (once per machine)")
+    times = measure(weights, kinds_, points)
     entry = {"points": list(points), "ms": {k: [round(t * 1e3, 4) for t in v] for k, v in times.items()}}
     cached[key] = entry
     return entry, True

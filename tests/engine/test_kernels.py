@@ -127,3 +127,44 @@ def test_a_timing_at_every_row_count_serves_one_asked_at_fewer(tmp_path, monkeyp
     kernels.fastest_ms(small, 1, cache, every=False)
     kernels.fastest_ms(small, 1, cache)
     assert measured == [kernels.POINTS, (1,), kernels.POINTS]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda e: [],
+        lambda e: "x",
+        lambda e: {k: {"points": v["points"]} for k, v in e.items()},
+        lambda e: {k: {**v, "ms": {kind: t[:2] for kind, t in v["ms"].items()}} for k, v in e.items()},
+        lambda e: {k: {**v, "ms": {"gone": v["ms"][next(iter(v["ms"]))]}} for k, v in e.items()},
+        lambda e: {
+            k: {**v, "ms": {kind: [float("nan")] * len(t) for kind, t in v["ms"].items()}} for k, v in e.items()
+        },
+    ],
+)
+def test_a_damaged_kernel_timing_is_measured_again_not_a_crash(tmp_path, damage):
+    """A hand-edited or damaged ``kernels.json`` (not an object, an entry without timings, too
+    few, of a kernel this version lacks, NaN) is measured again at load."""
+    cache = tmp_path / "kernels.json"
+    kernels.tune(tiny_llama(0), cache)
+    cache.write_text(json.dumps(damage(json.loads(cache.read_text()))))
+    report = kernels.tune(tiny_llama(1), cache)
+    assert report and all(set(r["choice"].values()) <= set(kernels.kinds(torch.float32)) for r in report.values())
+    assert kernels.fastest_ms(tiny_llama(1).lm_head.weight, 1, cache) > 0
+
+
+def test_writers_keep_each_others_timings_and_time_one_matrix(tmp_path, monkeypatch):
+    """Two processes timing different shapes at once keep both (a write merges under a lock);
+    a timing is per matrix, however many copies were streamed to time it (an int8 head's)."""
+    cache = tmp_path / "kernels.json"
+    view = kernels._load(cache)  # this process read the file (empty) before the other wrote
+    kernels.fastest_ms(torch.randn(48, 32), 1, cache)  # the other process
+    kernels.fastest_ms(torch.randn(80, 32), 1, cache)  # this one
+    kernels._save(cache, view)
+    assert len(json.loads(cache.read_text())) == 2
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith("tmp")] == []
+    monkeypatch.setattr(kernels, "_time", lambda fn, weights, x, repeats=3: 0.001 * len(weights))
+    monkeypatch.setattr(kernels, "last_level_cache", lambda: 64 << 20)  # an int8 head timed over many copies
+    w = torch.randn(1024, 1024)
+    assert len(kernels._copies("int8", [w])) > 1
+    assert kernels.measure([w], ["row", "int8"], (1, 2)) == {"row": [0.001, 0.001], "int8": [0.001, 0.001]}
