@@ -423,6 +423,8 @@ def quantized_copy(
     instead of reading the blocks and packing them again (8-9 s of a 1.5B target's load).
     The target is unchanged."""
     _check(scheme, head, next(target.parameters()).device)
+    if any(isinstance(m, torch.nn.Linear) and m.weight.numel() == 0 for m in target.modules()):
+        raise ValueError("the target's weights are in a kernel's packed layout: quantize it before preparing it")
     head, head_ms, build, agreement = _head_choice(target, head, kernel_cache)
     blocks = blocks or {}
     file = stored_draft_file(packed_cache, target, scheme, head, fuse, blocks)
@@ -518,10 +520,6 @@ def _quantize_layers(
             if isinstance(child, Conv1D):  # GPT-2's projections: a Linear with its weight transposed
                 child = _as_linear(child)
             if isinstance(child, torch.nn.Linear):
-                if child.weight.numel() == 0:
-                    raise ValueError(
-                        "the target's weights are in a kernel's packed layout: quantize it before preparing it"
-                    )
                 setattr(module, child_name, _quantized(child, scheme, blocks.get(f"{full}.weight")))
         for names in FUSED if fuse else ():
             _fuse(module, names)
@@ -536,11 +534,12 @@ def stored_draft_file(
     """Where ``quantized_copy`` keeps a CPU int4 draft of ``target`` in ``folder``, packed as
     this machine's kernel reads it; None where none is kept (another scheme or device). Named
     by what decides its bytes: the machine and torch (``kernels.machine_key``: the packing
-    follows the CPU), the draft's recipe, and 8 rows of every weight it quantizes."""
+    follows the CPU), the target's dtype, the draft's recipe, and 8 rows of every weight it quantizes."""
     if folder is None or scheme != "int4" or next(target.parameters()).device.type != "cpu":
         return None
     machine = kernels.machine_key().rsplit("|threads", 1)[0]
-    h = hashlib.sha256(f"{machine}|{scheme}|{head}|{fuse}|{GROUP}|{sorted(blocks)}".encode())
+    dtype = next(target.parameters()).dtype  # (its biases and norms are the target's, in its dtype)
+    h = hashlib.sha256(f"{machine}|{dtype}|{scheme}|{head}|{fuse}|{GROUP}|{sorted(blocks)}".encode())
     for name, module in target.named_modules():
         w = getattr(module, "weight", None)
         if isinstance(module, (torch.nn.Linear, Conv1D)) and isinstance(w, torch.Tensor) and w.numel():

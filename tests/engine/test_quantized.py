@@ -7,6 +7,7 @@ bit for bit; a pair naming an unknown quantization is refused with the known one
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -179,6 +180,24 @@ def test_a_stored_draft_maps_the_kernels_own_bytes_and_runs_as_built(target, tmp
     assert file.stat().st_size > 100
 
 
+def test_a_stored_draft_is_the_targets_dtypes_own(tmp_path):
+    """The same weights in fp32 and in bf16 keep two stored drafts: a bf16 Qwen2 draft mapped
+    from the fp32 one's file had fp32 biases and failed at its bf16 head."""
+    from families import tiny_family
+
+    t32 = tiny_family("qwen2", seed=0)
+    with torch.no_grad():  # (a bf16 checkpoint loaded as fp32)
+        for p in t32.parameters():
+            p.copy_(p.bfloat16().float())
+    t16 = copy.deepcopy(t32).to(torch.bfloat16)
+    quantized_copy(t32, head="target", packed_cache=tmp_path)
+    stored = quantized_copy(t16, head="target", packed_cache=tmp_path)
+    assert len(list(tmp_path.glob("int4-draft-*.safetensors"))) == 2
+    assert {b.dtype for n, b in stored.named_buffers() if n.endswith("bias")} == {torch.bfloat16}
+    with torch.inference_mode():
+        assert stored(torch.tensor([[5, 6, 7, 8]])).logits.dtype == torch.bfloat16
+
+
 def test_storing_a_draft_deletes_the_ones_no_load_used_for_a_month(target, tmp_path):
     """Stored drafts of old weights, recipes or torch versions do not pile up (~1 GB each at
     1.5B): a draft stored deletes those beside it unused for STORED_UNUSED_DAYS and dead writers'
@@ -336,3 +355,15 @@ def test_compiled_draft_step_equals_the_lean_step_and_keeps_greedy_output(target
     cache = RaggedCache(draft, 1)
     cache.forward([[5, 6, 7]], 1)
     assert cache.forward([[8]], 1).shape[-1] == target.config.vocab_size and step.calls == calls
+
+
+def test_quantizing_a_prepared_target_says_to_quantize_first(tmp_path):
+    """A target whose weights a kernel holds packed (oneDNN's layout) cannot be quantized: a
+    clear error, not an index error from deep inside the head's timing."""
+    from specdec_llm.engine import kernels
+
+    model = tiny_llama(0)
+    kernels.tune(model, tmp_path / "k.json", force=kernels.kinds(torch.float32)[0])
+    for head in ("auto", "target"):
+        with pytest.raises(ValueError, match="quantize it before preparing it"):
+            quantized_copy(model, head=head, kernel_cache=tmp_path / "k.json")
