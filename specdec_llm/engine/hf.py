@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -318,7 +319,10 @@ def weights_fingerprint(model: PreTrainedModel) -> str:
     return h.hexdigest()[:16]
 
 
-_GGUF_PARSED: list[dict[tuple[str, str], Any]] = []  # the open gguf_parsed_once blocks' parses
+_GGUF_LOCK = threading.RLock()
+_GGUF_READERS: dict[tuple[str, str], Any] = {}  # the open blocks' parses: nested blocks and threads share them
+_GGUF_SAVED: list[Any] = []  # gguf's own functions while a block is open
+_GGUF_BLOCKS = [0]  # open gguf_parsed_once blocks in this process
 
 
 @contextmanager
@@ -330,30 +334,38 @@ def gguf_parsed_once() -> Iterator[None]:
     per module (~400 times, 5.7 s). Each parse slices a plain view of the file's mapping
     (``_plain_reader``), and each tensor is dequantized by gguf's own block kernels over
     chunks on a thread per core (``_dequantize``). All of these are looked up as ``gguf.X`` at
-    call time. A parse is kept until the block ends or ``gguf_done`` lets it go (a
-    151k-token vocabulary's is 0.5 GB)."""
+    call time. Blocks nest and may run in several threads: the first to open installs these,
+    the last to close restores gguf's own, and they share the parses. A parse is kept until the
+    last block ends or ``gguf_done`` lets it go (a 151k-token vocabulary's is 0.5 GB); the
+    pages it read are unmapped at every block's end."""
     import gguf
 
-    saved = gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize
-    readers: dict[tuple[str, str], Any] = {}
-
-    def parsed(path: Any, mode: Any = "r") -> Any:
-        key = (str(path), mode)
-        if key not in readers:
-            readers[key] = _plain_reader()(path, mode)
-        return readers[key]
-
-    module: Any = gguf  # (its attributes replaced for the block)
-    module.GGUFReader, module.get_tensor_name_map = parsed, functools.lru_cache(maxsize=None)(saved[1])
-    module.dequantize = functools.partial(_dequantize, saved[2])
-    _GGUF_PARSED.append(readers)
+    module: Any = gguf  # (its attributes replaced while a block is open)
+    with _GGUF_LOCK:
+        if not _GGUF_BLOCKS[0]:
+            _GGUF_SAVED[:] = gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize
+            module.GGUFReader, module.get_tensor_name_map = _parsed, functools.lru_cache(maxsize=None)(_GGUF_SAVED[1])
+            module.dequantize = functools.partial(_dequantize, _GGUF_SAVED[2])
+        _GGUF_BLOCKS[0] += 1
     try:
         yield
     finally:
-        module.GGUFReader, module.get_tensor_name_map, module.dequantize = saved
-        del _GGUF_PARSED[next(i for i, r in enumerate(_GGUF_PARSED) if r is readers)]
-        for r in readers.values():
-            drop_gguf_pages(r)
+        with _GGUF_LOCK:
+            _GGUF_BLOCKS[0] -= 1
+            for r in _GGUF_READERS.values():
+                drop_gguf_pages(r)
+            if not _GGUF_BLOCKS[0]:
+                module.GGUFReader, module.get_tensor_name_map, module.dequantize = _GGUF_SAVED
+                _GGUF_READERS.clear()
+
+
+def _parsed(path: Any, mode: Any = "r") -> Any:
+    """``gguf.GGUFReader`` while a block is open: each file parsed once."""
+    key = (str(path), mode)
+    with _GGUF_LOCK:
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = _plain_reader()(path, mode)
+        return _GGUF_READERS[key]
 
 
 @functools.cache
@@ -409,9 +421,9 @@ def _dequantize(fallback: Callable[[Any, Any], Any], data: Any, qtype: Any) -> A
 def gguf_done(path: Any) -> None:
     """``path``'s last reader in a load is done: the open ``gguf_parsed_once`` blocks forget its
     parse, and the pages it read are unmapped."""
-    for readers in _GGUF_PARSED:
-        for key in [key for key in readers if key[0] == str(path)]:
-            drop_gguf_pages(readers.pop(key))
+    with _GGUF_LOCK:
+        for key in [key for key in _GGUF_READERS if key[0] == str(path)]:
+            drop_gguf_pages(_GGUF_READERS.pop(key))
 
 
 def drop_gguf_pages(reader: Any) -> None:

@@ -5,6 +5,7 @@ once (pairs/loading.py, engine/kernels.py, engine/lean.py), and `pairs show --lo
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -286,6 +287,29 @@ def test_a_gguf_parse_reads_what_ggufs_own_reader_reads(tmp_path):
             (t.name, t.tensor_type, t.data.tobytes()) for t in theirs.tensors
         ]
     assert gguf.GGUFReader is type(theirs)  # (the block restored gguf's own)
+    path = str(tmp_path / "m.gguf")
+    with hf.gguf_parsed_once():  # a load's block around a conversion's: one parse for both
+        outer = gguf.GGUFReader(path)
+        with hf.gguf_parsed_once():
+            assert gguf.GGUFReader(path) is outer
+        assert gguf.GGUFReader(path) is outer and gguf.dequantize.func is hf._dequantize
+    import threading
+
+    opened, closed = threading.Event(), threading.Event()
+
+    def other_load():  # blocks of two threads ending out of order: gguf's own restored at the last
+        with hf.gguf_parsed_once():
+            opened.set()
+            closed.wait(10)
+
+    thread = threading.Thread(target=other_load)
+    with hf.gguf_parsed_once():
+        thread.start()
+        opened.wait(10)
+    assert gguf.GGUFReader is not type(theirs)  # (the other thread's block is still open)
+    closed.set()
+    thread.join()
+    assert gguf.GGUFReader is type(theirs) and not isinstance(gguf.dequantize, functools.partial)
 
 
 def test_gguf_blocks_match_a_models_weights_by_value(tmp_path):
