@@ -51,6 +51,7 @@ SCHEMES = ("int4", "int8", "fp8")  # draft = "quantized:SCHEME"
 # a stored draft (``stored_draft_file``) no load has mapped for this many days is deleted when
 # another is stored: a torch upgrade, another recipe or new target weights leave the old one behind
 STORED_UNUSED_DAYS = 30
+STORED_FORMAT = "stored 1"  # what a stored draft's file holds (``packed_state``): change it with that
 # the draft's LM head: "auto" (measured at load, below), the target's own (shared), a bf16 copy, an int4 copy,
 # an int8 copy (DynamicInt8Linear)
 HEADS = ("auto", "target", "bf16", "int4", "int8")
@@ -170,13 +171,18 @@ def smoothed_int8(
     the full head's. The smoothing and the share are kept in ``cache_file`` per machine and head
     (a later load skips the target's forward and the check: ~4 s of a 1.5B's load)."""
     w = cast(torch.Tensor, head.weight).detach().float()
+    bias = getattr(head, "bias", None)  # (Phi-2's head has one)
     key = f"int8 head {head_fingerprint(w)}"
-    if (seen := kernels.remembered(cache_file, key)) is not None:
-        smooth = torch.tensor(seen["smooth"], dtype=torch.float32)
-        return (lambda: DynamicInt8Linear(w, None, smooth)), float(seen["agreement"])
+    try:
+        seen = kernels.remembered(cache_file, key)
+        smooth, agreement = torch.tensor(seen["smooth"], dtype=torch.float32), float(seen["agreement"])
+        if smooth.shape == (w.shape[1],) and bool(torch.isfinite(smooth).all()) and smooth.min() > 0:
+            return (lambda: DynamicInt8Linear(w, bias, smooth)), agreement
+    except (KeyError, TypeError, ValueError, RuntimeError):  # not kept, or damaged: measured again
+        pass
     x = head_inputs(target, head)
     smooth = absmax(x, 0).clamp(min=1e-5) ** SMOOTH_ALPHA / absmax(w, 0).clamp(min=1e-5) ** (1 - SMOOTH_ALPHA)
-    int8 = DynamicInt8Linear(w, None, smooth)
+    int8 = DynamicInt8Linear(w, bias, smooth)
     with torch.inference_mode():
         full = head(x.to(cast(torch.Tensor, head.weight).dtype))  # (in the target's dtype: bf16 targets too)
         agree = (int8(x).argmax(-1) == full.argmax(-1)).float().mean().item()
@@ -255,12 +261,13 @@ class CastHead(torch.nn.Module):
 
     def __init__(self, full: torch.nn.Module, dtype: torch.dtype):
         super().__init__()
-        weight = cast(torch.Tensor, full.weight)
+        weight, bias = cast(torch.Tensor, full.weight), getattr(full, "bias", None)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.weight = torch.nn.Parameter(weight.detach().to(dtype), requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def cast_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(h, self.weight)
+        return torch.nn.functional.linear(h, self.weight, self.bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.cast_logits(h.to(self.weight.dtype)).to(h.dtype)
@@ -442,7 +449,9 @@ def quantized_copy(
             draft.set_output_embeddings(CastHead(head_module, torch.bfloat16))
         elif build is not None:  # (head "int8")
             draft.set_output_embeddings(
-                DynamicInt8Linear(None, None, stored=_int8_head(stored)) if "head.int8" in stored else build()
+                DynamicInt8Linear(None, getattr(head_module, "bias", None), stored=_int8_head(stored))
+                if "head.int8" in stored
+                else build()
             )
     if file is not None and not stored:
         _store(file, packed_state(draft))
@@ -539,7 +548,7 @@ def stored_draft_file(
         return None
     machine = kernels.machine_key().rsplit("|threads", 1)[0]
     dtype = next(target.parameters()).dtype  # (its biases and norms are the target's, in its dtype)
-    h = hashlib.sha256(f"{machine}|{dtype}|{scheme}|{head}|{fuse}|{GROUP}|{sorted(blocks)}".encode())
+    h = hashlib.sha256(f"{machine}|{dtype}|{STORED_FORMAT}|{scheme}|{head}|{fuse}|{GROUP}|{sorted(blocks)}".encode())
     for name, module in target.named_modules():
         w = getattr(module, "weight", None)
         if isinstance(module, (torch.nn.Linear, Conv1D)) and isinstance(w, torch.Tensor) and w.numel():

@@ -75,7 +75,10 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
     key = hashlib.sha256(head + tail + str(size).encode()).hexdigest()[:12]
     out = get_settings().cache_dir / "models" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
-        return out
+        if all(complete(f) for f in out.glob("model*.safetensors")):
+            return out
+        logging.getLogger("specdec_llm.load").warning(f"{out} holds a weights file cut short: converting again")
+        shutil.rmtree(out, ignore_errors=True)
     logging.getLogger("specdec_llm.load").info(f"converting {gguf.name} once into {out} (dequantized to float32)")
     kw = {"gguf_file": gguf.name, "trust_remote_code": trust_remote_code}
     with hf.gguf_parsed_once():

@@ -367,3 +367,28 @@ def test_quantizing_a_prepared_target_says_to_quantize_first(tmp_path):
     for head in ("auto", "target"):
         with pytest.raises(ValueError, match="quantize it before preparing it"):
             quantized_copy(model, head=head, kernel_cache=tmp_path / "k.json")
+
+
+@pytest.mark.parametrize("head", ["bf16", "int8"])
+def test_a_draft_head_keeps_the_targets_head_bias(tmp_path, head):
+    """A head with a bias (Phi-2's) keeps it in its bf16 and int8 copies, built and stored."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(0)
+    config = PhiConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+    target = PhiForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.bias.zero_()
+        target.lm_head.bias[7] = 1e3  # every position's argmax, if the bias is there
+    x = torch.tensor([PROMPTS[0]])
+    for _ in range(2):  # built, then mapped from the stored draft
+        draft = quantized_copy(target, head=head, packed_cache=tmp_path)
+        with torch.inference_mode():
+            assert (draft(x).logits.argmax(-1) == 7).all()

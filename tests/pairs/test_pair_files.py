@@ -432,3 +432,25 @@ def test_a_draft_model_of_its_own_held_in_int4_stays_exact(tmp_path, tiny_pair_d
     finally:
         monkeypatch.delenv("SPECDEC_CONFIG_FILE")
         reload_settings()
+
+
+def test_a_converted_model_cut_short_is_converted_again(tmp_path, monkeypatch):
+    """A conversion's weights file cut short (a power cut: nothing is fsynced) is converted again
+    at the next load, not a crash at every load."""
+    from specdec_llm.engine.mapped import complete
+    from specdec_llm.pairs import get_spec
+    from specdec_llm.pairs.gguf import resolve
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    reload_settings()
+    try:
+        out = Path(resolve(get_spec("smollm2-135m").target))
+        (weights,) = out.glob("model*.safetensors")
+        whole = weights.stat().st_size
+        with weights.open("r+b") as f:
+            f.truncate(whole // 2)
+        assert Path(resolve(get_spec("smollm2-135m").target)) == out
+        assert complete(weights) and weights.stat().st_size == whole
+    finally:
+        monkeypatch.delenv("SPECDEC_CACHE_DIR")
+        reload_settings()
