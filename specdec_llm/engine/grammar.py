@@ -97,6 +97,7 @@ class RowGrammar:
         self.m = matcher
         self.words = (vocab_size + 31) // 32
         self.vocab_size = vocab_size
+        self.accepting = [bool(matcher.is_accepting())]  # after each emitted token (a stop string may cut some)
 
     def valid(self, tokens: list[int]) -> int:
         """How many of ``tokens`` (a proposal) the grammar accepts in a row."""
@@ -142,11 +143,11 @@ class RowGrammar:
         for t in tokens:
             if not self.m.is_stopped():
                 self.m.consume_token(t)
+            self.accepting.append(bool(self.m.is_accepting()))
 
-    @property
-    def complete(self) -> bool:
-        """The output so far is a whole sentence of the grammar."""
-        return bool(self.m.is_accepting())
+    def complete(self, tokens: int) -> bool:
+        """The row's first ``tokens`` output tokens are a whole sentence of the grammar."""
+        return self.accepting[min(tokens, len(self.accepting) - 1)]
 
 
 def cut(prop: Proposal, g: RowGrammar) -> Proposal:

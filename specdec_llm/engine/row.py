@@ -89,12 +89,12 @@ class Row:
         self.ledger.emitted += len(new)
         if not self.stats.time_to_first_token_s:
             self.stats.time_to_first_token_s = time.perf_counter() - self.t0
-        keep = self.text_stream.update(self.out, find_stop=not cut)  # (an end-of-sequence token ends the text)
-        if cut:
-            self.finish_reason = "eos"
-        elif keep is not None:
+        keep = self.text_stream.update(self.out)
+        if keep is not None:  # (before an end-of-sequence token in the same step: k = 0 stopped a step before it)
             self.out = self.out[:keep]
             self.finish_reason = "stop"
+        elif cut:
+            self.finish_reason = "eos"
         elif len(self.out) >= self.req.max_new_tokens:
             self.finish_reason = "length"
         elif len(self.seq) >= self.context_length:
@@ -115,5 +115,5 @@ class Row:
             token_ids=list(self.out),
             finish_reason=st.finish_reason,
             stats=st,
-            complete=None if self.grammar is None else self.grammar.complete,
+            complete=None if self.grammar is None else self.grammar.complete(len(self.out)),
         )

@@ -141,7 +141,9 @@ def _int(value: object, name: str, lo: int, hint: str) -> None:
 def _float(value: object, name: str, rule: str, ok: Callable[[float], bool]) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(name, f"must be a number, got {value!r}")
-    if not math.isfinite(value) or not ok(value):
+    if not math.isfinite(value):
+        raise RequestError(name, f"{value!r} is not a finite number; it {rule}")
+    if not ok(value):
         raise RequestError(name, f"{value!r} {rule}")
 
 
@@ -211,6 +213,8 @@ class GenerationResult:
         """Why a constrained row's output cannot be used (None: it can), said of ``response_format``."""
         if self.complete is not False:
             return None
+        if self.finish_reason == "stop":
+            return f"a stop string cut the output after {len(self.token_ids)} tokens, before it was complete; drop that stop string"
         return (
             f"the output is not complete after {len(self.token_ids)} tokens (finish_reason "
             f"{self.finish_reason!r}); raise max_new_tokens"

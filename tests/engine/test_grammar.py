@@ -160,6 +160,27 @@ def test_checking_drafts_past_the_grammars_end_leaves_the_matcher_where_it_was(p
     g.advance(ids[:2])
     logits = torch.zeros(len(ids) - 2 + 2, dec.vocab_size)
     masked = g.mask(logits, ids[2:] + [eos])
-    assert g.valid(ids[2:]) == len(ids) - 2 and not g.complete  # unchanged
+    assert g.valid(ids[2:]) == len(ids) - 2 and not g.complete(2)  # unchanged
     assert torch.isfinite(masked[-1, eos]) and int(torch.isfinite(masked[-1]).sum()) == 1  # only the end after it
     assert g.forced_after(ids[2:] + [eos]) == [] and g.valid(ids[2:]) == len(ids) - 2
+
+
+def test_a_stop_string_cuts_a_constrained_row_as_at_k0_and_its_completeness_is_the_kept_texts(pair):
+    """A stop string that comes in the same step as the end-of-sequence token (the grammar forces
+    the end right after the object closes) cuts the text as k = 0 does; ``complete`` is that of
+    the tokens kept, and a stop before the end makes the row incomplete, saying so."""
+    target, draft, tok = pair
+    dec = SpeculativeDecoder(target, draft, tok, drafters=["model", "lookup", "suffix"])
+    base = dict(prompt="The quick brown fox", max_new_tokens=96, response_format=FORMAT)
+    whole = dec.generate(GenerationRequest(**base, k=0))
+    assert whole.complete and whole.text.endswith("}")
+    for stop in ("}", whole.text[len(whole.text) // 2 : len(whole.text) // 2 + 3]):
+        results = [dec.generate(GenerationRequest(**base, k=k, stop=[stop])) for k in (0, 4)]
+        for res in results:
+            assert (res.text, res.token_ids, res.finish_reason) == (
+                results[0].text,
+                results[0].token_ids,
+                "stop",
+            ), stop
+            assert res.text == whole.text[: whole.text.index(stop)] and res.complete is False
+            assert "stop string" in res.incomplete()
