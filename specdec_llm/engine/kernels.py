@@ -376,7 +376,7 @@ def _entry(
     key = f"{machine}|{TIMINGS}|{str(dtype).removeprefix('torch.')}|{shape[0]}x{shape[1]}x{len(weights)}"
     key += f"|{kind}" if kind else ""
     entry, kinds_ = cached.get(key), [kind] if kind else kinds(dtype)
-    if _usable(entry, points, kinds_):
+    if entry is not None and _usable(entry, points, kinds_):
         n = len(points)  # (an entry timed at more points serves the first of them)
         return {"points": list(points), "ms": {k: v[:n] for k, v in entry["ms"].items()}}, False
     logging.getLogger("specdec_llm.load").info(f"timing matmul kernels for {key.split('|', 5)[-1]} (once per machine)")

@@ -429,9 +429,7 @@ def quantized_copy(
     kept as its kernels read it, per machine (``stored_draft_file``): a later load maps it
     instead of reading the blocks and packing them again (8-9 s of a 1.5B target's load).
     The target is unchanged."""
-    _check(scheme, head, next(target.parameters()).device)
-    if any(isinstance(m, torch.nn.Linear) and m.weight.numel() == 0 for m in target.modules()):
-        raise ValueError("the target's weights are in a kernel's packed layout: quantize it before preparing it")
+    _check(scheme, head, target)
     head, head_ms, build, agreement = _head_choice(target, head, kernel_cache)
     blocks = blocks or {}
     file = stored_draft_file(packed_cache, target, scheme, head, fuse, blocks)
@@ -486,8 +484,12 @@ def _head_choice(
     return head, head_ms, build, agreement
 
 
-def _check(scheme: str, head: str, device: torch.device) -> None:
-    """A clear error for a scheme or head quantized_copy does not know, or fp8 without fp8 hardware."""
+def _check(scheme: str, head: str, target: PreTrainedModel) -> None:
+    """A clear error for a scheme or head quantized_copy does not know, fp8 without fp8
+    hardware, or a target whose weights a kernel holds packed."""
+    device = next(target.parameters()).device
+    if any(isinstance(m, torch.nn.Linear) and m.weight.numel() == 0 for m in target.modules()):
+        raise ValueError("the target's weights are in a kernel's packed layout: quantize it before preparing it")
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization {scheme!r}; known: {', '.join(SCHEMES)}")
     if head not in HEADS:

@@ -43,10 +43,10 @@ class TextStream:
         if self.on_text is None:
             return
         safe = len(self.text)
-        if not final:
-            safe -= max((len(s) for s in self.stop), default=1) - 1
-            while safe > self.emitted_chars and self.text[safe - 1] == "\ufffd":  # partial UTF-8
+        if not final:  # a partial UTF-8 character is not text yet: the hold-back counts from before it
+            while safe > self.emitted_chars and self.text[safe - 1] == "\ufffd":
                 safe -= 1
+            safe -= max((len(s) for s in self.stop), default=1) - 1
         if safe > self.emitted_chars:
             self.on_text(self.text[self.emitted_chars : safe])
             self.emitted_chars = safe

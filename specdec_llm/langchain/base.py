@@ -157,7 +157,7 @@ class SpecDecBase(BaseModel):
         }
 
     def _ls(
-        self, model_type: Literal["chat", "llm"], stop: list[str] | None, kwargs: dict[str, Any]
+        self, model_type: Literal["chat", "llm"], stop: list[str] | str | None, kwargs: dict[str, Any]
     ) -> LangSmithParams:
         params = LangSmithParams(
             ls_provider=PROVIDER,
@@ -166,7 +166,7 @@ class SpecDecBase(BaseModel):
             ls_temperature=kwargs.get("temperature", self.temperature),
             ls_max_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
         )
-        stop = stop if stop is not None else self.stop
+        stop = stops(stop if stop is not None else self.stop)
         if stop:
             params["ls_stop"] = stop
         return params
@@ -194,7 +194,7 @@ class SpecDecBase(BaseModel):
             raise RequestError("timeout", f"{timeout!r}: use a number of seconds > 0, or None")
         return gen
 
-    def _resolve(self, stop: list[str] | None, kwargs: dict[str, Any], *, messages: bool) -> Call:
+    def _resolve(self, stop: list[str] | str | None, kwargs: dict[str, Any], *, messages: bool) -> Call:
         """This call's settings: fields, overridden by the call's keyword arguments."""
         kwargs = dict(kwargs)
         kwargs.pop("stream", None)  # a chat model's stream flag: not a generation parameter
@@ -206,8 +206,7 @@ class SpecDecBase(BaseModel):
         if unknown:
             raise RequestError(unknown[0], f"unknown option; use one of {', '.join(CALL_OPTIONS)}")
         opt = {name: kwargs.get(name, getattr(self, name)) for name in CALL_OPTIONS}
-        stop = list(stop) if stop is not None else list(self.stop or [])
-        gen = self._check(opt, stop, messages=messages)
+        gen = self._check(opt, stops(stop if stop is not None else self.stop) or [], messages=messages)
         timeout = opt["timeout"]
         from specdec_llm.pairs import get_spec
 
@@ -270,6 +269,15 @@ RENAMED = {"mode": "decoding"}  # engine name -> field name
 GENERATION_FIELDS = {
     RENAMED.get(name, name): name for name in ENGINE_FIELDS if RENAMED.get(name, name) in SpecDecBase.model_fields
 }
+
+
+def stops(stop: list[str] | str | None) -> list[str] | None:
+    """A call's ``stop`` as a list: one string is one stop string, not a list of its characters."""
+    if stop is None:
+        return None
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
 # a call's options: the generation parameters (``stop`` is a call argument of its own) and its settings
 CALL_OPTIONS = (
     *(name for name in GENERATION_FIELDS if name != "stop"),

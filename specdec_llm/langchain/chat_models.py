@@ -148,7 +148,9 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
                 else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
             )
         elif method == "json_schema":
-            json_schema = convert_to_json_schema(schema, strict=strict)
+            # a dict is a JSON schema already, used as it is (an array, enum or map has no
+            # properties for convert_to_json_schema to keep); a class or function is converted
+            json_schema = schema if isinstance(schema, dict) else convert_to_json_schema(schema, strict=strict)
             fmt = {"name": json_schema.get("title", "response"), "schema": json_schema, "strict": bool(strict)}
             llm = self.bind(
                 response_format={"type": "json_schema", "json_schema": fmt}, ls_structured_output_format=traced

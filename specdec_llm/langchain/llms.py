@@ -59,16 +59,7 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
             final = GenerationChunk(text="")
             for chunk in self._stream(prompts[0], stop, run_manager, **kwargs):
                 final += chunk
-            figures = final.generation_info or {}
-            tokens = {
-                "prompt_tokens": figures.get("prompt_tokens") or 0,
-                "completion_tokens": figures.get("output_tokens") or 0,
-            }
-            tokens["total_tokens"] = tokens["prompt_tokens"] + tokens["completion_tokens"]
-            return LLMResult(
-                generations=[[Generation(text=final.text, generation_info=figures)]],
-                llm_output={"token_usage": tokens, "model_name": figures.get("pair") or self.pair},
-            )
+            return self._streamed_result(final)
         call = self._resolve(stop, kwargs, messages=False)
         return self._result(prompts, self._run([Item(prompt=p) for p in prompts], call))
 
@@ -79,9 +70,27 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
+        if self.streaming and len(prompts) == 1:  # callbacks get every token, as in ``_generate``
+            final = GenerationChunk(text="")
+            async for chunk in self._astream(prompts[0], stop, run_manager, **kwargs):
+                final += chunk
+            return self._streamed_result(final)
         call = self._resolve(stop, kwargs, messages=False)
         items = [Item(prompt=p) for p in prompts]
         return self._result(prompts, await asyncio.to_thread(self._run, items, call))
+
+    def _streamed_result(self, final: GenerationChunk) -> LLMResult:
+        """The LLMResult of one streamed prompt (its chunks added up)."""
+        figures = final.generation_info or {}
+        tokens = {
+            "prompt_tokens": figures.get("prompt_tokens") or 0,
+            "completion_tokens": figures.get("output_tokens") or 0,
+        }
+        tokens["total_tokens"] = tokens["prompt_tokens"] + tokens["completion_tokens"]
+        return LLMResult(
+            generations=[[Generation(text=final.text, generation_info=figures)]],
+            llm_output={"token_usage": tokens, "model_name": figures.get("pair") or self.pair},
+        )
 
     def batch(
         self,

@@ -11,7 +11,8 @@ Reading calls, JSON only (``json.loads``, nothing evaluated):
 - the Hermes / Qwen2.5 form, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
   any number of them, text around them as the content (whitespace next to a call belongs to
   it; text on both sides of a call is joined by a newline); a ``<tool_call>`` left open at
-  the end of the reply is read as a call too when its JSON is complete;
+  the end of the reply is read as a call too when its JSON is complete; a call's JSON is
+  decoded before its closing tag is looked for, so a ``</tool_call>`` inside a string is text;
 - when tools are bound, a reply that is nothing but such an object in JSON (or a list of
   them, or one in a `````json`` fence) naming a bound tool: Qwen2.5-Coder answers so.
 
@@ -47,6 +48,7 @@ FENCE = "```json"
 PREFILL = OPEN + "\n"  # the forced start of a reply that must call a tool
 JSON_ONLY = "Reply with a single JSON object and nothing else (no code fence, no explanation)"
 _FENCED = re.compile(r"\A```json\s*(.*?)\s*```\Z", re.S)
+_DECODER = json.JSONDecoder()
 
 
 # -- what a call asks for ---------------------------------------------------------------------------
@@ -223,16 +225,46 @@ def parse(text: str, names: Sequence[str], *, final: bool = True) -> Parsed:
             segments.append(text[pos:] if final else _settled(text[pos:]))
             break
         segments.append(text[pos:start].rstrip())
-        end = text.find(CLOSE, start)
+        end = _call_end(text, start + len(OPEN), final)
         if end < 0:  # still open: a call only if the reply ended here
             if final:
                 calls.append(read_call(text[start + len(OPEN) :].strip()))
             break
         calls.append(read_call(text[start + len(OPEN) : end].strip()))
-        pos = end + len(CLOSE)
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
+        pos = _skip_space(text, end + len(CLOSE))
     return Parsed("\n".join(s for s in segments if s), calls)
+
+
+def _call_end(text: str, body: int, final: bool) -> int:
+    """Where the closing tag of the call whose text starts at ``body`` is (-1: not yet). Its
+    JSON is decoded first, so a closing tag inside a JSON string is part of the arguments."""
+    start = _skip_space(text, body)
+    try:
+        end = _skip_space(text, _DECODER.raw_decode(text, start)[1])
+    except (ValueError, RecursionError):  # malformed JSON, or JSON still to come: the first closing tag
+        end = text.find(CLOSE, body)
+        # (streamed: a tag inside what may still be an open JSON string waits for more text)
+        return -1 if not final and end >= 0 and _in_string(text, start, end) else end
+    return end if text.startswith(CLOSE, end) else text.find(CLOSE, end)  # (text after the JSON: invalid)
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _in_string(text: str, start: int, end: int) -> bool:
+    """Whether ``end`` falls inside a JSON string opened in ``text[start:end]``."""
+    inside = escaped = False
+    for ch in text[start:end]:
+        if escaped:
+            escaped = False
+        elif inside and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside
 
 
 def _settled(tail: str) -> str:

@@ -206,6 +206,28 @@ def test_stop_strings_cut_text_and_stream(tiny_pair_dir):
     assert tok.decode(res.token_ids).startswith(res.text[: max(0, cut - 4)])
 
 
+def test_a_stop_string_after_a_partial_character_is_never_streamed(tiny_pair_dir):
+    """One token at a time, "ok 日本語" passes through text ending in a partial UTF-8 character
+    ("\ufffd"): the hold-back for the stop string counts from before it, so no part of the stop
+    string is sent before the stop is found."""
+    from transformers import AutoTokenizer
+
+    from specdec_llm.engine.text import TextStream
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair_dir / "target")
+    ids = tok("ok 日本語")["input_ids"]
+    assert any(tok.decode(ids[:n]).endswith("\ufffd") for n in range(len(ids)))  # it does split a character
+    sent: list[str] = []
+    stream = TextStream(tok, ["日本"], sent.append)
+    for n in range(1, len(ids) + 1):
+        keep = stream.update(ids[:n])
+        stream.send(final=keep is not None)
+        assert stream.text.startswith("".join(sent)), (sent, stream.text)
+        if keep is not None:
+            break
+    assert stream.text == "ok " and "".join(sent) == "ok "
+
+
 @pytest.mark.parametrize(
     "field,value,message",
     [
@@ -214,7 +236,9 @@ def test_stop_strings_cut_text_and_stream(tiny_pair_dir):
         ("prompt", [], "prompt: has no tokens"),
         ("max_new_tokens", 0, "max_new_tokens: 0 is below 1"),
         ("temperature", -0.1, "temperature: -0.1 must be >= 0"),
-        ("temperature", float("nan"), "temperature: nan must be >= 0"),
+        ("temperature", float("nan"), "temperature: nan is not a finite number; it must be >= 0"),
+        ("temperature", float("inf"), "temperature: inf is not a finite number; it must be >= 0"),
+        ("top_p", float("nan"), "top_p: nan is not a finite number; it must be in \\(0, 1\\]"),
         ("top_p", 0.0, "top_p: 0.0 must be in \\(0, 1\\]"),
         ("top_p", 1.5, "top_p: 1.5 must be in \\(0, 1\\]"),
         ("top_k", -1, "top_k: -1 is below 0"),

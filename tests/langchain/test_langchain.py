@@ -142,6 +142,9 @@ def test_local_stream_stop_and_callbacks(local):
     expected = full[: full.find(stop)]
     assert llm.invoke(PROMPTS[1], stop=[stop]) == expected
     assert "".join(llm.stream(PROMPTS[1], stop=[stop])) == expected
+    # one string is one stop string, not a list of its characters
+    assert llm.invoke(PROMPTS[1], stop=stop) == expected and llm._get_ls_params(stop=stop)["ls_stop"] == [stop]
+    assert "".join(llm.stream(PROMPTS[1], stop=stop)) == expected
     assert SpecDecLLM(pair="tiny", max_new_tokens=40, record=False, stop=[stop]).invoke(PROMPTS[1]) == expected
     # a consumer that stops early stops the generation; the model is free for the next call
     recorded = SpecDecLLM(pair="tiny", max_new_tokens=400, job_name="early-stop")
@@ -153,6 +156,11 @@ def test_local_stream_stop_and_callbacks(local):
     streaming = SpecDecLLM(pair="tiny", max_new_tokens=40, record=False, streaming=True)
     rec = Recorder()
     assert streaming.invoke(PROMPTS[1], config={"callbacks": [rec]}) == full and "".join(rec.tokens) == full
+    arec = AsyncRecorder()  # ainvoke too: the same tokens, and the same figures as generate's
+    assert asyncio.run(streaming.ainvoke(PROMPTS[1], config={"callbacks": [arec]})) == full
+    assert "".join(arec.tokens) == full and len(arec.tokens) > 1
+    result = asyncio.run(streaming.agenerate([PROMPTS[1]]))
+    assert result.llm_output["token_usage"]["completion_tokens"] == info["output_tokens"]
 
 
 def test_local_chat_model(local):
@@ -222,6 +230,8 @@ def test_bad_input_raises_before_any_work(local):
     llm = SpecDecLLM(pair="tiny", record=False)
     with pytest.raises(RequestError, match="temperature"):
         SpecDecLLM(pair="tiny", temperature=-1).invoke("hi")
+    with pytest.raises(RequestError, match="temperature: inf is not a finite number; it must be >= 0"):
+        SpecDecLLM(pair="tiny", temperature=float("inf"))
     with pytest.raises(RequestError, match="max_new_tokens"):
         llm.invoke("hi", max_new_tokens=0)
     with pytest.raises(RequestError, match="unknown option"):

@@ -128,6 +128,27 @@ def test_a_stream_gives_the_same_content_and_calls_however_it_is_split(text):
     assert arrived[: len(closes)] == closes[: len(arrived)]
 
 
+def test_a_closing_tag_inside_a_json_string_is_part_of_the_arguments():
+    """A call's JSON is decoded before its closing tag is looked for: a forced call (valid JSON
+    by construction) whose string argument holds "</tool_call>" is that call, invoked or
+    streamed; malformed JSON still ends at the first closing tag, an invalid call."""
+    args = {"key": "end with </tool_call> please"}
+    forced = PREFILL + json.dumps({"name": "lookup", "arguments": args})  # no closing tag before the end
+    tagged = "Here.\n" + call_text("lookup", args) + "\nDone."
+    malformed = '<tool_call>{"name": "add", "arguments": {"a": "x</tool_call>"}, oops}</tool_call> after'
+    assert (parse(forced, NAMES).content, calls_of(parse(forced, NAMES))) == ("", [("lookup", args)])
+    assert (parse(tagged, NAMES).content, calls_of(parse(tagged, NAMES))) == ("Here.\nDone.", [("lookup", args)])
+    [bad] = parse(malformed, NAMES).calls
+    assert bad.args is None and "not JSON" in bad.error and bad.raw == '{"name": "add", "arguments": {"a": "x'
+    for text in (forced, tagged, malformed):
+        whole = parse(text, NAMES)
+        for pieces in ([text], list(text)):
+            content, calls, _ = stream(text, pieces)
+            assert (content, calls) == (whole.content, whole.calls), (text, len(pieces))
+    _, _, arrived = stream(tagged, list(tagged))
+    assert arrived == [tagged.rindex("</tool_call>") + len("</tool_call>") - 1]  # with its own closing tag
+
+
 def test_streamed_content_never_shows_a_call_being_written():
     text = STREAMED[0]
     s = CallStream(NAMES)
@@ -345,6 +366,26 @@ def test_structured_output_all_three_methods(closing_local):
         tools_local.with_structured_output(Sum, method="xml")
     with pytest.raises(RequestError, match="schema"):
         tools_local.with_structured_output(None, method="function_calling")
+
+
+def test_structured_output_keeps_a_dict_json_schema_as_it_is(closing_local):
+    """A dict is a JSON schema already: a top-level array, enum or map (no ``properties``)
+    is enforced as it is, not reduced to its title (which let any JSON through)."""
+    question = [HumanMessage("Give data")]
+    ints = {"title": "ints", "type": "array", "items": {"type": "integer"}}
+    color = {"title": "color", "enum": ["red", "green"]}
+    scores = {"title": "scores", "type": "object", "additionalProperties": {"type": "integer"}}
+    for schema in (ints, color, scores):
+        structured = closing_local.with_structured_output(schema)
+        fmt = structured.first.kwargs["response_format"]["json_schema"]
+        assert fmt["schema"] == schema and fmt["name"] == schema["title"]
+        out = structured.invoke(question)
+        if schema is ints:
+            assert isinstance(out, list) and all(type(v) is int for v in out), out
+        elif schema is color:
+            assert out in ("red", "green"), out
+        else:
+            assert isinstance(out, dict) and all(type(v) is int for v in out.values()), out
 
 
 @pytest.mark.parametrize("drafter", ["auto", "model", "lookup", "suffix", "grammar"])
