@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from specdec_llm import store
+from specdec_llm.engine import RequestError
 from specdec_llm.settings import get_settings
 from specdec_llm.store import jobs
 from specdec_llm.store.jobs import job_requests as job_requests  # (the client exports it)
@@ -71,12 +72,13 @@ def submit(
         spec.check_drafter(params["drafter"])  # one the pair has (as `generate` checks it)
     check_broker_url()  # a URL kombu cannot read: fail now, not with the rows saved
     R.check_params(params)
+    name = _job_name(name, Path(path))
     rows = R.read_rows(Path(path))
     R.check_rows(rows, params)
     job_id = R.job_id_for(Path(path), pair, params)
     created = store.create_job(
         [R.to_request(job_id, r, params) for r in rows],
-        name=name or Path(path).name,
+        name=name,
         pair=pair,
         params=params,
         job_id=job_id,
@@ -101,6 +103,22 @@ def submit(
         "done": len(rows) - len(todo) - bad,
         "cancelled": sum(st == "cancelled" for st in status.values()),  # of "done": they stay cancelled
     }
+
+
+def _job_name(name: str | None, path: Path) -> str:
+    """The job's name: ``name``, or the file's name (cut to what a store holds). A given name
+    too long to store, or with a NUL character, is refused (``RequestError`` naming it)."""
+    if not name:
+        return path.name[: store.MAX_JOB_NAME_CHARS]
+    if len(name) > store.MAX_JOB_NAME_CHARS:
+        raise RequestError(
+            "name",
+            f"{len(name):,} characters, over the {store.MAX_JOB_NAME_CHARS}-character limit of a job name; "
+            "give a shorter --name",
+        )
+    if "\x00" in name:
+        raise RequestError("name", "contains a NUL character (\\x00), which no store accepts; remove it from --name")
+    return name
 
 
 def enqueue(request_ids: list[str], pair: str, *, keep_results: bool = False, check_pair: bool = True) -> list[Any]:
@@ -192,7 +210,8 @@ def status(job_id: str, price_per_hour: object = None) -> dict[str, Any]:
     report = summary(job=job_id, group_by=(), price_per_hour=price_per_hour)
     rep = report[0] if report else {}
     elapsed = ((job["finished_at"] or store.utcnow()) - job["started_at"]).total_seconds() if job["started_at"] else 0.0
-    rate = done / elapsed if elapsed > 0 and done else None
+    ran = done - (jobs.refused_count(job_id) if counts["failed"] else 0)  # (rows refused at submit never ran)
+    rate = ran / elapsed if elapsed > 0 and ran > 0 else None
     return {
         "job_id": job_id,
         "name": job["name"],

@@ -11,7 +11,8 @@ Formats (by file suffix):
 - anything else: plain text, one prompt per line.
 Blank lines are skipped. A bad row (invalid JSON, no prompt or an empty one, a message role
 other than system, user or assistant, bad parameters, a duplicate id) gets ``error`` set and
-fails alone; only an unreadable file fails the whole command. A row without an id gets its
+fails alone; only an unreadable file (UTF-16, or a JSON array where JSON Lines are expected)
+fails the whole command. A row without an id gets its
 position ("3"), or "row-3" when another row of the file names "3" itself: ids never collide.
 
 A request row in the store: ``prompt`` or ``messages``, and ``params`` = the generation
@@ -39,6 +40,7 @@ from typing import Any, BinaryIO
 from specdec_llm.checks import check_messages, check_seed, check_text
 from specdec_llm.engine import GenerationRequest, RequestError
 from specdec_llm.errors import SpecDecError
+from specdec_llm.store import MAX_CATEGORY_CHARS
 
 from . import openai_batch
 
@@ -71,8 +73,9 @@ PREVIEW_CHARS = 200  # what a bad row keeps of its line, to show in results
 
 def read_rows(path: Path) -> list[Row]:
     """Rows of ``path``, read line by line in bounded memory. Only a file that cannot be
-    opened, or has no rows at all, fails as a whole (InputError); a line that is not valid
-    UTF-8, not valid JSON or longer than ``MAX_LINE_BYTES`` fails alone."""
+    opened, has no rows at all, is UTF-16 or (JSON Lines) a JSON array fails as a whole
+    (InputError); a line that is not valid UTF-8, not valid JSON or longer than
+    ``MAX_LINE_BYTES`` fails alone."""
     path = Path(path)
     try:
         f = open(path, "rb")
@@ -83,8 +86,10 @@ def read_rows(path: Path) -> list[Row]:
     suffix = path.suffix.lower()
     with f:
         try:
+            if f.peek(2)[:2] in (b"\xff\xfe", b"\xfe\xff"):  # (a UTF-16 byte order mark)
+                raise InputError(f"{path}: the file is UTF-16 text; save it as UTF-8 (without a byte order mark)")
             if suffix in (".jsonl", ".ndjson", ".json"):
-                rows = _jsonl(_lines(f))
+                rows = _jsonl(_lines(f), path)
             elif suffix == ".csv":
                 rows = _csv(_lines(f), path)
             else:
@@ -165,7 +170,7 @@ def _lines(f: BinaryIO) -> Iterator[tuple[int, str | _Bad]]:
             )
 
 
-def _jsonl(lines: Iterable[tuple[int, str | _Bad]]) -> list[Row]:
+def _jsonl(lines: Iterable[tuple[int, str | _Bad]], path: Path) -> list[Row]:
     rows: list[Row] = []
     for n, line in lines:
         if isinstance(line, _Bad):
@@ -173,6 +178,12 @@ def _jsonl(lines: Iterable[tuple[int, str | _Bad]]) -> list[Row]:
             continue
         if not line.strip():
             continue
+        if not rows and line.lstrip().startswith("["):  # a JSON array (a .json file): no row would read
+            out = f"{path.stem}.jsonl" if path.suffix.lower() != ".jsonl" else f"{path.stem}-lines.jsonl"
+            raise InputError(
+                f"{path}: line {n} starts a JSON array; JSON Lines expected: one object per line; "
+                f"convert with `jq -c '.[]' {path.name} > {out}`"
+            )
         row = Row(len(rows), n, "")
         rows.append(row)
         try:
@@ -197,8 +208,9 @@ def _jsonl(lines: Iterable[tuple[int, str | _Bad]]) -> list[Row]:
 
 
 def _unstorable(value: Any, where: str = "") -> str | None:
-    """What in a parsed row cannot be stored as JSON text (NaN or infinity: not JSON; a lone
-    surrogate such as "\\ud800": not UTF-8), else None."""
+    """What in a parsed row cannot be stored (NaN or infinity: not JSON; a lone surrogate such
+    as "\\ud800": not UTF-8; a NUL character: not PostgreSQL text, nor usable in its JSON),
+    else None."""
     if isinstance(value, float) and not math.isfinite(value):
         return f"{where or 'value'}: {json.dumps(value)} is not a JSON number (NaN and Infinity cannot be stored)"
     if isinstance(value, str):
@@ -206,7 +218,7 @@ def _unstorable(value: Any, where: str = "") -> str | None:
             value.encode("utf-8")
         except UnicodeEncodeError:
             return f"{where or 'value'}: text with an unpaired surrogate (\\u{ord(value[_bad_at(value)]):04x}) is not valid Unicode"
-        return None
+        return _nul_problem(value, where or "value")
     if isinstance(value, dict):
         for k, v in value.items():
             problem = _unstorable(k, where or "key") or _unstorable(v, f"{where}.{k}" if where else str(k))
@@ -220,6 +232,29 @@ def _unstorable(value: Any, where: str = "") -> str | None:
     return None
 
 
+def _nul_problem(text: str, where: str) -> str | None:
+    """The error of text holding a NUL character (as ``checks.check_text`` words it), else None."""
+    nul = text.find("\x00")
+    if nul < 0:
+        return None
+    return (
+        f"{where}: contains a NUL character (\\x00) at character {nul}; remove it "
+        "(PostgreSQL cannot store NUL, so no store accepts it)"
+    )
+
+
+def _category_problem(category: Any) -> str | None:
+    """Why ``category`` cannot be a row's category (not text, too long for the store), else None."""
+    if category is not None and not isinstance(category, str):
+        return '"category" must be text'
+    if category is not None and len(category) > MAX_CATEGORY_CHARS:
+        return (
+            f'"category" is {len(category):,} characters, over the {MAX_CATEGORY_CHARS}-character limit; '
+            'shorten it (a longer label belongs under "metadata")'
+        )
+    return None
+
+
 def _bad_at(text: str) -> int:
     return next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
 
@@ -229,7 +264,7 @@ def _sanitize(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
     if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value)
+        return _SURROGATE.sub("\ufffd", value).replace("\x00", "\ufffd")
     if isinstance(value, dict):
         return {_sanitize(str(k)): _sanitize(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -268,9 +303,7 @@ def _fill(row: Row, obj: dict[str, Any]) -> str | None:
     if not isinstance(params, dict):
         return '"params" must be an object of generation parameters'
     row.params = {**{k: obj[k] for k in PARAMS if k in obj}, **params}
-    if row.category is not None and not isinstance(row.category, str):
-        return '"category" must be text'
-    return None
+    return _category_problem(row.category)
 
 
 def _valid_messages(messages: Any) -> bool:
@@ -357,6 +390,10 @@ def _csv_row(record: dict[str | None, Any], index: int, line: int, header: int, 
         )
     elif not (row.prompt or "").strip():
         row.error = "empty prompt"
+    else:
+        row.error = _category_problem(row.category) or next(
+            filter(None, (_unstorable(v, str(k)) or _unstorable(k, "header") for k, v in record.items())), None
+        )
     return row
 
 
@@ -411,12 +448,14 @@ def to_request(job_id: str, row: Row, job_params: dict[str, Any]) -> dict[str, A
     prompt = row.prompt if isinstance(row.prompt, str) or row.prompt is None else json.dumps(_sanitize(row.prompt))
     if prompt is None and row.messages is None:  # a bad row still needs something to show
         prompt = ""
+    category = row.category if isinstance(row.category, str) else None
     item = {
         "id": request_id(job_id, row),
         "messages": row.messages,
         "params": params,
         "prompt": prompt,
-        "category": row.category if isinstance(row.category, str) else None,
+        # (a bad row's: as much of it as a store holds)
+        "category": category if category is None or row.error is None else category[:MAX_CATEGORY_CHARS],
     }
     if row.error is not None:
         item = {

@@ -25,6 +25,7 @@ function takes ``url=`` to use another database. Times are naive UTC (``utcnow()
     worker_info(device_name) -> dict            # this process: host, pid, versions
     record_baseline(pair, *, device, dtype, tokens_per_s, source="calibration"|"shadow", samples=1) -> dict
     create_job(requests, *, name, pair, params, job_id, hold_s=None) -> {"job_id", "request_ids", "created"}
+    MAX_JOB_NAME_CHARS, MAX_CATEGORY_CHARS    # the longest job name and row category a store holds
     hold_job(job_id, hold_s) -> bool;  release_job(job_id)   # a job in use: prune leaves it
     mark_request(request_id, status, *, error, worker) -> bool   # queued/running/failed/cancelled
     record_result(request_id, result, *, worker, device, queue_wait_s, pair, job_id, price_per_hour,
@@ -84,7 +85,7 @@ from .db import (
     session_scope,
     upgrade,
 )
-from .models import utcnow
+from .models import MAX_CATEGORY_CHARS, MAX_JOB_NAME_CHARS, utcnow
 from .record import (
     create_job,
     get_job,
@@ -102,6 +103,8 @@ from .record import (
 from .reports import ReportInputError, price_for, summary
 
 __all__ = [
+    "MAX_CATEGORY_CHARS",
+    "MAX_JOB_NAME_CHARS",
     "TRANSIENT_ERRORS",
     "ReportInputError",
     "SchemaError",

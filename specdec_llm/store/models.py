@@ -38,6 +38,8 @@ NAMING_CONVENTION = {
 
 REQUEST_STATUSES = ("queued", "running", "ok", "failed", "cancelled")
 JOB_STATUSES = ("queued", "running", "done")
+MAX_JOB_NAME_CHARS = 200  # jobs.name: a longer name cannot be stored (PostgreSQL refuses it)
+MAX_CATEGORY_CHARS = 100  # requests.category: idem
 BASELINE_SOURCES = ("calibration", "shadow")
 # The engine's Stats fields, each a telemetry column of the same name (a test keeps this
 # in step with specdec_llm.engine.types.Stats; the store does not import the engine/torch).
@@ -153,7 +155,7 @@ class Job(Base):
         Index("ix_jobs_status_created", "status", "created_at", "id"),  # ... of one state; prune
     )
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    name: Mapped[str | None] = mapped_column(String(200))
+    name: Mapped[str | None] = mapped_column(String(MAX_JOB_NAME_CHARS))
     pair_id: Mapped[int | None] = mapped_column(ForeignKey("pairs.id"))
     status: Mapped[str] = mapped_column(String(16), default="queued")
     n_requests: Mapped[int] = mapped_column(default=0)
@@ -185,7 +187,7 @@ class Request(Base):
     pair_id: Mapped[int | None] = mapped_column(ForeignKey("pairs.id"))
     worker_id: Mapped[int | None] = mapped_column(ForeignKey("workers.id"))
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
-    category: Mapped[str | None] = mapped_column(String(100))
+    category: Mapped[str | None] = mapped_column(String(MAX_CATEGORY_CHARS))
     prompt: Mapped[str | None] = mapped_column(Text)
     messages: Mapped[list[Any] | None] = mapped_column(JSON)
     params: Mapped[dict[str, Any] | None]

@@ -223,12 +223,14 @@ def _status_counts(session: Session, job_id: str) -> dict[str, int]:
     return {str(status): int(n) for status, n in rows}
 
 
-def _job_state(counts: dict[str, int]) -> tuple[int, str, bool]:
-    """A job's rows by status -> (rows, job status: queued, running or done, started)."""
+def _job_state(counts: dict[str, int], *, started: bool) -> tuple[int, str]:
+    """A job's rows by status -> (rows, job status: queued, running or done). ``started``: a
+    row of the job left the queue to run (as a running or ok row did; a row refused at submit,
+    or cancelled before it ran, did not)."""
     total = sum(counts.values())
     pending = counts.get("queued", 0) + counts.get("running", 0)
-    started = total - counts.get("queued", 0) > 0
-    return total, "done" if total and not pending else ("running" if started else "queued"), started
+    started = started or bool(counts.get("running") or counts.get("ok"))
+    return total, "done" if total and not pending else ("running" if started else "queued")
 
 
 def refresh_job(session: Session, job_id: str) -> None:
@@ -236,7 +238,9 @@ def refresh_job(session: Session, job_id: str) -> None:
     done; started/finished times), in ``session``'s transaction: one count over the job's
     rows, for job-wide changes (a row-by-row change calls ``row_changed``)."""
     counts = _status_counts(session, job_id)
-    total, status, started = _job_state(counts)
+    first = session.scalar(select(func.min(Request.started_at)).where(Request.job_id == job_id))
+    started = first is not None or bool(counts.get("running") or counts.get("ok"))
+    total, status = _job_state(counts, started=started)
     now = utcnow()
     session.execute(
         update(Job)
@@ -246,7 +250,7 @@ def refresh_job(session: Session, job_id: str) -> None:
             n_ok=counts.get("ok", 0),
             n_failed=counts.get("failed", 0),
             status=status,
-            started_at=func.coalesce(Job.started_at, now) if started else Job.started_at,
+            started_at=func.coalesce(Job.started_at, first, now) if started else Job.started_at,
             finished_at=func.coalesce(Job.finished_at, now) if status == "done" else None,
         )
     )
@@ -256,7 +260,11 @@ def row_changed(session: Session, job_id: str, *, started: bool = True) -> None:
     """After one row of a job changed: index lookups only, no count over the job's rows
     (one count per finished row made a 100k-row job quadratic). The job's counters are
     recounted when its last pending row finishes (``get_job`` counts them when asked);
-    meanwhile it is marked running. ``started``: the row left the queue (running or finished)."""
+    meanwhile it is marked running. ``started``: the row left the queue (running or finished).
+    The job's row is locked first (PostgreSQL's FOR NO KEY UPDATE, which the foreign-key
+    checks of a row's telemetry do not block; SQLite has one writer): of rows finishing at
+    once, each sees the others' changes in turn, so the last one finishes the job."""
+    session.execute(select(Job.id).where(Job.id == job_id).with_for_update(key_share=True))
     pending = session.scalar(
         select(Request.id).where(Request.job_id == job_id, Request.status.in_(("queued", "running"))).limit(1)
     )
@@ -414,10 +422,13 @@ def mark_request(
         # "ok" is final; a row only starts running from queued/running (never over a cancel)
         allowed = Request.status.in_(("queued", "running")) if status == "running" else Request.status != "ok"
         changed = s.execute(
-            update(Request).where(Request.id == request_id, allowed).values(**values).returning(Request.job_id)
+            update(Request)
+            .where(Request.id == request_id, allowed)
+            .values(**values)
+            .returning(Request.job_id, Request.started_at)
         ).first()
-        if changed is not None and changed.job_id:
-            row_changed(s, changed.job_id, started=status != "queued")
+        if changed is not None and changed.job_id:  # (a row that never ran, refused at submit: not a start)
+            row_changed(s, changed.job_id, started=status != "queued" and changed.started_at is not None)
         return changed is not None
 
 
@@ -603,7 +614,7 @@ def get_job(job_id: str, *, url: str | None = None) -> dict[str, Any] | None:
         if job is None:
             return None
         counts = _status_counts(s, job_id)
-    total, status, _ = _job_state(counts)
+    total, status = _job_state(counts, started=job.started_at is not None)
     return {
         "id": job.id,
         "name": job.name,

@@ -13,10 +13,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar, cast
 
-from sqlalchemy import Table
+from sqlalchemy import Table, exc
 from sqlalchemy.orm import Session
 
-from .db import ensure_schema, resolve_url, session_scope
+from .db import StoreError, ensure_schema, resolve_url, session_scope
 from .models import Base
 
 if TYPE_CHECKING:
@@ -31,11 +31,19 @@ T = TypeVar("T")
 @contextmanager
 def writing(url: str | None) -> Iterator[Session]:
     """A session for writes on ``url`` (default: settings): an empty or older database is
-    upgraded first; commits on success, rolls back on error (``db.session_scope``)."""
+    upgraded first; commits on success, rolls back on error (``db.session_scope``); a value
+    the database refuses (too long, a NUL in text) is a ``StoreError`` saying so."""
     url = resolve_url(url)
     ensure_schema(url)
-    with session_scope(url) as session:
-        yield session
+    try:
+        with session_scope(url) as session:
+            yield session
+    except exc.DataError as e:  # a value the database cannot hold: one line, not a traceback
+        reason = str(e.orig or e).strip().splitlines()[0]
+        raise StoreError(
+            f"the database refused a value ({reason}); nothing of this write was stored: shorten the text "
+            "or remove the NUL character (\\x00) it names, then try again"
+        ) from e
 
 
 def dialect_insert(session: Session, model: type[Base]) -> PostgresInsert | SqliteInsert:

@@ -57,6 +57,22 @@ def test_unreadable_files_fail_the_command(tmp_path):
             read_rows(tmp_path / name)
 
 
+def test_a_json_array_or_a_utf16_file_fails_the_command_with_one_clear_error(tmp_path):
+    """Not a job of rows that all fail: a JSON array where JSON Lines are expected, and UTF-16 text."""
+    (tmp_path / "array.json").write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=2))
+    (tmp_path / "inline.jsonl").write_text("\n  " + json.dumps([{"prompt": "a"}]) + "\n")
+    for name in ("in.txt", "in.csv", "in.jsonl"):
+        body = "prompt\nhi\n" if name.endswith(".csv") else json.dumps({"prompt": "hi"}) + "\n"
+        (tmp_path / name).write_bytes(body.encode("utf-16"))
+    with pytest.raises(InputError, match=r"line 1 starts a JSON array; JSON Lines expected: one object per line; "):
+        read_rows(tmp_path / "array.json")
+    with pytest.raises(InputError, match=r"line 2 starts a JSON array.*jq -c '\.\[\]' inline\.jsonl > inline-lines"):
+        read_rows(tmp_path / "inline.jsonl")
+    for name in ("in.txt", "in.csv", "in.jsonl"):
+        with pytest.raises(InputError, match="is UTF-16 text; save it as UTF-8"):
+            read_rows(tmp_path / name)
+
+
 def test_job_id_is_content_pair_and_params(tmp_path):
     a = jsonl(tmp_path / "a.jsonl", {"prompt": "hi"})
     b = jsonl(tmp_path / "b.jsonl", {"prompt": "hi"})
@@ -76,7 +92,9 @@ def test_submit_persists_every_row_then_enqueues(embedded, tmp_path):
     assert client.job_counts(job) == {"queued": 2, "running": 0, "ok": 0, "failed": 1, "cancelled": 0}
     assert len(list((embedded / "queue").glob("*.specdec.tiny.msg"))) == 2  # one message per good row
     st = json.loads(invoke("status", job, "--json").stdout)
-    assert (st["total"], st["counts"]["failed"], st["status"]) == (3, 1, "running")
+    # a row refused at submit never ran: the job has not started (#4: it was "running" from its submission)
+    assert (st["total"], st["counts"]["failed"], st["status"], st["elapsed_s"]) == (3, 1, "queued", 0.0)
+    assert store.get_job(job)["started_at"] is None
 
 
 NOT_OPTIONS = {

@@ -15,6 +15,7 @@ from sqlalchemy import func, select, update
 from typer.testing import CliRunner
 
 from specdec_llm import client, store
+from specdec_llm.engine import RequestError
 from specdec_llm.store import admin, jobs
 from specdec_llm.store.models import Job, Output, Request, Telemetry, Worker, utcnow
 
@@ -365,3 +366,65 @@ def test_a_task_takes_and_reads_its_row_in_one_go_and_the_lease_heartbeat_reads_
     assert jobs.renew_leases(["st-1"], "w2@h", url=url) == {}  # not w2's row
     again = jobs.start("st-1", "w1@h", lease_timeout_s=60, max_attempts=1, url=url)  # its own lease, out of attempts
     assert (again["taken"], again["attempts"]) == (False, 1) and again["cancel_requested_at"] is not None
+
+
+# -- rows a store cannot hold ---------------------------------------------------------------------
+def test_a_row_no_store_can_hold_fails_alone_and_the_job_retries(url, pairs_file, tmp_path):
+    """A category over 100 characters, or a NUL in any text a row stores (its id, category,
+    metadata, parameters, a CSV column), fails that row alone at submit, naming the field, on
+    SQLite and PostgreSQL alike; `retry` reads such a job (PostgreSQL's ->> refuses \\u0000)."""
+    bad = [
+        ({"id": "long", "prompt": "p", "category": "c" * 101}, '"category" is 101 characters'),
+        ({"id": "nulcat", "prompt": "p", "category": "a\x00b"}, "category: contains a NUL"),
+        ({"id": "a\x00b", "prompt": "p"}, "id: contains a NUL"),
+        ({"id": "nulmeta", "prompt": "p", "metadata": {"k": "a\x00b"}}, "metadata.k: contains a NUL"),
+        ({"id": "nulparam", "prompt": "p", "params": {"stop": ["\x00"]}}, "params.stop[0]: contains a NUL"),
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in [{"id": "good", "prompt": "p"}, *(r for r, _ in bad)]))
+    sub = client.submit(path, "tiny", {"max_new_tokens": 2})
+    assert (sub["rows"], sub["bad"], sub["enqueued"]) == (6, 5, 1)
+    good, *refused = client.results(sub["job_id"])
+    assert (good["id"], good["status"]) == ("good", "queued")
+    for row, (_, fragment) in zip(refused, bad):
+        assert row["status"] == "failed" and fragment in row["error"], row
+    assert client.retry(sub["job_id"])["bad_input"] == 5
+    csv_file = tmp_path / "in.csv"
+    csv_file.write_text(f"id,prompt,category,notes\nr1,hi,a,x\nr2,hi,{'c' * 101},x\nr3,hi,b,n\x00te\n")
+    rows = {r["id"]: r for r in client.results(client.submit(csv_file, "tiny")["job_id"])}
+    assert rows["r1"]["status"] == "queued" and "101 characters" in rows["r2"]["error"]
+    assert "notes: contains a NUL" in rows["r3"]["error"]
+
+
+def test_a_job_name_too_long_to_store_is_refused_or_cut(url, pairs_file, tmp_path):
+    path = tmp_path / f"{'f' * 230}.jsonl"
+    path.write_text(json.dumps({"prompt": "p"}) + "\n")
+    with pytest.raises(RequestError, match="name: 201 characters, over the 200-character limit"):
+        client.submit(path, "tiny", name="n" * 201)
+    job = client.submit(path, "tiny")["job_id"]
+    assert store.get_job(job)["name"] == path.name[:200]
+    one_line_exit_2(cli("submit", path, "--pair", "tiny", "--name", "n" * 201), "give a shorter --name")
+    if url.startswith("postgresql"):  # what the store refuses anyway is one clear StoreError
+        with pytest.raises(store.StoreError, match=r"the database refused a value \(.*too long"):
+            store.create_job([{"prompt": "p", "category": "c" * 101}], url=url)
+
+
+def test_rows_refused_at_submit_neither_start_the_job_nor_count_in_its_eta(url, pairs_file, tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ({"prompt": "a"}, {"prompt": "b"}, {"prompt": ""})))
+    job = client.submit(path, "tiny", {"max_new_tokens": 2})["job_id"]
+    st = client.status(job)
+    assert (st["status"], st["elapsed_s"], store.get_job(job)["started_at"]) == ("queued", 0.0, None)
+    assert admin.list_jobs()[0]["state"] == "queued"
+    assert jobs.take(f"{job}-1", "w1@h", lease_timeout_s=60, url=url)
+    assert store.get_job(job)["status"] == "running" and store.get_job(job)["started_at"] is not None
+    store.record_result(
+        f"{job}-1", RESULT, worker=None, device="cpu", queue_wait_s=None, pair="tiny", job_id=job, price_per_hour=None
+    )
+    st = client.status(job)
+    assert st["counts"] == {"queued": 1, "running": 0, "ok": 1, "failed": 1, "cancelled": 0}
+    assert st["eta_s"] == pytest.approx(st["elapsed_s"])  # one row ran in that time; one to go (not 2 done)
+    only_bad = tmp_path / "bad.jsonl"
+    only_bad.write_text(json.dumps({"prompt": ""}) + "\n")
+    bad_job = client.submit(only_bad, "tiny")["job_id"]
+    assert (store.get_job(bad_job)["status"], store.get_job(bad_job)["started_at"]) == ("done", None)

@@ -14,7 +14,7 @@ from sqlalchemy import func, inspect, select
 from specdec_llm.engine.types import GenerationResult, Stats
 from specdec_llm.settings import reload_settings
 from specdec_llm.store import db, record
-from specdec_llm.store.models import STATS_FIELDS, Baseline, Output, Request, Telemetry, Worker
+from specdec_llm.store.models import STATS_FIELDS, Baseline, Job, Output, Request, Telemetry, Worker
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -118,6 +118,41 @@ def test_concurrent_deliveries_write_one_row(url):
     assert count(url, Telemetry) == count(url, Output) == 1
     with db.session_scope(url) as s:
         assert s.scalar(select(func.count()).select_from(Worker)) == 1
+
+
+def test_a_job_whose_last_rows_finish_at_once_is_done(url):
+    """Two workers record a job's last two rows at the same moment: each transaction locks the
+    job's row before looking for pending rows, so the second sees the first's and ends the job
+    (on PostgreSQL, READ COMMITTED, each saw the other's row still pending: the job stayed running)."""
+    import threading
+
+    record.upsert_pair("p", url=url)
+    jobs = [f"race{j}" for j in range(30)]
+    for job in jobs:
+        record.create_job([{"id": f"{job}-1", "prompt": "p"}, {"id": f"{job}-2", "prompt": "p"}], job_id=job, url=url)
+    barrier = threading.Barrier(2)
+
+    def finish(request_id: str) -> None:
+        job = request_id.rsplit("-", 1)[0]
+        barrier.wait()
+        record.record_result(
+            request_id,
+            make_result(),
+            worker=None,
+            device="cpu",
+            queue_wait_s=None,
+            pair="p",
+            job_id=job,
+            price_per_hour=None,
+            url=url,
+        )
+
+    with ThreadPoolExecutor(2) as pool:
+        for job in jobs:
+            list(pool.map(finish, (f"{job}-1", f"{job}-2")))
+    with db.session_scope(url) as s:
+        states = dict(s.execute(select(Job.id, Job.status).where(Job.id.in_(jobs))).all())
+    assert states == dict.fromkeys(jobs, "done")
 
 
 def test_jobs_are_idempotent_on_idempotency_keys(url):
