@@ -86,6 +86,7 @@ REPORT_COLUMNS = (
     "time_to_first_token_s",
     "estimated_cost_usd",
     "baseline_s",
+    "batch_rows",  # (a batched row's share of its device: wall time / batch rows)
 )
 
 

@@ -522,8 +522,9 @@ def _telemetry_insert(
     **values: Any,
 ) -> PostgresInsert | SqliteInsert:
     """The INSERT of a finished row's telemetry (its ``Stats`` fields, where and how it ran,
-    its estimated cost = wall time x ``price_per_hour``), a no-op where it has some."""
-    wall = float(stats.get("wall_time_s") or 0.0)
+    its estimated cost = its share of the device's time (wall time / the rows it was decoded
+    beside) x ``price_per_hour``), a no-op where it has some."""
+    wall = float(stats.get("wall_time_s") or 0.0) / (float(stats.get("batch_rows") or 0.0) or 1.0)
     return (
         dialect_insert(session, Telemetry)
         .values(

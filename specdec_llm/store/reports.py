@@ -260,9 +260,17 @@ def _filters(
     return where
 
 
+def _device_seconds() -> ColumnElement[Any]:
+    """A telemetry row's share of its device's time in SQL: its wall time over the rows it
+    decoded beside (``batch_rows``, the mean batch size; 1 where not recorded): 4 rows decoded
+    together for 10 s are 10 device-seconds, not 40."""
+    T = Telemetry
+    return T.wall_time_s / func.coalesce(func.nullif(T.batch_rows, 0), 1.0)
+
+
 def _row_cost(prices: dict[str, float] | None) -> SQLColumnExpression[Any]:
-    """Cost of one telemetry row in SQL: wall time x price of its device kind, else the
-    cost estimated when it was recorded."""
+    """Cost of one telemetry row in SQL: its device-seconds (``_device_seconds``) x price of
+    its device kind, else the cost estimated when it was recorded."""
     T = Telemetry
     if not prices:
         return T.estimated_cost_usd
@@ -273,7 +281,7 @@ def _row_cost(prices: dict[str, float] | None) -> SQLColumnExpression[Any]:
         price = case(per_kind, value=T.device_kind, else_=None if default is None else literal(default, Float))
     else:
         price = literal(default, Float)
-    return func.coalesce(T.wall_time_s * price / 3600.0, T.estimated_cost_usd)
+    return func.coalesce(_device_seconds() * price / 3600.0, T.estimated_cost_usd)
 
 
 def _percentile_columns(dialect: str) -> list[Any]:
@@ -311,7 +319,7 @@ def _telemetry_query(
             func.avg(case((T.baseline_s.is_(None), T.tokens_per_s / func.nullif(B.tokens_per_s, 0)))).label(
                 "speedup_legacy"
             ),
-            func.sum(T.wall_time_s).label("device_seconds"),
+            func.sum(_device_seconds()).label("device_seconds"),
             func.sum(_row_cost(prices)).label("cost_usd"),
         )
         .select_from(T)

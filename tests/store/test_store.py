@@ -345,3 +345,28 @@ def test_a_cancelled_request_does_not_start_running(url):
     assert record.get_request(rid, url=url)["status"] == "cancelled"
     assert record.mark_request(rid, "queued", url=url)  # retry re-queues it
     assert record.mark_request(rid, "running", url=url)
+
+
+def test_rows_decoded_in_one_batch_share_its_device_time_and_cost(url):
+    """4 rows decoded together for 10 s kept the device busy 10 s: 10 device-seconds and, at
+    $1 a device-second, $10 (it was 40 and $40: each row charged its whole wall time)."""
+    from specdec_llm.store import summary
+
+    record.create_job([{"id": f"b{i}", "prompt": "p"} for i in range(5)], pair="p", job_id="batched", url=url)
+    for i in range(5):  # b4: decoded alone, its batch size not recorded (a row from before 0002)
+        stats = {"wall_time_s": 10.0, "output_tokens": 100, "batch_rows": 4.0 if i < 4 else None}
+        record.record_result(
+            f"b{i}",
+            make_result(**stats),
+            worker=WORKER,
+            device="cuda:0",
+            queue_wait_s=0.0,
+            pair="p",
+            job_id="batched",
+            price_per_hour=3600.0,
+            url=url,
+        )
+    [recorded] = summary(job="batched", group_by=(), url=url)
+    assert recorded["device_seconds"] == pytest.approx(20.0) and recorded["cost_usd"] == pytest.approx(20.0)
+    [priced] = summary(job="batched", group_by=(), price_per_hour="cuda=7200", url=url)
+    assert priced["cost_usd"] == pytest.approx(40.0)
