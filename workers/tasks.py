@@ -37,6 +37,7 @@ messages, parameters) is read from the store, so a message is a few ids, not dat
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -56,6 +57,10 @@ from specdec_llm.store import jobs
 from . import cancels, heartbeat, metrics, runtime
 
 log = logging.getLogger(__name__)
+# rows this process is generating: a second message for one of them (a resumed `run`, a
+# `retry`, a redelivery) is dropped, not decoded again beside it under the same lease owner
+_GENERATING: set[str] = set()
+_GENERATING_LOCK = threading.Lock()
 
 TRANSIENT: tuple[type[BaseException], ...] = (
     *store.TRANSIENT_ERRORS,  # the database away or locked for a moment (the store names them)
@@ -106,27 +111,39 @@ def generate(
     if not runtime.serves(pair):  # routed to a worker of another pair: pass it on
         self.app.send_task(TASK, **task_message(request_id, pair, enqueued_at=enqueued_at))
         return {"request_id": request_id, "status": "forwarded"}
+    with _GENERATING_LOCK:
+        here = request_id in _GENERATING
+        _GENERATING.add(request_id)
+    if here:
+        log.info("request %s: another message for a row this process is generating; dropped", request_id)
+        return {"request_id": request_id, "status": "running here", "duplicate": True}
+    try:  # (until its result is written)
+        return _run(self, request_id, pair, enqueued_at, result, started, clock)
+    finally:
+        with _GENERATING_LOCK:
+            _GENERATING.discard(request_id)
+
+
+def _run(
+    self: Task,
+    request_id: str,
+    pair: str,
+    enqueued_at: float | None,
+    result: dict[str, Any] | None,
+    started: float,
+    clock: float,
+) -> dict[str, Any]:
+    """``generate``'s work on a row of its pair: take and generate it (unless a retry brings
+    its result), then write the result."""
     if result is None:
         try:
             rt = runtime.get(pair)
         except Exception as e:  # noqa: BLE001 - not the row's fault: put it back, stop this worker
             runtime.stop_worker(runtime.load_error_text(pair, e))
             raise Reject(f"pair {pair} unavailable here", requeue=True) from None
-        owner = self.request.hostname or f"{rt.worker['host']}:{rt.worker['pid']}"
-        lease_timeout_s = get_settings().lease_timeout_s
-        # take the row and read it (and its job's cancel flag) in one transaction
-        row = jobs.start(
-            request_id, owner, lease_timeout_s=lease_timeout_s, max_attempts=MAX_ATTEMPTS, worker=rt.worker
-        )
-        if row is None:
-            log.warning("request %s is not in the store; nothing to do", request_id)
-            return {"request_id": request_id, "status": "missing"}
-        if not row["taken"]:
-            return _not_taken(request_id, row)
-        result, ended = _generate_row(self, row, rt, pair, clock)
+        result, ended = _take_and_generate(self, request_id, rt, pair, clock)
         if ended is not None:
             return ended
-        result["job_id"] = row["job_id"]
         result["queue_wait_s"] = started - enqueued_at if enqueued_at else None
         metrics.record(pair, result["stats"], result["queue_wait_s"])
     rt = runtime.get(pair)
@@ -153,6 +170,25 @@ def generate(
         "status": "ok",
         **{k: result[k] for k in ("text", "token_ids", "finish_reason", "stats")},
     }
+
+
+def _take_and_generate(
+    task: Task, request_id: str, rt: runtime.Runtime, pair: str, clock: float
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Take the row (read with its job's cancel flag in one transaction) and generate it:
+    ``(result, None)``, or ``(row, what the task returns)`` where it ended otherwise."""
+    owner = task.request.hostname or f"{rt.worker['host']}:{rt.worker['pid']}"
+    lease_timeout_s = get_settings().lease_timeout_s
+    row = jobs.start(request_id, owner, lease_timeout_s=lease_timeout_s, max_attempts=MAX_ATTEMPTS, worker=rt.worker)
+    if row is None:
+        log.warning("request %s is not in the store; nothing to do", request_id)
+        return {}, {"request_id": request_id, "status": "missing"}
+    if not row["taken"]:
+        return {}, _not_taken(request_id, row)
+    result, ended = _generate_row(task, row, rt, pair, clock)
+    if ended is None:
+        result["job_id"] = row["job_id"]
+    return result, ended
 
 
 def _not_taken(request_id: str, row: dict[str, Any]) -> dict[str, Any]:

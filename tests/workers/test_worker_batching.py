@@ -105,6 +105,23 @@ def test_rows_share_batches_and_equal_one_at_a_time(batch_fleet, reference, use,
     assert "batches of up to 4 (threads pool" in log and log.count("calibration tiny on cpu") == 1
 
 
+def test_a_row_whose_message_comes_twice_is_decoded_once(batch_fleet, use):
+    """Two messages for one row (a resumed `run` or a `submit` again, a `retry`, a redelivery)
+    reserved side by side by one batching worker: the row is taken and decoded once (it was
+    decoded twice under one lease owner, attempts 2, and a fourth copy failed it)."""
+    use(batch_fleet)
+    rows = [{"id": f"d{i}", "prompt": prompt(i, "twice"), "params": {"max_new_tokens": MAX_NEW}} for i in range(4)]
+    created = store.create_job(rows, name="twice", pair="tiny", params={"max_new_tokens": MAX_NEW})
+    ids = created["request_ids"]
+    client.enqueue([i for i in ids for _ in range(3)], "tiny")  # d0 d0 d0 d1 d1 d1 ...: copies in one batch
+    client.wait(created["job_id"], workers=batch_fleet.procs, timeout_s=240)
+    client.wait_for_empty_queue("tiny", timeout_s=60)
+    stored = [store.get_request(i) for i in ids]
+    assert [(r["status"], r["attempts"]) for r in stored] == [("ok", 1)] * 4, stored
+    with store.session_scope() as s:
+        assert s.scalar(select(func.count()).select_from(Telemetry).where(Telemetry.job_id == created["job_id"])) == 4
+
+
 def test_streaming_per_request_while_batched(batch_fleet, reference, use):
     """Streaming rows beside plain ones: each stream carries exactly its own row's text."""
     use(batch_fleet)
