@@ -43,7 +43,8 @@ PARAMS = {
     "stop": "stop",
     "response_format": "response_format",  # json_schema, json_object (text: no constraint)
 }
-IGNORED = ("model", "user", "metadata", "store", "service_tier")  # no effect on the text we generate
+# no effect on the text we generate (parallel_tool_calls: a row with tools fails on `tools` itself)
+IGNORED = ("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls")
 # fields we do not support, accepted at the value that asks for nothing (null is always accepted)
 NEUTRAL = {
     "n": 1,

@@ -24,11 +24,11 @@ class TextStream:
             return ""
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def update(self, out: list[int], find_stop: bool = True) -> int | None:
+    def update(self, out: list[int]) -> int | None:
         """The text of ``out``. When a stop string appears in it, the text is cut before the
         first one and the number of tokens to keep is returned (those whose text fits)."""
         self.text = self.decode(out)
-        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0] if find_stop else []
+        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
         if not hits:
             return None
         cut = min(hits)

@@ -55,6 +55,7 @@ def test_lines_become_rows(tmp_path):
                 presence_penalty=0.0,
                 user="u-1",
                 metadata={"team": "a"},
+                parallel_tool_calls=False,  # (asks nothing without tools)
             ),
             {
                 "custom_id": "c2",
