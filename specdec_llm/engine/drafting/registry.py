@@ -59,8 +59,8 @@ def register_drafter(
     """Make drafter ``name`` known: pairs may list it (``drafters = [..., "NAME"]``) and
     requests ask for it (``drafter="NAME"``). ``draft_kinds``: the pair drafts it runs on
     (e.g. ``("model", "distilled")``; empty for a drafter that reads token ids only)."""
-    if not name or not name.replace("-", "").replace("_", "").isalnum() or name == "auto":
-        raise ValueError(f"drafter name {name!r}: use letters, digits, '-' or '_' (and not 'auto')")
+    if not name or not name.replace("-", "").replace("_", "").isalnum() or name == "auto" or len(name) > 32:
+        raise ValueError(f"drafter name {name!r}: use up to 32 letters, digits, '-' or '_' (and not 'auto')")
     if name in _DRAFTERS and not replace:
         raise ValueError(f"drafter {name!r} is registered already; pass replace=True to replace it")
     _DRAFTERS[name] = Registration(name, build, tuple(draft_kinds), default, needs)
