@@ -83,16 +83,16 @@ class PlainClock:
     def __init__(self) -> None:
         self.plain_before = False  # whether the last iteration was a plain one (k = 0 for every row)
 
-    def step(self, cost: CostModel, big_k: int, seconds: float, verify_s: float) -> float:
-        """A k = 0 iteration (``seconds`` from the picks to its end) is one: measured when it
-        follows another (warm, as target-only decoding runs; schedule.PLAIN_RUN); any other
-        iteration reads the calibrated plain step (the proposals nobody verified are
-        speculation's own cost)."""
-        if big_k == 0:
+    def step(self, cost: CostModel, plain_iteration: bool, seconds: float, verify_s: float) -> float:
+        """A plain iteration (no drafter ran for any row; ``seconds`` from the picks to its end)
+        is one: measured when it follows another (warm, as target-only decoding runs;
+        schedule.PLAIN_RUN); any other iteration reads the calibrated plain step (the
+        proposals nobody verified, a draft a grammar cut to nothing, are speculation's own cost)."""
+        if plain_iteration:
             plain = seconds
             if self.plain_before:
                 cost.observe_plain(plain, verify_s)
         else:
             plain = cost.plain_step()
-        self.plain_before = big_k == 0
+        self.plain_before = plain_iteration
         return plain

@@ -199,6 +199,8 @@ class SpeculativeDecoder:
         finally:
             batch.close()
         self.save_costs()
+        if row.text_stream.error is not None:  # what on_text raised
+            raise row.text_stream.error
         assert row.result is not None  # a row leaves the batch finished
         return row.result
 
@@ -208,6 +210,8 @@ class SpeculativeDecoder:
         """Continuous batching over ``requests``: up to ``max_batch`` rows decode together, a
         finished row's place goes to the next request at once. A bad request's entry is its
         RequestError; the others are unaffected. Results in request order."""
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch: {max_batch!r}; use at least 1")
         pending = deque(enumerate(requests))
         results: list[Any] = [None] * len(pending)
         self.calibrate_batches(min(max_batch, len(pending)))
@@ -282,6 +286,7 @@ class Batch:
         self.clock = PlainClock()
         self.joining: list[RaggedCache] = []  # the target caches of rows that joined since the last step
         self.chains: dict[int, Proposal] = {}  # this iteration's proposals as drafted (before trees)
+        self.uncut: dict[int, Proposal] = {}  # ... and before a row's grammar cut them (where it did)
 
     def add(self, request: GenerationRequest, on_text: TextCallback | None = None, tag: Any = None) -> Row:
         """Join the batch (validates first: a RequestError leaves the batch untouched). The
@@ -309,6 +314,8 @@ class Batch:
 
     def step(self) -> list[Row]:
         """One iteration: propose -> verify -> accept -> commit, for every row at once."""
+        if not self.rows and not self.joining:
+            return []
         self.merge()
         rows, cost = self.rows, self.dec.costs[len(self.rows)]
         may_draft = any(r.drafters and r.k != 0 for r in rows)
@@ -339,7 +346,7 @@ class Batch:
         for r, (_, new) in zip(rows, outcomes):
             r.advance(new)
         end = time.perf_counter()
-        plain = self.clock.step(cost, big_k, end - t_chosen, verify_s)
+        plain = self.clock.step(cost, not any(k for _, k in choices), end - t_chosen, verify_s)
         for r, before in zip(rows, emitted):
             r.ledger.charge(end - t_start, r.ledger.emitted - before, plain)
         done = [r for r in rows if r.finish_reason]
@@ -359,9 +366,10 @@ class Batch:
                 drafts = session.propose([r.view for r in self.rows], ks)
                 self.charge(name, drafts)
                 props.update(drafts.proposals)
+        self.uncut = {}
         for b, prop in props.items():  # a row's grammar cuts its proposal before a token it rejects
-            if (g := self.rows[b].grammar) is not None:
-                props[b] = grammar.cut(prop, g)
+            if (g := self.rows[b].grammar) is not None and (short := grammar.cut(prop, g)) is not prop:
+                props[b], self.uncut[b] = short, prop
         self.chains = dict(props)  # what each drafter proposed (trees widen them below)
         return self.widen(props, offers) if self.dec.trees else props
 
@@ -369,7 +377,8 @@ class Batch:
         """Each chain with the other drafters' offers for its row, and its own drafter's
         alternatives, as branches where they pay (branches.grow): one target forward verifies them
         all. A row with a grammar, or sampled with a draft distribution, keeps its chain
-        (tree.py's exact rules are for deterministic drafts)."""
+        (tree.py's exact rules are for deterministic drafts), and so does a seeded sampled row
+        (whether a branch pays depends on timings and the other rows; a tree draws differently)."""
         cost, rows = self.dec.costs[len(self.rows)], self.rows
         if not props or not cost.calibrated:  # (unmeasured: nothing says a wider forward pays)
             return props
@@ -382,7 +391,7 @@ class Batch:
         for b, prop in props.items():
             r = rows[b]
             others = [o for name, o in offers[b].items() if name != prop.drafter] + (prop.branches or [])
-            if others and r.grammar is None and (r.req.greedy or prop.q is None):
+            if others and r.grammar is None and (r.req.greedy or (prop.q is None and not r.view.seeded)):
                 props[b] = branches.grow(prop, others, price, token_s, self.dec.max_k)
         return props
 
@@ -443,7 +452,8 @@ class Batch:
             f = features[b, [lo] + [lo + 1 + i for i in path]] if features is not None else None
             for name, out in events.items():
                 verified = chain is not None and chain.drafter == name
-                mine = chain if verified else offers[b].get(name)
+                # (a chain the grammar cut: its drafter learns the rejection of the token cut at)
+                mine = self.uncut.get(b, chain) if verified else offers[b].get(name)
                 out.append(Accepted(b, r.view, mine, n if verified else None, new, f))
         for name, session in self.sessions.items():
             session.update(events[name])

@@ -100,6 +100,8 @@ class Row:
         elif len(self.seq) >= self.context_length:
             self.finish_reason = "context"
         self.stream(final=self.finish_reason is not None)
+        if self.text_stream.error is not None and self.finish_reason is None:  # (the caller gets the error)
+            self.finish_reason = "cancelled"
 
     def stream(self, final: bool) -> None:
         self.text_stream.send(final)

@@ -80,6 +80,8 @@ class BatchServer:
             raise RuntimeError("this BatchServer is closed")
         fut: Future[GenerationResult] = Future()
         self.inbox.put((request, on_text, deadline, stop, fut))
+        if self.closed.is_set():  # closed meanwhile: the loop may have drained the inbox already
+            self._drain()
         return fut
 
     @property
@@ -140,28 +142,39 @@ class BatchServer:
                     break
                 if item is not None:
                     self._join(batch, item)
-            self._expire(batch)
-            self.rows = len(batch.rows)
-            if not batch.rows:
-                continue
             try:
+                self._expire(batch)
+                self.rows = len(batch.rows)
+                if not batch.rows:
+                    continue
                 done = batch.step()
             except Exception as e:  # fail this batch's rows, keep serving
                 log.exception("batch step failed; failing its %d rows", len(batch.rows))
                 for row in batch.rows:
-                    row.tag[0].set_exception(e)
+                    _fail(row.tag[0], e)
                 self._close(batch)
                 batch = Batch(self.decoder)
                 continue
             self.rows = len(batch.rows)
             for row in done:
-                row.tag[0].set_result(row.result)
+                _settle(row)
             if not batch.rows and time.monotonic() - self._saved > SAVE_EVERY_S:
                 self._save_costs()  # idle: what the batches learnt about the costs, for the next process
         for row in batch.rows:
-            row.tag[0].set_exception(RuntimeError("BatchServer closed"))
+            _fail(row.tag[0], RuntimeError("BatchServer closed"))
         self._close(batch)
+        self._drain()
         self._save_costs()
+
+    def _drain(self) -> None:
+        """Requests still in the inbox of a closed server fail (none waits forever)."""
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[4].set_running_or_notify_cancel():
+                item[4].set_exception(RuntimeError("BatchServer closed"))
 
     def _close(self, batch: Batch) -> None:
         """Every row of ``batch`` leaves (its drafters' resources come back), even after a failed step."""
@@ -207,7 +220,8 @@ class BatchServer:
                 fut.set_exception(TimeoutError("generation passed its deadline"))
                 gone.append(b)
             elif stop is not None and _asks_to_stop(stop):
-                fut.set_result(_stopped(row))
+                _stopped(row)
+                _settle(row)
                 gone.append(b)
         if gone:
             batch.keep([b for b in range(len(batch.rows)) if b not in gone])
@@ -221,10 +235,21 @@ def _asks_to_stop(stop: StopCheck) -> bool:
         return False
 
 
-def _stopped(row: Row) -> GenerationResult:
-    """The row's result as it stands: what it emitted so far, finish reason "cancelled"."""
+def _stopped(row: Row) -> None:
+    """The row ends as it stands: what it emitted so far, finish reason "cancelled"."""
     row.finish_reason = "cancelled"
     row.stream(final=True)
     row.finish()
-    assert row.result is not None
-    return row.result
+
+
+def _settle(row: Row) -> None:
+    """A finished row's future gets its result, or what its caller's on_text raised."""
+    if row.text_stream.error is not None:
+        _fail(row.tag[0], row.text_stream.error)
+    else:
+        row.tag[0].set_result(row.result)
+
+
+def _fail(fut: Future[GenerationResult], e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

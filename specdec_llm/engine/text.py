@@ -18,6 +18,7 @@ class TextStream:
         self.tokenizer, self.stop, self.on_text = tokenizer, stop, on_text
         self.text = ""
         self.emitted_chars = 0
+        self.error: Exception | None = None  # what the caller's on_text raised (its row then fails alone)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -48,5 +49,8 @@ class TextStream:
                 safe -= 1
             safe -= max((len(s) for s in self.stop), default=1) - 1
         if safe > self.emitted_chars:
-            self.on_text(self.text[self.emitted_chars : safe])
+            try:
+                self.on_text(self.text[self.emitted_chars : safe])
+            except Exception as e:  # noqa: BLE001 - the caller's callback: its row ends with this error, the batch goes on
+                self.error, self.on_text = e, None
             self.emitted_chars = safe

@@ -284,3 +284,45 @@ def test_an_auto_batch_server_chooses_its_size_before_serving(target):
     assert got == [dec.generate(r).token_ids for r in reqs]
     with pytest.raises(ValueError, match="max_batch"):
         BatchServer(dec, max_batch="big")
+
+
+def test_a_callers_failing_callback_fails_its_row_alone_and_a_closed_server_answers_every_request(target):
+    """A caller's on_text that raises (while streaming, or on a stopped row's last flush) fails
+    that row with its error; the other rows and the server go on. Closing the server fails the
+    requests still waiting; an empty step and a batch size below 1 are clear."""
+    from conftest import tiny_tokenizer
+
+    from specdec_llm.engine.serve import BatchServer
+
+    def broken(text: str) -> None:
+        raise ValueError("the caller's callback broke")
+
+    dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3), tiny_tokenizer())
+    server, steps = BatchServer(dec, max_batch=4, max_wait_ms=200), itertools.count()
+    try:
+        good = [server.submit(GenerationRequest(prompt=PROMPTS[i], max_new_tokens=20, k=2)) for i in range(3)]
+        bad = server.submit(GenerationRequest(prompt=PROMPTS[3], max_new_tokens=20, k=2), on_text=broken)
+        stopped = server.submit(
+            GenerationRequest(prompt=PROMPTS[4], max_new_tokens=400, k=0, stop=["never-" * 10]),  # (its text held back)
+            on_text=broken,
+            stop=lambda: next(steps) > 3,  # stops after some steps: its last flush raises
+        )
+        for f, req in zip(good, range(3)):
+            assert f.result(timeout=60).token_ids == greedy_reference(target, PROMPTS[req], 20)
+        for f in (bad, stopped):
+            with pytest.raises(ValueError, match="callback broke"):
+                f.result(timeout=60)
+        assert server.submit(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=5)).result(timeout=60).token_ids
+    finally:
+        server.close(timeout=10)
+    assert not server.thread.is_alive()
+    with pytest.raises(ValueError, match="callback broke"):  # one request alone: the caller gets its error
+        dec.generate(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=20, k=2), on_text=broken)
+    one = BatchServer(dec, max_batch=1, max_wait_ms=0)
+    waiting = [one.submit(GenerationRequest(prompt=PROMPTS[i], max_new_tokens=300, k=0)) for i in range(4)]
+    one.close(timeout=30)
+    for f in waiting:
+        assert f.done() and (f.exception() is None or "closed" in str(f.exception()))
+    assert Batch(dec).step() == []
+    with pytest.raises(ValueError, match="max_batch"):
+        dec.generate_many([GenerationRequest(prompt=[1, 2], max_new_tokens=3)], max_batch=0)

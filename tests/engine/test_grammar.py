@@ -184,3 +184,40 @@ def test_a_stop_string_cuts_a_constrained_row_as_at_k0_and_its_completeness_is_t
             ), stop
             assert res.text == whole.text[: whole.text.index(stop)] and res.complete is False
             assert "stop string" in res.incomplete()
+
+
+def test_drafts_a_grammar_cuts_to_nothing_are_not_timed_as_target_only_steps(pair):
+    """A model drafter whose every draft the grammar cuts to nothing (an unrelated draft under a
+    digits-only regex) ran its forwards for nothing: those iterations are speculation's cost,
+    not target-only steps (they were timed as such, and the row reported no loss: 1.0x)."""
+    target, _, tok = pair
+    unrelated = tiny_llama(7, vocab=len(tok), layers=2, hidden=128)
+    dec = SpeculativeDecoder(target, unrelated, tok, drafters=["model"])
+    fmt = {"type": "regex", "regex": "[0-9]{40}"}
+    plain = dec.generate(GenerationRequest(prompt="The quick brown fox", max_new_tokens=40, response_format=fmt, k=0))
+    res = dec.generate(GenerationRequest(prompt="The quick brown fox", max_new_tokens=40, response_format=fmt, k=4))
+    assert res.token_ids == plain.token_ids and res.stats.draft_forwards > 0
+    assert res.stats.draft_tokens_proposed == 0  # (every draft cut)
+    assert res.stats.speedup < 0.9, res.stats.speedup  # slower than target-only, and it says so
+
+
+def test_a_model_draft_the_grammar_cuts_learns_the_rejection(pair):
+    """A draft token the grammar rejects is a rejected draft: the model's acceptance learns it
+    (a draft cut to nothing taught it nothing, and a plan where drafting is cheap, as on a GPU,
+    kept paying for draft forwards thrown away)."""
+    from specdec_llm.engine.drafting.model import DISTILLED_PRIOR
+
+    target, _, tok = pair
+    dec = SpeculativeDecoder(target, tiny_llama(7, vocab=len(tok), layers=1), tok, drafters=["model"])
+    dec.calibrate_batches(1)
+    for cost in dec.costs.models.values():  # verifying k nearly free, a draft step cheap
+        cost.verify_s = {k: 0.010 + 0.0005 * k for k in cost.verify_s}
+        cost.draft_s = dict.fromkeys(cost.draft_s, 0.001)
+        cost.draft_width_s = {n: dict.fromkeys(shape, 0.001) for n, shape in cost.draft_width_s.items()}
+        cost.verify_scale, cost.width_ratio, cost.draft_scale, cost.draft_token_ratio = 1.0, {}, {}, {}
+        for name in ("observe_verify", "observe_draft", "observe_drafting", "observe_plain"):
+            setattr(cost, name, lambda *a, **k: None)
+    fmt = {"type": "regex", "regex": "[0-9]{80}"}
+    res = dec.generate(GenerationRequest(prompt="The quick brown fox", max_new_tokens=80, response_format=fmt))
+    assert dec.drafter("model").prior < DISTILLED_PRIOR
+    assert res.stats.draft_forwards < 20, res.stats.draft_forwards  # (63 before: drafts for nothing)

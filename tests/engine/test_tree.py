@@ -3,6 +3,9 @@ logits a plain forward of its own path gives, and tree acceptance keeps the targ
 
 from __future__ import annotations
 
+import dataclasses
+import random
+
 import pytest
 import torch
 from conftest import check_caches, exact_two_token_distribution, greedy_reference, perturbed, tiny_llama
@@ -224,6 +227,34 @@ def test_sampled_rows_verified_as_trees_keep_the_target_distribution(monkeypatch
     dec.drafters += [Fixed("fixed", [3, 4]), Fixed("other", [5, 6])]
     flat(dec, 8)  # (generate_many's batches)
     trees = count_trees(monkeypatch)
-    out = dec.generate_many(sampled_requests(prompt, N))
+    random.seed(0)  # unseeded rows (a seeded row keeps its chain: its text depends on its seed alone)
+    out = dec.generate_many([dataclasses.replace(r, seed=None) for r in sampled_requests(prompt, N)])
     assert trees[0] > N // 10
     assert_target_distribution(out, exact)
+
+
+def test_a_seeded_sampled_rows_text_does_not_depend_on_whether_trees_pay():
+    """A seeded sampled row's text depends on its seed alone: with two deterministic drafters
+    (lookup and one of the user's own), whether their offers would pay as a tree depends on the
+    machine's verify costs, and a tree draws differently, so such a row keeps its chain."""
+
+    class Repeat(FreeDrafter):
+        name = "repeat"
+
+        def continuation(self, row, k):
+            return [row.tokens[-1]] * k, list(range(k))
+
+    def texts(wide: bool) -> list[list[int]]:
+        dec = SpeculativeDecoder(tiny_llama(0), None, drafters=["lookup", Repeat()], seeded_k=4)
+        dec.calibrate_batches(1)
+        for cost in dec.costs.models.values():  # flat: a wide verification is free (trees pay); steep: never
+            cost.verify_s = {k: 0.010 * (1 + (0 if wide else 9 * k)) for k in cost.verify_s}
+            for name in ("observe_verify", "observe_draft", "observe_drafting", "observe_plain"):
+                setattr(cost, name, lambda *a, **k: None)
+        prompt = [5, 6, 7, 5, 6, 7, 7]
+        return [
+            dec.generate(GenerationRequest(prompt=prompt, max_new_tokens=30, temperature=1.0, seed=s)).token_ids
+            for s in range(6)
+        ]
+
+    assert texts(False) == texts(True)
