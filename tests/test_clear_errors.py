@@ -141,6 +141,9 @@ def test_a_seed_above_what_torch_takes_is_a_clear_error(tmp_path, pairs_file):
             "SPECDEC_DATABASE_URL: no usable SQLAlchemy driver",
         ),
         (["db", "current"], {"SPECDEC_DATABASE_URL": "mysql://u@127.0.0.1/db"}, "SQLite or PostgreSQL"),
+        (["db", "upgrade", "nope"], {}, "cannot upgrade to 'nope': Can't locate revision"),
+        (["report", "--price-per-hour", "gpu=3"], {}, "'gpu' is not a device kind; use cpu, cuda"),
+        (["jobs"], {"SPECDEC_DATABASE_URL": "not a url s3cretpw"}, "cannot read the database URL '(not a URL)'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(db, monkeypatch, args, env, fragment):
@@ -243,6 +246,7 @@ def test_every_error_derives_from_spec_dec_error_and_keeps_its_base():
 # -- hostile input: refused in one line before anything is enqueued or started ----------------------
 def test_a_broker_url_kombu_cannot_read_is_refused_before_anything(embedded, tmp_path, monkeypatch):
     from specdec_llm import client
+    from specdec_llm.client import broker
 
     monkeypatch.setenv("SPECDEC_BROKER_URL", "redis://127.0.0.1:6379/7?password=secret")
     reload_settings()
@@ -261,6 +265,21 @@ def test_a_broker_url_kombu_cannot_read_is_refused_before_anything(embedded, tmp
         client.check_broker_url(reload_settings())
     monkeypatch.setenv("SPECDEC_BROKER_URL", "redis://:secret@127.0.0.1:6379/7")
     client.check_broker_url(reload_settings())  # the fix: the password in the userinfo
+    for url, error in (
+        ("http://:secret@127.0.0.1:6379/0", "no broker transport 'http'"),  # (was a KeyError traceback)
+        ("redis://:sec/ret@127.0.0.1:6379/0", r"cannot read redis://:\*\*\*@127"),  # a '/' in the password
+        ("garbage secret", r"\(not a URL\)"),
+    ):
+        monkeypatch.setenv("SPECDEC_BROKER_URL", url)
+        with pytest.raises(client.QueueError, match=error) as e:
+            client.check_broker_url(reload_settings())
+        assert "sec" not in str(e.value).replace("SPECDEC", "")
+        assert "sec" not in client.broker_display(reload_settings())
+    monkeypatch.setenv("SPECDEC_BROKER_URL", "redis://:secret@127.0.0.1:6379/7")
+    monkeypatch.setenv("SPECDEC_CELERY_CONFIG", "no.such.module")
+    reload_settings()
+    with pytest.raises(client.QueueError, match=r"SPECDEC_CELERY_CONFIG=no\.such\.module: cannot import it"):
+        broker.get_app()
 
 
 def test_a_decimal_comma_in_a_price_is_refused_not_read_as_another_price(db, monkeypatch):

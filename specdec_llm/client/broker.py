@@ -71,7 +71,10 @@ def broker_display(settings: Settings | None = None) -> str:
 
     from specdec_llm.store.db import mask_query
 
-    return mask_query(maybe_sanitize_url(settings.broker_url))  # user:pass@ and ?password=...
+    url = settings.broker_url or ""
+    if "://" not in url:  # not a URL: nothing of it is shown (it may be a password pasted in)
+        return "(not a URL: see SPECDEC_BROKER_URL)"
+    return mask_query(maybe_sanitize_url(re.sub(r"(://[^@]*?:)[^@]*@", r"\1***@", url)))  # user:pass@, ?password=
 
 
 def check_broker_url(settings: Settings | None = None) -> None:
@@ -86,15 +89,19 @@ def check_broker_url(settings: Settings | None = None) -> None:
 
     from specdec_llm.store.db import mask_query
 
-    shown = mask_query(re.sub(r"(://[^/@?#]*?:)[^/@?#]*@", r"\1***@", url))
+    shown = mask_query(re.sub(r"(://[^@]*?:)[^@]*@", r"\1***@", url)) if "://" in url else "(not a URL)"
+    how = "use scheme://[:PASSWORD@]host:port/db, e.g. redis://:PASSWORD@127.0.0.1:6379/0"
     try:
         parts = url_to_parts(url)
         port = f":{parts.port}" if parts.port else ""
-    except ValueError as e:  # a port that is not a number
-        raise QueueError(
-            f"SPECDEC_BROKER_URL: cannot read {shown} ({str(e).replace(url, shown)}); "
-            "use scheme://[:PASSWORD@]host:port/db, e.g. redis://:PASSWORD@127.0.0.1:6379/0"
-        ) from None
+    except ValueError:  # a port that is not a number (its text is not shown: it may hold the password)
+        raise QueueError(f"SPECDEC_BROKER_URL: cannot read {shown}; {how}") from None
+    try:
+        from kombu.transport import resolve_transport
+
+        resolve_transport(parts.scheme)
+    except (KeyError, ImportError, ValueError):
+        raise QueueError(f"SPECDEC_BROKER_URL: {shown}: no broker transport {parts.scheme!r}; {how}") from None
     clash = [key for key in URL_FIELDS if key in parts.query]
     if clash:
         example = (
@@ -158,11 +165,23 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT},
             result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT},
         )
-    module = os.environ.get(CONFIG_ENV)
-    if module:
-        overrides = importlib.import_module(module)
-        conf.update({k: v for k, v in vars(overrides).items() if k.islower() and not k.startswith("_")})
+    conf.update(_overrides())
     return conf
+
+
+def _overrides() -> dict[str, Any]:
+    """The lowercase names of the module SPECDEC_CELERY_CONFIG names (none where it is unset)."""
+    module = os.environ.get(CONFIG_ENV)
+    if not module:
+        return {}
+    try:
+        overrides = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's module: any error is theirs, said in one line
+        raise QueueError(
+            f"{CONFIG_ENV}={module}: cannot import it ({type(e).__name__}: {e}); name an importable "
+            "module (on PYTHONPATH) of lowercase Celery settings, or unset it"
+        ) from None
+    return {k: v for k, v in vars(overrides).items() if k.islower() and not k.startswith("_")}
 
 
 def config_key() -> tuple[Any, ...]:

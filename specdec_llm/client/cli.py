@@ -95,6 +95,13 @@ def json_schema_format(path: Path) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
 
 
+def _usd(cost: float | None, none: str) -> str:
+    """A cost in dollars: four decimals, two significant digits below a cent (never $0.0000 for a cost)."""
+    if cost is None:
+        return none
+    return f"${cost:,.4f}" if cost >= 0.01 or cost == 0 else f"${cost:.2g}"
+
+
 def _fmt(v: object, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
@@ -161,7 +168,7 @@ def status(
         print(json.dumps(st, default=str))
         return
     c = st["counts"]
-    cost = "-" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
+    cost = _usd(st["cost_usd"], "-")
     print(f"job {st['job_id']} ({st['name']}): {st['status']}, {st['progress']:.0%} of {st['total']} rows")
     print("  " + ", ".join(f"{k} {v}" for k, v in c.items()))
     if st["lost"] or st["requeued"]:  # rows whose worker is gone: back on the queue by themselves
@@ -171,7 +178,7 @@ def status(
     print(
         f"  {st['output_tokens']} tokens, {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s overall, "
         f"{_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request; acceptance "
-        f"{_fmt(st['acceptance_rate'], '.1%')}, speedup {_fmt(st['speedup'], '.2f')}x "
+        f"{_fmt(st['acceptance_rate'], '.1%')}, speedup {_fmt(st['speedup'], '.2f')}{'x' if st['speedup'] is not None else ''} "
         f"(basis: {st['speedup_basis'] or '-'}), cost {cost}"
     )
     print(f"  elapsed {st['elapsed_s']:.0f} s, ETA {_fmt(st['eta_s'], '.0f')} s")
@@ -361,7 +368,7 @@ def _print_run_summary(st: dict[str, Any], out: Path, *, wall: float) -> None:
         f"{wall:.1f} s (worker start included); {_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request"
     )
     speedup = "unknown (no counterfactual recorded)" if st["speedup"] is None else f"{st['speedup']:.2f}x"
-    cost = "unknown (give --price-per-hour)" if st["cost_usd"] is None else f"${st['cost_usd']:,.4f}"
+    cost = _usd(st["cost_usd"], "unknown (give --price-per-hour)")
     print(
         f"  acceptance {_fmt(st['acceptance_rate'], '.1%')}, {_fmt(st['mean_accepted_length'], '.2f')} tokens "
         f"per target forward; speedup vs target-only {speedup}; cost {cost}"

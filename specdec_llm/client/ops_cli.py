@@ -229,7 +229,7 @@ def prune_cmd(
         question = f"delete {plan['jobs']} finished jobs {when} and their {plan['rows']} rows (outputs, telemetry)?"
         try:
             agreed = typer.confirm(question, default=False)
-        except click.Abort:
+        except (click.Abort, typer.Abort):  # Ctrl-C or no input (typer's own click has its own Abort)
             agreed = False
         if not agreed:
             print("nothing deleted (add --yes to delete without asking)")
@@ -261,8 +261,8 @@ def watch_status(job: str, *, interval: float, as_json: bool, price_per_hour: An
 
     from specdec_llm import client
 
-    if not interval > 0:
-        fail(f"interval: {interval:g} s; use a number of seconds above 0, e.g. --interval 2")
+    if not 0 < interval <= 3600:  # (inf would overflow the clock)
+        fail(f"interval: {interval:g} s; use a number of seconds above 0 and at most 3600, e.g. --interval 2")
     with user_errors():  # an unknown job or an unusable store: one line, before any view
         st = client.status(job, price_per_hour=price_per_hour)
     console = Console()

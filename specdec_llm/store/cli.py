@@ -19,10 +19,15 @@ from .db import current_revision, downgrade, head_revision, mask_url, resolve_ur
 
 def db_upgrade(revision: str = typer.Argument("head", help="Target revision.")) -> None:
     """Create the tables or migrate them up (SPECDEC_DATABASE_URL, default SQLite in the data dir)."""
+    from alembic.util import CommandError
+
     with user_errors():
         url = resolve_url()
         before = current_revision(url)
-        after = upgrade(url, revision)
+        try:
+            after = upgrade(url, revision)
+        except CommandError as e:  # alembic's "no such revision"
+            fail(f"cannot upgrade to {revision!r}: {str(e).splitlines()[0]}; `specdec-llm db current` shows the head")
     change = "already at" if before == after else f"upgraded {before or 'empty'} ->"
     typer.echo(f"{mask_url(url)}: {change} {after}")
 

@@ -64,7 +64,8 @@ def resolve_url(url: str | None = None) -> str:
     try:
         make_url(url)
     except (exc.ArgumentError, ValueError):
-        shown = mask_query(re.sub(r"(//[^/:@]*:)[^/@]*@", r"\1***@", url))  # no password, even here
+        # no password, even here; not a URL at all: nothing of it (it may be a password pasted in)
+        shown = mask_query(re.sub(r"(//[^/:@]*:)[^@]*@", r"\1***@", url)) if "://" in url else "(not a URL)"
         raise StoreError(
             f"cannot read the database URL {shown!r}; set SPECDEC_DATABASE_URL to e.g. "
             "sqlite:////path/specdec.db or postgresql+psycopg://user@host/db"

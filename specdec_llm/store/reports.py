@@ -144,6 +144,9 @@ def parse_when(
     raise ReportInputError(f"--{option}: expected a date, a datetime or text, not {type(value).__name__}")
 
 
+DEVICE_KINDS = ("cpu", "cuda", "mps", "xpu", "*")  # what a price may name (torch's device types)
+
+
 def parse_prices(value: Any, option: str = "--price-per-hour") -> dict[str, float] | None:
     """USD per device-hour by device kind: 2.5 (every kind), {"cuda": 2.5, "cpu": 0.1,
     "*": 1.0} ("*" = any other kind), or text such as "2.5", "cuda=2.5,cpu=0.1" (as in
@@ -167,6 +170,10 @@ def parse_prices(value: Any, option: str = "--price-per-hour") -> dict[str, floa
         if not price >= 0 or price == float("inf"):
             raise ReportInputError(f"{option}: {kind}={price!r} is not a price; use USD per device-hour >= 0")
         kind = str(kind).strip().lower() or "*"
+        if kind not in DEVICE_KINDS:  # (a price no device would ever get: gpu=3 priced nothing)
+            raise ReportInputError(
+                f"{option}: {kind}={price:g}: {kind!r} is not a device kind; use {', '.join(DEVICE_KINDS)} (* = any other)"
+            )
         if kind in prices:
             raise ReportInputError(
                 f"{option}: {'a price for every device' if kind == '*' else kind} is given twice; "

@@ -9,6 +9,7 @@ Thin: options checked and printed here, the work in ``specdec_llm.training`` (``
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Annotated
@@ -69,25 +70,85 @@ def _int_list(name: str, value: str, example: str) -> list[int]:
         raise  # unreachable: fail exits
 
 
-def _check_distill(phase: str, kind: str, pair: str | None, target: str | None, layers: str, features: str | None):
-    """The command line's checks, before any model loads: the layer lists it names."""
+def read_prompt_file(name: str, value: str, example: str, limit: int | None = None) -> list[dict]:
+    """The rows of the JSONL prompt file ``value`` (``evaluate.read_prompts``), or the one-line
+    error naming option ``name``: a missing file, a bad line (``path:line``) or no prompts."""
+    from .evaluate import read_prompts
+
+    path = Path(value)
+    fix = f"pass an existing JSONL file with a 'prompt' per line, e.g. the repository's {example}"
+    if not path.is_file():
+        fail(f"{name}: {value} is not a file (relative to {Path.cwd()}); {fix}")
+    try:
+        rows = read_prompts(path, limit)
+    except (ValueError, UnicodeDecodeError) as e:
+        fail(f"{name}: {e}")
+    if not rows:
+        fail(f"{name}: {value} holds no prompts; {fix}")
+    return rows
+
+
+# distill's numeric options: (smallest value, what the error suggests)
+DISTILL_RANGES = {
+    "steps": (1, "an integer >= 1"),
+    "batch_size": (1, "an integer >= 1"),
+    "gen_batch": (1, "an integer >= 1"),
+    "max_new_tokens": (1, "an integer >= 1"),
+    "ttt_steps": (1, "an integer >= 1"),
+    "max_len": (1, "an integer >= 1"),
+    "samples": (0, "0 or more"),
+    "expand_per_seed": (0, "0 or more"),
+    "vocab_subset": (0, "0 (the full vocabulary) or more"),
+}
+
+
+def _check_numbers(options: dict) -> None:
+    """distill's numbers, dtype and device, each refused with the option's name."""
+    from ..cli_common import check_device
+
+    for name, (least, use) in DISTILL_RANGES.items():
+        if options[name] < least:
+            fail(f"{name.replace('_', '-')}: {options[name]} is below {least}; use {use}")
+    if not (math.isfinite(options["lr"]) and options["lr"] > 0):
+        fail(f"lr: {options['lr']} is not a positive learning rate; use e.g. 1e-3")
+    hours = options["hours"]
+    if hours is not None and not (math.isfinite(hours) and hours > 0):
+        fail(f"hours: {hours} is not a positive number of hours; use e.g. 0.5, or leave it out for no limit")
+    if options["gen_dtype"] not in ("float32", "bfloat16", "float16"):
+        fail(f"gen-dtype: {options['gen_dtype']!r} unknown; use float32, bfloat16 or float16")
+    check_device(options["device"])
+
+
+def _check_distill(options: dict):
+    """The command line's checks, before any model loads: the layer lists it names, its numbers,
+    the device, and (for a data phase) the seed prompts read and the pool checked."""
+    phase, kind = options["phase"], options["kind"]
     if phase not in ("data", "train", "all"):
         fail(f"phase: {phase!r} unknown; use data, train or all")
     if kind not in ("model", "eagle"):
         fail(f"kind: {kind!r} unknown; use model or eagle")
     if kind == "eagle" and phase == "data":
         fail("kind eagle has no data phase: it trains on a token corpus (--corpus); use --phase train")
+    features = options["feature_layers"]
     feature_list = _int_list("feature-layers", features, "1,15,29") if features else None
-    if (pair is None) == (target is None):
+    layer_list = _int_list("layers", options["layers"], "0,1")
+    if (options["pair"] is None) == (options["target"] is None):
         fail("give exactly one of --pair NAME or --target REF")
-    return feature_list, _int_list("layers", layers, "0,1")
+    _check_numbers(options)
+    seeds = None
+    if kind == "model" and phase in ("data", "all"):
+        seeds = [
+            r["prompt"] for r in read_prompt_file("prompts", options["prompts"], "data/distill_seed_prompts.jsonl")
+        ]
+        if options["prompt_pool"] is not None:
+            read_prompt_file("prompt-pool", options["prompt_pool"], "data/distill_prompts_smollm2-135m.jsonl")
+    return feature_list, layer_list, seeds
 
 
-def _distill_data(model, tok, work: Path, prompts: Path, pool: Path | None, cfg, progress, deadline) -> None:
-    """The data phase: the target's answers to the seed prompts (``prompts``) or a ready ``pool``."""
+def _distill_data(model, tok, work: Path, seeds: list[str], pool: Path | None, cfg, progress, deadline) -> None:
+    """The data phase: the target's answers to the seed prompts (``seeds``) or a ready ``pool``."""
     from .distill import build_data
 
-    seeds = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines() if line.strip()]
     manifest = build_data(model, tok, seeds, work, cfg, progress, deadline, pool)
     err.print(f"data: {manifest.get('tokens', 0):,} answer tokens in {manifest.get('shards', 0)} shards")
 
@@ -147,10 +208,11 @@ def distill(
     """Distil a draft from a target (resumable: data shards and checkpoints live in --work).
 
     ``--kind eagle`` trains an EAGLE draft on a token corpus (--corpus) instead: no data phase."""
+    options = dict(locals())
     from .distill import DataConfig, TrainConfig
     from .eagle import EagleConfig
 
-    feature_list, layer_list = _check_distill(phase, kind, pair, target, layers, feature_layers)
+    feature_list, layer_list, seeds = _check_distill(options)
     trained = dict(steps=steps, batch_size=batch_size, lr=lr, vocab_subset=vocab_subset)  # both kinds of draft
     phases: list[tuple] = []
     if kind == "eagle":
@@ -164,7 +226,7 @@ def distill(
             expand_per_seed=expand_per_seed,
             samples=samples,
         )
-        phases.append(("data", data, Path(prompts), Path(prompt_pool) if prompt_pool else None))
+        phases.append(("data", data, seeds, Path(prompt_pool) if prompt_pool else None))
     if kind == "model" and phase in ("train", "all"):
         phases.append(("train", TrainConfig(layers=layer_list, init_from=init_from, **trained)))
     with user_errors():
@@ -188,18 +250,16 @@ def eval_pair(
 ) -> None:
     """Greedy acceptance rate, mean accepted length and per-position acceptance of a pair's drafter."""
     from ..pairs import get_spec, load_pair, use_threads
-    from .evaluate import evaluate, read_prompts
+    from .evaluate import evaluate
 
     if k < 1:
         fail(f"k: {k} is below 1; eval-pair measures drafts, use k >= 1")
-    path = Path(prompts)
-    if not path.is_file():
-        fail(f"prompts: {prompts} is not a file")
+    if limit is not None and limit < 1:
+        fail(f"limit: {limit} is below 1; use --limit N >= 1 prompts per category, or leave it out for all")
+    if max_new_tokens < 1:
+        fail(f"max-new-tokens: {max_new_tokens} is below 1; use an integer >= 1")
+    rows = read_prompt_file("prompts", prompts, "data/spec_bench_dev.jsonl", limit)
     with user_errors():
-        try:
-            rows = read_prompts(path, limit)
-        except (ValueError, UnicodeDecodeError) as e:
-            fail(f"prompts: {e}")
         spec = get_spec(pair or get_settings().default_pair)
         drafter = drafter or next((d for d in spec.drafter_names() if d in ("model", "quantized")), "auto")
         spec.check_drafter(drafter)

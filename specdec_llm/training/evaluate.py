@@ -9,6 +9,17 @@ from pathlib import Path
 from ..engine import GenerationRequest, SpeculativeDecoder
 
 
+def _json_object(path: Path, n: int, line: str) -> dict:
+    """Line ``n`` of ``path`` as a JSON object, or a ValueError naming ``path:n``."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f'{path}:{n}: {line.strip()[:40]!r} is not a JSON object; write {{"prompt": "..."}}')
+    return row
+
+
 def read_prompts(path: Path, limit: int | None = None) -> list[dict]:
     """JSONL rows with ``prompt`` (or Spec-Bench ``turns[0]``) and an optional ``category``.
 
@@ -18,11 +29,14 @@ def read_prompts(path: Path, limit: int | None = None) -> list[dict]:
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        prompt = row.get("prompt") or (row.get("turns") or [None])[0]
+        row = _json_object(path, n, line)
+        turns = row.get("turns")
+        prompt = row.get("prompt") or (turns[0] if isinstance(turns, list) and turns else None)
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"{path}:{n}: no 'prompt' (or 'turns') text")
         cat = row.get("category", "all")
+        if not isinstance(cat, str):
+            raise ValueError(f"{path}:{n}: 'category' is {cat!r}; use a string")
         if limit is None or taken[cat] < limit:
             taken[cat] += 1
             rows.append({"prompt": prompt, "category": cat})

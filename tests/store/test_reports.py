@@ -267,6 +267,7 @@ def test_parse_when():
         ),
         (lambda: reports.parse_prices(["cuda=lots"]), "--price-per-hour: cannot read 'cuda=lots'"),
         (lambda: reports.parse_prices({"cpu": -1}), "--price-per-hour: cpu=-1.0 is not a price"),
+        (lambda: reports.parse_prices("gpu=3"), "--price-per-hour: gpu=3: 'gpu' is not a device kind; use cpu, cuda"),
         (
             lambda: render.report("pdf", url="sqlite://"),
             "--format: unknown format 'pdf'; use one of table, csv, json, html",
