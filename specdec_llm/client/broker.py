@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 import importlib
 import logging
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -67,14 +66,9 @@ def broker_display(settings: Settings | None = None) -> str:
     settings = settings or get_settings()
     if is_embedded(settings):
         return f"embedded (files in {settings.data_dir / 'queue'})"
-    from kombu.utils.url import maybe_sanitize_url
+    from specdec_llm.store.db import mask_userinfo
 
-    from specdec_llm.store.db import mask_query
-
-    url = settings.broker_url or ""
-    if "://" not in url:  # not a URL: nothing of it is shown (it may be a password pasted in)
-        return "(not a URL: see SPECDEC_BROKER_URL)"
-    return mask_query(maybe_sanitize_url(re.sub(r"(://[^@]*?:)[^@]*@", r"\1***@", url)))  # user:pass@, ?password=
+    return mask_userinfo(settings.broker_url or "")
 
 
 def check_broker_url(settings: Settings | None = None) -> None:
@@ -87,9 +81,9 @@ def check_broker_url(settings: Settings | None = None) -> None:
         return
     from kombu.utils.url import url_to_parts
 
-    from specdec_llm.store.db import mask_query
+    from specdec_llm.store.db import mask_userinfo
 
-    shown = mask_query(re.sub(r"(://[^@]*?:)[^@]*@", r"\1***@", url)) if "://" in url else "(not a URL)"
+    shown = mask_userinfo(url)
     how = "use scheme://[:PASSWORD@]host:port/db, e.g. redis://:PASSWORD@127.0.0.1:6379/0"
     try:
         parts = url_to_parts(url)

@@ -314,7 +314,7 @@ class Batch:
 
     def step(self) -> list[Row]:
         """One iteration: propose -> verify -> accept -> commit, for every row at once."""
-        if not self.rows and not self.joining:
+        if not self.rows:  # (a row that joined is one of them)
             return []
         self.merge()
         rows, cost = self.rows, self.dec.costs[len(self.rows)]

@@ -5,13 +5,12 @@ so a reader never sees half of it."""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from .mapped import replacing
 
 
 def load(path: Path | None) -> dict[str, Any]:
@@ -32,11 +31,5 @@ def update(path: Path, entries: dict[str, Any]) -> None:
     with open(path.with_name(f"{path.name}.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = {**load(path), **entries}
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(name, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name)
+        with replacing(path) as tmp:
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))

