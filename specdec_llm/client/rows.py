@@ -170,6 +170,20 @@ def _lines(f: BinaryIO) -> Iterator[tuple[int, str | _Bad]]:
             )
 
 
+def _opens_array(line: str) -> bool:
+    """Whether a file's first line opens a JSON array: ``[`` alone (pretty-printed), ``[{`` (an
+    array of objects), or a whole array on one line. Any other line, ``[[[[`` say, is a bad row."""
+    head = line.strip()
+    if head == "[" or head.startswith("[{"):
+        return True
+    if not head.startswith("["):
+        return False
+    try:
+        return isinstance(json.loads(head), list)
+    except (ValueError, RecursionError):
+        return False
+
+
 def _jsonl(lines: Iterable[tuple[int, str | _Bad]], path: Path) -> list[Row]:
     rows: list[Row] = []
     for n, line in lines:
@@ -178,7 +192,7 @@ def _jsonl(lines: Iterable[tuple[int, str | _Bad]], path: Path) -> list[Row]:
             continue
         if not line.strip():
             continue
-        if not rows and line.lstrip().startswith("["):  # a JSON array (a .json file): no row would read
+        if not rows and _opens_array(line):  # a JSON array (a .json file): no row would read
             out = f"{path.stem}.jsonl" if path.suffix.lower() != ".jsonl" else f"{path.stem}-lines.jsonl"
             raise InputError(
                 f"{path}: line {n} starts a JSON array; JSON Lines expected: one object per line; "

@@ -71,6 +71,10 @@ def test_a_json_array_or_a_utf16_file_fails_the_command_with_one_clear_error(tmp
     for name in ("in.txt", "in.csv", "in.jsonl"):
         with pytest.raises(InputError, match="is UTF-16 text; save it as UTF-8"):
             read_rows(tmp_path / name)
+    # a first line that only looks like an array is one bad row, not a refused file
+    (tmp_path / "odd.jsonl").write_text("[[[[oops\n" + json.dumps({"prompt": "hi"}) + "\n")
+    bad, good = read_rows(tmp_path / "odd.jsonl")
+    assert bad.error.startswith("invalid JSON") and good.prompt == "hi" and good.error is None
 
 
 def test_job_id_is_content_pair_and_params(tmp_path):
