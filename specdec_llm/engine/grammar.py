@@ -23,35 +23,14 @@ Formats (OpenAI's ``response_format`` plus two of ours)::
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from .drafting.base import Proposal
 from .types import FORMAT_FIELD as FIELD
-from .types import RequestError, response_schema
-
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions
-
-# JSON as json.dumps writes it (", " and ": ", no other whitespace): what models write most, and
-# every separator a forced token; a schema's "x-guidance" object overrides these
-JSON_STYLE: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _grammar(key: str) -> str:
-    """The llguidance grammar of a format (its JSON text as the cache key)."""
-    from llguidance import LLMatcher
-
-    fmt = json.loads(key)
-    kind = fmt["type"]
-    if kind in ("json_schema", "json_object"):
-        schema = response_schema(fmt) if kind == "json_schema" else {"type": "object"}
-        return str(LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE))
-    if kind == "regex":
-        return str(LLMatcher.grammar_from_regex(fmt["regex"]))
-    return str(LLMatcher.grammar_from_lark(fmt["grammar"]))
+from .types import RequestError, grammar_text
 
 
 class Tokens:
@@ -82,7 +61,7 @@ class Tokens:
         from llguidance import LLMatcher
 
         try:
-            m = LLMatcher(self.ll, _grammar(key))
+            m = LLMatcher(self.ll, grammar_text(key))
         except (ValueError, RuntimeError) as e:
             raise RequestError(FIELD, f"does not compile: {e}") from None
         if m.is_error():

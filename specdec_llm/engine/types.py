@@ -6,12 +6,17 @@ LangChain integration pass it around without touching tensors or ORM objects.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import SpecDecError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 # "cancelled": the caller stopped the row mid-way (BatchServer.submit's stop); its text is partial
 FinishReason = Literal["eos", "stop", "length", "context", "cancelled"]
@@ -96,7 +101,8 @@ FORMAT_KINDS = ("json_schema", "json_object", "regex", "grammar")
 
 
 def check_response_format(fmt: object) -> None:
-    """``response_format``'s shape (its grammar compiles when the row joins: grammar.py)."""
+    """``response_format``'s shape, and that its grammar is valid (no tokenizer needed: a job
+    refuses a bad schema at submit instead of failing every row; grammar.py compiles it)."""
     if not isinstance(fmt, dict):
         raise RequestError(FORMAT_FIELD, f'must be an object such as {{"type": "json_object"}}, got {fmt!r}')
     kind = fmt.get("type")
@@ -106,6 +112,42 @@ def check_response_format(fmt: object) -> None:
         response_schema(fmt)
     elif kind in ("regex", "grammar") and not (isinstance(fmt.get(kind), str) and fmt[kind]):
         raise RequestError(FORMAT_FIELD, f'type {kind!r} needs a non-empty string "{kind}"')
+    try:
+        problem = _grammar_problem(json.dumps(fmt))
+    except (TypeError, ValueError) as e:  # (a value JSON cannot hold: NaN is refused elsewhere)
+        problem = str(e)
+    if problem:
+        raise RequestError(FORMAT_FIELD, f"{kind} does not compile: {problem.strip()[:400]}")
+
+
+# JSON as json.dumps writes it (", " and ": ", no other whitespace): what models write most, and
+# every separator a forced token; a schema's "x-guidance" object overrides these
+JSON_STYLE: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(key: str) -> str:
+    """The llguidance grammar of a format (its JSON text: ``key``); the grammar engine is llguidance's."""
+    from llguidance import LLMatcher
+
+    fmt = json.loads(key)
+    kind = fmt["type"]
+    if kind in ("json_schema", "json_object"):
+        schema = response_schema(fmt) if kind == "json_schema" else {"type": "object"}
+        return str(LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE))
+    if kind == "regex":
+        return str(LLMatcher.grammar_from_regex(fmt["regex"]))
+    return str(LLMatcher.grammar_from_lark(fmt["grammar"]))
+
+
+@functools.lru_cache(maxsize=256)  # a job's rows share their format
+def _grammar_problem(key: str) -> str:
+    """Why a format's grammar is invalid; "" when it is valid."""
+    from llguidance import LLMatcher
+
+    try:
+        return LLMatcher.validate_grammar(grammar_text(key))
+    except (ValueError, RuntimeError) as e:
+        return str(e)
 
 
 def response_schema(fmt: dict[str, Any]) -> dict[str, Any]:

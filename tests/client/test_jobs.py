@@ -289,8 +289,12 @@ def test_a_structured_job_parses_every_row_and_fails_bad_ones_alone(embedded, tm
     assert isinstance(items["own"]["parsed"], list) and isinstance(items["batch"]["parsed"], dict)
     assert (
         items["bad-schema"]["status"] == "failed"
-        and "response_format: does not compile" in items["bad-schema"]["error"]
+        and "response_format: regex does not compile" in items["bad-schema"]["error"]
     )
     assert items["short"]["status"] == "failed" and "raise max_new_tokens" in items["short"]["error"]
     bad = invoke("run", path, "--pair", "tiny", "--json-schema", tmp_path / "none.json")
     assert bad.exit_code == 2 and "json-schema: cannot read" in bad.output
+    (tmp_path / "typo.json").write_text(json.dumps({"type": "objet"}))  # refused before any row runs
+    bad = invoke("run", path, "--pair", "tiny", "--json-schema", tmp_path / "typo.json", "--out", tmp_path / "o2")
+    assert bad.exit_code == 2 and "response_format: json_schema does not compile: Invalid type: objet" in bad.output
+    assert not (tmp_path / "o2").exists()

@@ -78,6 +78,7 @@ def test_a_regex_row_and_a_free_row_decode_side_by_side(pair):
         ({"type": "regex", "regex": ""}, 'needs a non-empty string "regex"'),
         ({"type": "regex", "regex": "(ab"}, "does not compile"),
         ({"type": "grammar", "grammar": "start: missing"}, "does not compile"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "objet"}}}, "Invalid type: objet"),
         ("json", "must be an object"),
     ],
 )
