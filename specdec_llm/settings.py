@@ -7,14 +7,17 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal, get_args
 
 import platformdirs
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import SpecDecError
 
 APP = "specdec-llm"
+Dtype = Literal["float32", "bfloat16", "float16"]  # a pair's dtype (pairs/loading.py maps each to torch's)
+DTYPE_NAMES: tuple[str, ...] = get_args(Dtype)
 
 
 class SettingsError(SpecDecError, ValueError):
@@ -28,8 +31,8 @@ class Settings(BaseSettings):
     config_file: Path = Path(platformdirs.user_config_dir(APP)) / "pairs.toml"
     cache_dir: Path = Path(platformdirs.user_cache_dir(APP))
     default_pair: str = "smollm2-135m-q4"  # the fastest built-in pair (README: figures)
-    device: str | None = None  # overrides every pair's device, e.g. "cuda:0"
-    dtype: str | None = None  # overrides every pair's dtype, e.g. "bfloat16"
+    device: str | None = Field(None, pattern=r"^(cpu|mps|cuda(:\d+)?)$")  # overrides every pair's, e.g. "cuda:0"
+    dtype: Dtype | None = None  # overrides every pair's dtype
     threads: int | None = Field(None, ge=1)  # torch intra-op threads (CPU)
 
     # Store and queue (used by the store / workers)
@@ -49,6 +52,16 @@ class Settings(BaseSettings):
     lease_heartbeat_s: float = Field(10.0, gt=0)
     lease_timeout_s: float = Field(60.0, gt=0)
 
+    @field_validator("max_batch")
+    @classmethod
+    def _max_batch(cls, value: int | str) -> int | str:
+        if str(value).strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, int) or str(value).strip().isdigit():
+            if int(value) >= 1:
+                return int(value)
+        raise ValueError("not a batch size")
+
     @property
     def effective_database_url(self) -> str:
         if self.database_url:
@@ -58,6 +71,9 @@ class Settings(BaseSettings):
 
 # what a variable takes, for its error (the others take any text)
 TAKES = {
+    "device": "cpu, cuda, cuda:N or mps, or unset it for each pair's own device",
+    "dtype": "float32, bfloat16 or float16, or unset it for each pair's own dtype",
+    "max_batch": "an integer >= 1, or auto (the size with the most tokens/s, from measured costs)",
     "threads": "a whole number >= 1 (torch's CPU threads), or unset it for torch's default",
     "max_wait_ms": "a number of milliseconds >= 0",
     "lease_heartbeat_s": "a number of seconds > 0",
@@ -79,7 +95,8 @@ def unreadable(error: ValidationError) -> str:
     """One line: the first variable pydantic refused, its value, why, and what it takes."""
     first = error.errors()[0]
     field = str(first["loc"][0]) if first["loc"] else "?"
-    why = first["msg"][0].lower() + first["msg"][1:]
+    msg = first["msg"].removeprefix("Value error, ")  # (a validator's own ValueError)
+    why = msg[0].lower() + msg[1:]
     more = error.error_count() - 1
     return f"SPECDEC_{field.upper()}={first.get('input')!r}: {why}; set it to {TAKES.get(field, 'a valid value')}" + (
         f" ({more} more SPECDEC_* variable{'s' if more > 1 else ''} refused too)" if more else ""

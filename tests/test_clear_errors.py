@@ -209,6 +209,13 @@ def test_enqueue_refuses_an_unknown_pair_naming_the_known_ones(pairs_file):
         enqueue(["r1"], "nope")
 
 
+def test_an_unknown_default_pair_names_its_variable(embedded, settings_env):
+    fresh_settings(settings_env, SPECDEC_DEFAULT_PAIR="nope")
+    one_line_exit_2(
+        CliRunner().invoke(main_cli(), ["generate", "hi"]), "unknown pair 'nope' (SPECDEC_DEFAULT_PAIR names it)"
+    )
+
+
 def test_report_out_makes_its_folders_and_an_empty_report_says_so(db, tmp_path):
     store.ensure_schema(db)
     out = tmp_path / "new" / "folder" / "r.csv"
@@ -463,6 +470,10 @@ def settings_env():
         ({"SPECDEC_LEASE_TIMEOUT_S": "abc"}, "SPECDEC_LEASE_TIMEOUT_S='abc': input should be a valid number"),
         ({"SPECDEC_LEASE_HEARTBEAT_S": "0"}, "SPECDEC_LEASE_HEARTBEAT_S='0'"),
         ({"SPECDEC_MAX_WAIT_MS": "-1"}, "set it to a number of milliseconds >= 0"),
+        ({"SPECDEC_DTYPE": "fp16"}, "SPECDEC_DTYPE='fp16': input should be 'float32', 'bfloat16' or 'float16'"),
+        ({"SPECDEC_DEVICE": "gpu"}, "set it to cpu, cuda, cuda:N or mps, or unset it"),
+        ({"SPECDEC_MAX_BATCH": "many"}, "SPECDEC_MAX_BATCH='many': not a batch size; set it to an integer >= 1"),
+        ({"SPECDEC_MAX_BATCH": "0"}, "SPECDEC_MAX_BATCH='0'"),
     ],
 )
 @pytest.mark.parametrize("command", [["jobs"], ["status", "x"], ["generate", "hi", "--pair", "tiny"], ["worker"]])

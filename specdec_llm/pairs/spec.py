@@ -10,8 +10,9 @@ from importlib import resources
 from pathlib import Path
 
 from ..engine import RequestError
+from ..engine.devices import DEVICE, FORMS
 from ..errors import SpecDecError
-from ..settings import Settings, get_settings
+from ..settings import DTYPE_NAMES, Settings, get_settings
 
 DRAFT_META = "specdec_draft.json"
 SHARED_TENSORS = ["model.embed_tokens", "model.norm", "lm_head", "model.rotary_emb"]
@@ -157,6 +158,10 @@ def _check_keys(where: str, name: str, fields: object, known: set[str]) -> None:
         kind = KEY_TYPES.get(key)
         if kind and not has_type(value, kind):
             raise PairError(f"{where}: {key} must be {WORDS[kind]}, not {value!r} ({toml_type(value)})")
+    if fields.get("dtype", "float32") not in DTYPE_NAMES:
+        raise PairError(f"{where}: dtype {fields['dtype']!r} unknown; use one of {', '.join(DTYPE_NAMES)}")
+    if not DEVICE.fullmatch(fields.get("device", "cpu")):
+        raise PairError(f"{where}: device {fields['device']!r} is not a device; use {FORMS}")
 
 
 def _check_drafting(where: str, fields: dict) -> None:
@@ -217,7 +222,13 @@ def registry() -> dict[str, PairSpec]:
 def get_spec(name: str) -> PairSpec:
     pairs = registry()
     if name not in pairs:
-        raise RequestError("pair", f"unknown pair {name!r}; known pairs: {', '.join(sorted(pairs))}")
+        settings = get_settings()
+        env = (
+            " (SPECDEC_DEFAULT_PAIR names it)"
+            if "default_pair" in settings.model_fields_set and name == settings.default_pair
+            else ""
+        )
+        raise RequestError("pair", f"unknown pair {name!r}{env}; known pairs: {', '.join(sorted(pairs))}")
     return pairs[name]
 
 

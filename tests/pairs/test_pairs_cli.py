@@ -76,6 +76,8 @@ def test_bad_user_file_names_the_key(tmp_path, monkeypatch):
         ("draft = 3", "draft must be a string, not 3 (an integer)"),
         ("dtype = 16", "dtype must be a string, not 16 (an integer)"),
         ("device = 0", "device must be a string, not 0 (an integer)"),
+        ('dtype = "fp16"', "dtype 'fp16' unknown; use one of float32, bfloat16, float16"),
+        ('device = "gpu"', "device 'gpu' is not a device; use cpu, cuda, cuda:N or mps"),
         (
             'drafters = "lookup"',
             'drafters must be a list of strings, e.g. ["lookup", "suffix"], not \'lookup\' (a string)',
