@@ -40,6 +40,7 @@ from ..pairs import (
     reference,
     shared_draft,
 )
+from .evaluate import read_prompts
 from .loop import Schedule, TrainLoop, subset_rows
 
 EXPAND_TEMPLATE = (
@@ -237,8 +238,9 @@ def build_data(
     store = DataStore(work / "data")
     model = target.to(getattr(torch, cfg.dtype))
     prompts_path = work / "data" / "prompts.jsonl"
-    if pool is not None and not prompts_path.exists():
-        prompts_path.write_text(pool.read_text(encoding="utf-8"))
+    if pool is not None and not prompts_path.exists():  # its prompts as the corpus reads them ('turns' too)
+        rows = read_prompts(pool)
+        prompts_path.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows))
     if not prompts_path.exists():
         prompts = list(dict.fromkeys(p.strip() for p in seed_prompts if p.strip()))
         asks = [chat_ids(tok, EXPAND_TEMPLATE.format(seed=s)) for s in prompts for _ in range(cfg.expand_per_seed)]

@@ -149,7 +149,9 @@ def test_teacher_refuses_another_targets_corpus(tiny, grown, tmp_path):
 def test_a_distill_data_phase_imports(tiny, tmp_path):
     target, tok = tiny
     pool = tmp_path / "pool.jsonl"
-    pool.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    # Spec-Bench rows ('turns') and a blank line, as the CLI's check accepts them
+    pool.write_text("\n".join(json.dumps({"turns": [p]} if i % 2 else {"prompt": p}) for i, p in enumerate(PROMPTS)))
+    pool.write_text(pool.read_text() + "\n\n")
     cfg = D.DataConfig(max_new_tokens=8, batch_size=3, dtype="float32", samples=1, topk=2)
     D.build_data(target, tok, [], tmp_path / "w", cfg, pool=pool)
     fp = fingerprint(target)
