@@ -1,5 +1,9 @@
 """``cancel JOB --now``, the worker's side: a signal over the broker, the store as the record.
 
+One row is cancelled the same way (``client.cancel_request``: a LangChain stream its caller
+stopped reading, a call that timed out): its request id stands where a job id stands below,
+and each row's stop check watches both its job and itself.
+
 - The client writes the cancel in the store (``jobs.cancel``, the flag's time chosen by the
   client), then broadcasts Celery's remote-control command ``protocol.CANCEL_COMMAND`` with
   the job's id and that time to every worker (Redis pub/sub fanout; the embedded broker's
@@ -82,19 +86,21 @@ def _announcement(n: int) -> tuple[str, datetime] | None:
 
 
 class RowStop:
-    """One row's stop check (callable: "should this row stop now?"), asked before each step.
+    """One row's stop check (callable: "should this row stop now?"), asked before each step:
+    its job's cancel or its own (``keys``: the job id and the request id).
     ``iterations_after``: once it said yes, the iterations of the row that ended after the
     cancel was written (the one running then, if any, and those started since)."""
 
-    def __init__(self, flags: CancelFlags, job_id: str):
-        self.flags, self.job_id = flags, job_id
+    def __init__(self, flags: CancelFlags, keys: tuple[str, ...]):
+        self.flags, self.keys = flags, keys
         self.steps: deque[datetime] = deque(maxlen=_REMEMBERED)  # when its last steps started
         self.iterations_after: int | None = None
 
     def __call__(self) -> bool:
         if _announced.value != self.flags.seen:  # a cancel was announced since this process looked
             self.flags.catch_up()
-        written = self.flags.flagged.get(self.job_id)
+        flagged = self.flags.flagged
+        written = min((flagged[k] for k in self.keys if k in flagged), default=None)
         if written is None:
             self.steps.append(utcnow())
             return False
@@ -106,12 +112,13 @@ class RowStop:
 
 
 class CancelFlags:
-    """This process's watched jobs (those it is generating rows of) and which were cancelled."""
+    """This process's watched jobs and rows (those it is generating) and which were cancelled:
+    a key is a job id (``cancel --now``) or a request id (``cancel_request``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.watched: Counter[str] = Counter()  # job id -> rows of it being generated here
-        self.flagged: dict[str, datetime] = {}  # watched jobs whose cancel flag is set -> when it was written
+        self.watched: Counter[str] = Counter()  # job or request id -> rows of it being generated here
+        self.flagged: dict[str, datetime] = {}  # watched keys whose cancel flag is set -> when it was written
         self.seen = _announced.value  # the announcements this process has looked at
         # watched job -> the announcements made before it was watched: what the store said when
         # its row was taken is newer than those (a retried job's old cancel must not stop it)
@@ -119,26 +126,29 @@ class CancelFlags:
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def watch(self, job_id: str, cancelled_at: datetime | None = None) -> RowStop:
-        """Start watching ``job_id`` for one row, whose job's cancel flag was ``cancelled_at``
-        when the row was taken (None: not set); the row's stop check (call ``release`` after)."""
+    def watch(self, keys: tuple[str, ...], cancelled_at: datetime | None = None) -> RowStop:
+        """Start watching one row: ``keys``, its job id and request id, whose cancel flag was
+        ``cancelled_at`` when the row was taken (the job's or its own; None: neither set); the
+        row's stop check (call ``release(keys)`` after)."""
         with self.lock:
-            flagged = {k: v for k, v in self.flagged.items() if k != job_id}  # the store said so just now
+            flagged = {k: v for k, v in self.flagged.items() if k not in keys}  # the store said so just now
             if cancelled_at is not None:
-                flagged[job_id] = cancelled_at
+                flagged[keys[0]] = cancelled_at
             self.flagged = flagged
-            self.since.setdefault(job_id, _announced.value)
-            self.watched[job_id] += 1
+            for key in keys:
+                self.since.setdefault(key, _announced.value)
+                self.watched[key] += 1
             if self.thread is None or not self.thread.is_alive():  # (a forked child starts its own)
                 self.thread = threading.Thread(target=self._look, name="specdec-cancels", daemon=True)
                 self.thread.start()
-        return RowStop(self, job_id)
+        return RowStop(self, keys)
 
-    def release(self, job_id: str) -> None:
+    def release(self, keys: tuple[str, ...]) -> None:
         with self.lock:
-            self.watched[job_id] -= 1
-            if self.watched[job_id] <= 0:
-                del self.watched[job_id], self.since[job_id]
+            for key in keys:
+                self.watched[key] -= 1
+                if self.watched[key] <= 0:
+                    del self.watched[key], self.since[key]
 
     def catch_up(self) -> None:
         """The announcements since this process last looked: a watched job named there is
@@ -165,7 +175,7 @@ class CancelFlags:
             self.wake.set()
 
     def _look(self) -> None:
-        """Read the watched jobs' cancel flags each time an announcement named no job."""
+        """Read the watched jobs' and rows' cancel flags each time an announcement named none."""
         while True:
             self.wake.wait()
             self.wake.clear()

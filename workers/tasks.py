@@ -215,7 +215,8 @@ def _generate_row(
     step; the row's partial text is kept)."""
     request_id, job_id = row["id"], row.get("job_id")
     stream = StreamWriter(request_id) if (row.get("params") or {}).get("_stream") else None
-    stop = cancels.flags.watch(job_id, row.get("cancel_requested_at")) if job_id else None
+    keys = (job_id, request_id) if job_id else (request_id,)  # its job's cancel, or its own
+    stop = cancels.flags.watch(keys, row.get("cancel_requested_at"))
     limit = soft_time_limit(task)
     try:
         req = build_request(row, rt.loaded.tokenizer)
@@ -238,10 +239,9 @@ def _generate_row(
     finally:
         if stream:
             stream.close()
-        if job_id:
-            cancels.flags.release(job_id)
+        cancels.flags.release(keys)
     if result["finish_reason"] == "cancelled":
-        jobs.end_cancelled(request_id, result, iterations_after=stop.iterations_after if stop else None)
+        jobs.end_cancelled(request_id, result, iterations_after=stop.iterations_after)
         return {}, {
             "request_id": request_id,
             "status": "cancelled",

@@ -225,7 +225,8 @@ def check_broker() -> None:
 
 
 def broadcast_cancel(job_id: str, written: datetime) -> bool:
-    """Tell every worker that ``job_id`` was cancelled ``--now``, its flag ``written`` then
+    """Tell every worker that ``job_id`` (a job, or one row: a request id) was cancelled
+    ``--now``, its flag ``written`` then
     (naive UTC) (Celery's remote control: ``CANCEL_COMMAND`` broadcast, no reply awaited);
     False when the broker cannot be reached. The store holds the cancel either way: a worker
     that misses this finds it at its next lease heartbeat, and at the start of each row."""
@@ -235,7 +236,7 @@ def broadcast_cancel(job_id: str, written: datetime) -> bool:
         get_app().control.broadcast(CANCEL_COMMAND, arguments=arguments)
         return True
     except Exception as e:  # noqa: BLE001 - the store has the cancel: workers find it by themselves
-        log.warning("could not broadcast the cancel of job %s (%s); workers find it in the store", job_id, e)
+        log.warning("could not broadcast the cancel of %s (%s); workers find it in the store", job_id, e)
         return False
 
 

@@ -341,6 +341,19 @@ def cancel(job_id: str, *, now: bool = False) -> dict[str, Any]:
     return {"job_id": job_id, "cancelled": cancelled, "stopping": stopping, "finished": False}
 
 
+def cancel_request(request_id: str, *, reason: str = "cancelled") -> str:
+    """Stop one row, whatever its job does: queued, it is cancelled now (``reason`` its error);
+    running, its flag is written and broadcast, and its worker ends it at its next iteration,
+    its partial text kept. What a caller that stopped reading a stream, or gave up waiting,
+    does. Returns ``store.jobs.cancel_request``'s answer ("cancelled", "stopping", or the
+    finished row's status)."""
+    written = store.utcnow()
+    what = jobs.cancel_request(request_id, at=written, reason=reason)
+    if what == "stopping":  # the store holds the flag; the broadcast tells the workers at once
+        broadcast_cancel(request_id, written)
+    return what
+
+
 def reclaim_and_enqueue(max_attempts: int = MAX_ATTEMPTS) -> list[dict[str, Any]]:
     """Requeue rows whose lease expired and send a message for each; returns them. (Every
     worker's lease step and a waiting ``run`` call it: whoever comes first.)"""

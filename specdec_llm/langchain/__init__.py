@@ -38,7 +38,8 @@ refuses to merge differing floats) gives the totals.
 
 Errors are raised, never waited out, and all are ``SpecDecError``: ``RequestError`` (a
 ``ValueError``: bad parameters, unknown pair), ``GenerationTimeout`` (a ``TimeoutError``:
-``timeout`` seconds for the whole call; queued rows are cancelled), ``BrokerUnavailable``
+``timeout`` seconds for the whole call; its rows are cancelled, running ones at their next
+step, as a stream's row is when its consumer stops reading), ``BrokerUnavailable``
 (a ``ConnectionError``; the rows are marked failed) and ``GenerationFailed`` (a
 ``RuntimeError``: the worker failed the row, e.g. a prompt longer than the context).
 """

@@ -16,7 +16,7 @@ from typing import Any
 
 from specdec_llm import client, store
 
-from .backend import PROMPT_ERRORS, BrokerUnavailable, Call, GenerationFailed, GenerationTimeout, Item, clean, mark
+from .backend import PROMPT_ERRORS, BrokerUnavailable, Call, GenerationFailed, GenerationTimeout, Item, clean
 
 
 class RemoteBackend:
@@ -32,21 +32,28 @@ class RemoteBackend:
                 except PROMPT_ERRORS as e:  # this prompt alone: the others' results still count
                     out.append(e)
         except GenerationTimeout:
-            self._cancel_queued([rid for rid, _ in sent])
+            self._cancel([rid for rid, _ in sent], "cancelled: the LangChain call timed out")
             raise
         return out
 
     def stream(self, item: Item, call: Call, cancel: threading.Event | None = None) -> Iterator[tuple[str, Any]]:
+        """The row's text as its worker publishes it. A consumer that stops reading (or a call
+        past its deadline) cancels the row: its worker stops it at its next iteration."""
         [(rid, result)] = self._submit([item], call, stream=True)
-        streamed = []
+        streamed, finished = [], False
         try:
             for delta in client.follow_stream(rid, result.ready, timeout_s=call.remaining()):
                 streamed.append(delta)
                 yield "text", delta
+                if cancel is not None and cancel.is_set():
+                    return
+            final = self._wait(rid, result, call)
+            finished = True
         except TimeoutError:
-            self._cancel_queued([rid])
             raise call.timeout_error(f"request {rid}") from None
-        final = self._wait(rid, result, call)
+        finally:
+            if not finished:
+                self._cancel([rid], "cancelled: the stream's consumer stopped reading, or the call timed out")
         sent = clean("".join(streamed))
         if final["text"] != sent and final["text"].startswith(sent):  # a stream cut short: the rest
             yield "text", final["text"][len(sent) :]
@@ -130,11 +137,11 @@ class RemoteBackend:
                 raise call.timeout_error(f"request {rid}")
             time.sleep(0.1)
 
-    def _cancel_queued(self, ids: list[str]) -> None:
+    def _cancel(self, ids: list[str], reason: str) -> None:
+        """Best effort: the rows of a call that will not read them stop (queued: now; running:
+        at their worker's next iteration, ``client.cancel_request``)."""
         for rid in ids:
             try:
-                row = store.get_request(rid)
-            except Exception:  # noqa: BLE001 - best effort
-                continue
-            if row and row["status"] == "queued":
-                mark(rid, "cancelled", "cancelled: the LangChain call timed out")
+                client.cancel_request(rid, reason=reason)
+            except Exception:  # noqa: BLE001 - the caller's error is what matters
+                pass

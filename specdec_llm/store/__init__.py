@@ -37,11 +37,12 @@ function takes ``url=`` to use another database. Times are naive UTC (``utcnow()
     take(request_id, owner, *, lease_timeout_s, worker=None) -> bool   # start a row under a lease
     start(request_id, owner, *, lease_timeout_s, max_attempts, worker=None) -> dict | None  # take + read, one transaction
     renew(request_ids, owner) -> int;  reclaim(lease_timeout_s, *, max_attempts=None) -> [{"id", "pair"}]
-    renew_leases(request_ids, owner) -> {job: when}   # renew + the held rows' jobs' cancel flags
+    renew_leases(request_ids, owner) -> {job or row: when}   # renew + the held rows' (and jobs') cancel flags
     counts(job_id, *, lease_timeout_s=None) -> {status: n, "lost", "requeued"}
     requeue(job_id, *, lease_timeout_s, cancelled=False) -> [{"id", "pair"}]
     cancel(job_id, *, now=False) -> int;  refused_count(job_id)
-    cancels_requested(job_ids) -> set;  cancel_times(job_ids) -> {job: when}       # cancel --now
+    cancels_requested(job_ids) -> set;  cancel_times(ids) -> {job or row: when}   # cancel --now
+    cancel_request(request_id, *, at=None, reason="cancelled") -> "cancelled"|"stopping"|status  # one row
     end_cancelled(request_id, result, *, iterations_after=None) -> bool
     job_requests(job_id, *, outputs=True) -> [dict]   # every row, its output and key telemetry, input order
 

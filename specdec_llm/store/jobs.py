@@ -116,13 +116,14 @@ def renew(request_ids: Iterable[str], owner: str, *, url: str | None = None) -> 
 
 
 def _beat_held(s: Session, request_ids: list[str], owner: str) -> list[Any]:
-    """The heartbeat's update: ``owner``'s running rows among ``request_ids`` alive now; their job ids."""
+    """The heartbeat's update: ``owner``'s running rows among ``request_ids`` alive now; their
+    ids, job ids and own cancel flags."""
     return list(
         s.execute(
             update(Request)
             .where(Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == owner)
             .values(heartbeat_at=utcnow())
-            .returning(Request.job_id)
+            .returning(Request.id, Request.job_id, Request.cancel_requested_at)
         ).all()
     )
 
@@ -142,7 +143,8 @@ def start(
     a dict: ``taken`` (whether ``owner`` holds it now), ``id``, ``job_id``, ``status``,
     ``error``, ``attempts``, ``category``, ``prompt``, ``messages``, ``params``, ``output``
     (text, token_ids, finish_reason, prompt_tokens, output_tokens; None without one) and
-    ``cancel_requested_at``, the job's cancel flag (``cancel --now``; None when not set)."""
+    ``cancel_requested_at``, the job's cancel flag (``cancel --now``) or the row's own
+    (``cancel_request``), the earlier where both are set (None when neither is)."""
     with writing(url) as s:
         taken = _take(s, request_id, owner, lease_timeout_s, max_attempts, worker)
         row = s.execute(
@@ -153,7 +155,8 @@ def start(
         ).first()
         if row is None:
             return None
-        req, out, cancel_requested_at = row
+        req, out, job_flag = row
+        flags = [t for t in (job_flag, req.cancel_requested_at) if t is not None]
         output = None
         if out is not None:
             output = {
@@ -164,20 +167,22 @@ def start(
             "taken": taken,
             **{k: getattr(req, k) for k in fields},
             "output": output,
-            "cancel_requested_at": cancel_requested_at,
+            "cancel_requested_at": min(flags, default=None),
         }
 
 
 def renew_leases(request_ids: Iterable[str], owner: str, *, url: str | None = None) -> dict[str, datetime]:
-    """``renew``, and in the same transaction the cancel flags (``cancel --now``) of the jobs
-    of the rows ``owner`` still holds: ``{job id: when its flag was written}`` (empty when
-    none). A worker that missed a cancel's broadcast learns of it here."""
+    """``renew``, and in the same transaction the cancel flags of the rows ``owner`` still
+    holds: their jobs' (``cancel --now``) and their own (``cancel_request``), ``{job or
+    request id: when its flag was written}`` (empty when none). A worker that missed a
+    cancel's broadcast learns of it here."""
     request_ids = list(request_ids)
     if not request_ids:
         return {}
     found: dict[str, datetime] = {}
     with writing(url) as s:
         held = _beat_held(s, request_ids, owner)
+        found.update((r.id, r.cancel_requested_at) for r in held if r.cancel_requested_at is not None)
         job_ids = sorted({r.job_id for r in held if r.job_id})
         for chunk in chunks(job_ids):
             rows = s.execute(
@@ -212,8 +217,11 @@ def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str
                 .returning(Request.job_id)
             ).all()
             jobs.update(r.job_id for r in failed if r.job_id)
-        stopping = Request.job_id.in_(select(Job.id).where(Job.cancel_requested_at.is_not(None)))
-        cancelled = s.execute(  # lost rows of a job cancelled --now: not run again
+        stopping = or_(
+            Request.cancel_requested_at.is_not(None),
+            Request.job_id.in_(select(Job.id).where(Job.cancel_requested_at.is_not(None))),
+        )
+        cancelled = s.execute(  # lost rows of a job cancelled --now, or cancelled alone: not run again
             update(Request)
             .where(_lost(cutoff), stopping)
             .values(status="cancelled", error="cancelled", finished_at=now, lease_owner=None, heartbeat_at=None)
@@ -351,7 +359,7 @@ def requeue(
         rows = s.execute(
             update(Request)
             .where(Request.job_id == job_id, or_(*again))
-            .values(status="queued", error=None, lease_owner=None, heartbeat_at=None)
+            .values(status="queued", error=None, lease_owner=None, heartbeat_at=None, cancel_requested_at=None)
             .returning(Request.id, Request.pair_id)
             .execution_options(synchronize_session=False)
         ).all()
@@ -396,9 +404,9 @@ def cancels_requested(job_ids: Iterable[str], *, url: str | None = None) -> set[
 
 
 def cancel_times(job_ids: Iterable[str], *, url: str | None = None) -> dict[str, datetime]:
-    """The jobs of ``job_ids`` whose cancel flag is set (``cancel --now``), each with when it
-    was written (naive UTC): one primary-key lookup per id, what a worker polls for the jobs
-    it is running. Reads only."""
+    """The jobs and rows of ``job_ids`` (job or request ids) whose cancel flag is set (``cancel
+    --now``, ``cancel_request``), each with when it was written (naive UTC): primary-key
+    lookups, what a worker's looker reads for the jobs and rows it is running. Reads only."""
     ids = list(job_ids)
     if not ids:
         return {}
@@ -410,13 +418,43 @@ def cancel_times(job_ids: Iterable[str], *, url: str | None = None) -> dict[str,
                 select(Job.id, Job.cancel_requested_at).where(Job.id.in_(chunk), Job.cancel_requested_at.is_not(None))
             )
             found.update((job_id, when) for job_id, when in rows if when is not None)
+            own = s.execute(
+                select(Request.id, Request.cancel_requested_at).where(
+                    Request.id.in_(chunk), Request.cancel_requested_at.is_not(None)
+                )
+            )
+            found.update((rid, when) for rid, when in own if when is not None)
     return found
+
+
+def cancel_request(
+    request_id: str, *, at: datetime | None = None, reason: str = "cancelled", url: str | None = None
+) -> str:
+    """Cancel one row: queued, it is cancelled now (``reason`` its error); running, its own
+    cancel flag is set (the time ``at``, naive UTC; default now), and its worker ends it at its
+    next iteration, its partial text kept (``end_cancelled``). Returns what became of it:
+    "cancelled", "stopping", or its status when it had finished ("ok", "failed", "cancelled")
+    or does not exist ("missing")."""
+    with writing(url) as s:
+        req = s.get(Request, request_id)
+        if req is None:
+            return "missing"
+        if req.status == "queued":
+            req.status, req.error, req.finished_at = "cancelled", reason, utcnow()
+            s.flush()
+            if req.job_id:
+                refresh_job(s, req.job_id)
+            return "cancelled"
+        if req.status == "running":
+            req.cancel_requested_at = at or utcnow()
+            return "stopping"
+        return req.status
 
 
 def end_cancelled(
     request_id: str, result: dict[str, Any], *, iterations_after: int | None = None, url: str | None = None
 ) -> bool:
-    """A running row stopped by ``cancel --now``: status "cancelled", its partial text and
+    """A running row stopped by ``cancel --now`` or ``cancel_request``: status "cancelled", its partial text and
     tokens kept as its output (finish reason "cancelled"), no telemetry (reports count
     finished rows); its error says after how many tokens, and ``iterations_after``: how many
     of its iterations ended after the cancel was written (its worker counts them). False when
@@ -426,12 +464,14 @@ def end_cancelled(
     late = "" if iterations_after is None else f" ({iterations_after} iterations after the cancel was written)"
     with writing(url) as s:
         now = utcnow()
+        alone = s.scalar(select(Request.cancel_requested_at).where(Request.id == request_id)) is not None
+        how = "its caller cancelled it" if alone else "cancel --now"
         changed = s.execute(
             update(Request)
             .where(Request.id == request_id, Request.status == "running")
             .values(
                 status="cancelled",
-                error=f"cancelled while running (cancel --now), after {tokens} tokens{late}; its partial text is kept",
+                error=f"cancelled while running ({how}), after {tokens} tokens{late}; its partial text is kept",
                 finished_at=now,
                 lease_owner=None,
                 heartbeat_at=None,

@@ -203,6 +203,9 @@ class Request(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(255))
     heartbeat_at: Mapped[datetime | None]
     requeues: Mapped[int] = mapped_column(default=0)
+    # This row's own cancel flag (0009; ``jobs.cancel_request``): its worker ends it at its next
+    # iteration, as a job's flag (``cancel --now``) ends every running row of the job.
+    cancel_requested_at: Mapped[datetime | None]
 
 
 class Output(Base):

@@ -305,7 +305,7 @@ def test_a_worker_reads_a_cancel_flag_when_told_and_forgets_it_after_a_retry(url
 
     make_job(url, "fl", queued=2)
     flags = CancelFlags()
-    check = flags.watch("fl")
+    check = flags.watch(("fl",))
     assert not check()
     jobs.cancel("fl", now=True, url=url)
     time.sleep(0.3)
@@ -315,13 +315,13 @@ def test_a_worker_reads_a_cancel_flag_when_told_and_forgets_it_after_a_retry(url
     while not check() and time.monotonic() < deadline:  # the next step asks; one read for all its jobs
         time.sleep(0.02)
     assert check()
-    flags.release("fl")
+    flags.release(("fl",))
     jobs.requeue("fl", lease_timeout_s=60, cancelled=True, url=url)  # `retry --cancelled` clears the flag
-    assert not flags.watch("fl")()  # a new row of the job: not stopped by what an earlier look said
-    flags.release("fl")
+    assert not flags.watch(("fl",))()  # a new row of the job: not stopped by what an earlier look said
+    flags.release(("fl",))
     jobs.cancel("fl", now=True, url=url)  # a row taken after the cancel (its job's flag read with it)
-    assert flags.watch("fl", jobs.cancel_times(["fl"], url=url)["fl"])()
-    flags.release("fl")
+    assert flags.watch(("fl",), jobs.cancel_times(["fl"], url=url)["fl"])()
+    flags.release(("fl",))
 
 
 def test_a_broadcast_naming_its_job_stops_the_row_at_the_next_step_without_a_store_read(url):
@@ -337,8 +337,8 @@ def test_a_broadcast_naming_its_job_stops_the_row_at_the_next_step_without_a_sto
     flags = CancelFlags()
     stale = utcnow()
     announce("old-job", stale)
-    check = flags.watch("new-job")
-    old = flags.watch("old-job")
+    check = flags.watch(("new-job",))
+    old = flags.watch(("old-job",))
     assert not check() and not old()
     written = utcnow()
     announce("new-job", written)
@@ -348,7 +348,7 @@ def test_a_broadcast_naming_its_job_stops_the_row_at_the_next_step_without_a_sto
     for i in range(SLOTS + 1):  # more at once than the ring holds: the looker reads the store
         announce(f"other-{i}", written)
     assert not old()
-    flags.release("new-job"), flags.release("old-job")
+    flags.release(("new-job",)), flags.release(("old-job",))
 
 
 def test_a_task_takes_and_reads_its_row_in_one_go_and_the_lease_heartbeat_reads_cancel_flags(url):
@@ -367,6 +367,47 @@ def test_a_task_takes_and_reads_its_row_in_one_go_and_the_lease_heartbeat_reads_
     assert jobs.renew_leases(["st-1"], "w2@h", url=url) == {}  # not w2's row
     again = jobs.start("st-1", "w1@h", lease_timeout_s=60, max_attempts=1, url=url)  # its own lease, out of attempts
     assert (again["taken"], again["attempts"]) == (False, 1) and again["cancel_requested_at"] is not None
+
+
+def test_one_row_cancelled_alone_stops_at_its_next_step_and_its_job_goes_on(url):
+    """``cancel_request``: a queued row is cancelled now; a running one gets its own flag, which
+    its worker learns from a broadcast naming the row, its lease heartbeat or its looker's read,
+    and it ends cancelled, its partial text kept; the job's other rows are left alone; a retry
+    clears the flag; a lost row with the flag is not run again."""
+    import time
+
+    from workers.cancels import CancelFlags, announce
+
+    make_job(url, "one", queued=4)
+    assert jobs.cancel_request("one-0", url=url) == "cancelled"  # queued: now
+    assert jobs.start("one-1", "w1@h", lease_timeout_s=60, max_attempts=3, url=url)["cancel_requested_at"] is None
+    jobs.start("one-2", "w1@h", lease_timeout_s=60, max_attempts=3, url=url)
+    flags = CancelFlags()
+    mine, other = flags.watch(("one", "one-1")), flags.watch(("one", "one-2"))
+    written = utcnow()
+    assert jobs.cancel_request("one-1", at=written, url=url) == "stopping"
+    assert jobs.renew_leases(["one-1", "one-2"], "w1@h", url=url) == {"one-1": written}  # the heartbeat's read
+    assert jobs.cancel_times(["one", "one-1", "one-2"], url=url) == {"one-1": written}  # the looker's
+    assert jobs.start("one-1", "w1@h", lease_timeout_s=60, max_attempts=3, url=url)["cancel_requested_at"] == written
+    assert not mine() and not other()
+    announce("one-1", written)  # the broadcast, naming the row
+    assert mine() and not other()
+    assert jobs.end_cancelled("one-1", {**RESULT, "stats": {}}, url=url)
+    [row] = [r for r in jobs.job_requests("one", url=url) if r["id"] == "one-1"]
+    assert row["status"] == "cancelled" and "its caller cancelled it" in row["error"] and row["text"] == RESULT["text"]
+    assert jobs.counts("one", url=url)["running"] == 1 and jobs.cancel_times(["one"], url=url) == {}  # not its job
+    announce()  # (a heartbeat's announcement: the looker reads the store, which names no other row)
+    time.sleep(0.3)
+    assert not other()
+    flags.release(("one", "one-1")), flags.release(("one", "one-2"))
+    assert jobs.cancel_request("one-1", url=url) == "cancelled" and jobs.cancel_request("nope", url=url) == "missing"
+    again = {r["id"] for r in jobs.requeue("one", lease_timeout_s=60, cancelled=True, url=url)}
+    assert again == {"one-0", "one-1", "one-3"}  # one-2 runs under a live lease
+    assert jobs.start("one-1", "w2@h", lease_timeout_s=60, max_attempts=3, url=url)["cancel_requested_at"] is None
+    jobs.cancel_request("one-1", url=url)
+    with store.session_scope(url) as s:  # its worker is lost: the row is not run again
+        s.execute(update(Request).where(Request.id == "one-1").values(heartbeat_at=utcnow() - timedelta(hours=1)))
+    assert jobs.reclaim(60, url=url) == [] and store.get_request("one-1", url=url)["status"] == "cancelled"
 
 
 # -- rows a store cannot hold ---------------------------------------------------------------------

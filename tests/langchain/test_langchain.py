@@ -388,6 +388,22 @@ def test_remote_stream_arrives_while_the_worker_generates(remote):
     assert arrivals[pieces[0]] < req["finished_at"], (arrivals[pieces[0]], req["finished_at"], info["wall_time_s"])
 
 
+def test_a_remote_stream_whose_consumer_stops_reading_stops_its_row(remote):
+    """An agent that has what it needs stops reading: its row alone is cancelled and the worker
+    ends it at its next iteration (not at max_new_tokens), keeping what it had."""
+    llm = SpecDecLLM(pair="tiny", max_new_tokens=480, job_name="lc-stops")
+    stream = llm.stream(PROMPTS[2])
+    assert next(c for c in stream if c)
+    stream.close()
+    jid = job_id("lc-stops", "tiny")
+    wait_for(lambda: client.job_requests(jid)[0]["status"] != "running", timeout=60)
+    [row] = client.job_requests(jid)
+    full = engine_text(PROMPTS[2], max_new_tokens=480)
+    assert row["status"] == "cancelled" and "its caller cancelled it" in row["error"], row
+    assert full.startswith(row["text"]) and len(row["text"]) < len(full)
+    assert llm.invoke(PROMPTS[2]) == full  # the job's other calls are not stopped
+
+
 def test_remote_stop_strings_every_path(remote):
     llm = SpecDecLLM(pair="tiny", max_new_tokens=40)
     full = llm.invoke(PROMPTS[3])
