@@ -19,7 +19,8 @@ messages, parameters) is read from the store, so a message is a few ids, not dat
 - The row is taken and read in one store transaction (``store.jobs.start``), under a lease
   (``workers.leases``): the worker's heartbeat keeps it;
   a row whose worker dies goes back to the queue by itself. A duplicate message for a
-  row running under another worker's live lease is left alone.
+  row running under another worker's live lease is left alone; one for a row another task
+  thread or prefork child of this worker is generating is dropped (``generating_here``).
 - A row whose deliveries keep dying mid-generation (OOM-killed worker) fails after
   ``MAX_ATTEMPTS`` instead of killing workers forever.
 - ``cancel JOB --now``: the row's stop check (``cancels``: told by a broadcast, or by the
@@ -36,9 +37,16 @@ messages, parameters) is read from the store, so a message is a few ids, not dat
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import logging
-import threading
+import os
+import socket
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import kombu.exceptions
@@ -57,10 +65,10 @@ from specdec_llm.store import jobs
 from . import cancels, heartbeat, metrics, runtime
 
 log = logging.getLogger(__name__)
-# rows this process is generating: a second message for one of them (a resumed `run`, a
-# `retry`, a redelivery) is dropped, not decoded again beside it under the same lease owner
-_GENERATING: set[str] = set()
-_GENERATING_LOCK = threading.Lock()
+# a lock file per row being generated, per worker node: a second message for one of them (a
+# resumed `run`, a `retry`, a redelivery), in another task thread or prefork child of the node,
+# is dropped, not decoded again beside it under the same lease owner (the node's name)
+ROWS_DIR = Path(tempfile.gettempdir()) / "specdec-llm-rows"
 
 TRANSIENT: tuple[type[BaseException], ...] = (
     *store.TRANSIENT_ERRORS,  # the database away or locked for a moment (the store names them)
@@ -111,17 +119,57 @@ def generate(
     if not runtime.serves(pair):  # routed to a worker of another pair: pass it on
         self.app.send_task(TASK, **task_message(request_id, pair, enqueued_at=enqueued_at))
         return {"request_id": request_id, "status": "forwarded"}
-    with _GENERATING_LOCK:
-        here = request_id in _GENERATING
-        _GENERATING.add(request_id)
-    if here:
-        log.info("request %s: another message for a row this process is generating; dropped", request_id)
-        return {"request_id": request_id, "status": "running here", "duplicate": True}
-    try:  # (until its result is written)
-        return _run(self, request_id, pair, enqueued_at, result, started, clock)
+    with generating_here(self.request.hostname or socket.gethostname(), request_id) as mine:
+        if not mine:
+            log.info("request %s: another message for a row this worker is generating; dropped", request_id)
+            return {"request_id": request_id, "status": "running here", "duplicate": True}
+        return _run(self, request_id, pair, enqueued_at, result, started, clock)  # (until its result is written)
+
+
+@contextlib.contextmanager
+def generating_here(node: str, request_id: str) -> Iterator[bool]:
+    """Whether this task may generate ``request_id``: True unless another task thread or
+    process of this worker ``node`` is generating it (its lease is the node's, so the store
+    cannot tell them apart). An exclusive ``flock`` on a file per row: the kernel releases it
+    when its process dies, so a redelivery after a killed child takes the row again."""
+    fd = _row_lock(node, request_id)
+    if fd is None:
+        yield False
+        return
+    try:
+        yield True
     finally:
-        with _GENERATING_LOCK:
-            _GENERATING.discard(request_id)
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.unlink(_lock_path(node, request_id))
+            os.close(fd)
+
+
+def _lock_path(node: str, request_id: str) -> Path:
+    node_hash, row_hash = (hashlib.sha256(text.encode()).hexdigest()[:24] for text in (node, request_id))
+    return ROWS_DIR / node_hash / f"{row_hash}.lock"
+
+
+def _row_lock(node: str, request_id: str) -> int | None:
+    """The locked file's descriptor; None when another holds it; -1 when no lock can be made
+    here (an unwritable temporary folder: the store's lease alone guards the row)."""
+    path = _lock_path(node, request_id)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            with contextlib.suppress(FileNotFoundError):
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:  # not one its last holder just removed
+                    return fd
+            os.close(fd)
+    except OSError as e:
+        log.warning("no row lock in %s (%s); duplicate messages rely on the store's lease", ROWS_DIR, e)
+        return -1
 
 
 def _run(

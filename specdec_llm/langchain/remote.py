@@ -112,7 +112,8 @@ class RemoteBackend:
         status = out.get("status") if isinstance(out, dict) else None
         if status == "ok" and "stats" in out:
             return {**out, "job_id": call.job_id}
-        if status in ("forwarded", "ok"):  # another worker has it, or a redelivery: read the store
+        if status in ("forwarded", "ok", "running here", "running elsewhere"):
+            # another worker or task has it (a redelivery, a duplicate message): read the store
             return self._from_store(rid, call)
         why = (out.get("error") or status) if isinstance(out, dict) else out
         raise GenerationFailed(f"request {rid} failed: {why}")

@@ -129,6 +129,29 @@ def test_sigkilled_worker_loses_and_duplicates_nothing(tmp_path, redis_url, pair
         fleet.stop()
 
 
+def test_two_prefork_children_never_decode_one_row_together(tmp_path, redis_url, pairs_toml, use):
+    """Two messages for each row (a `retry`, a `submit` again, a redelivery) handed to the two
+    children of one `--concurrency 2` worker at once: one child decodes the row, the other
+    drops its copy (both hold the node's lease, so the store alone let both take it: attempts 2)."""
+    fleet = make_fleet(tmp_path, redis_url, 3, sqlite_url(tmp_path), pairs_toml)
+    use(fleet)
+    try:
+        fleet.start_worker("pair", args=("--concurrency", "2"))
+        rows = [
+            {"id": f"c{i}", "prompt": f"{PROMPTS[i % 4]} twice {i}", "params": {"max_new_tokens": 64}} for i in range(6)
+        ]
+        created = store.create_job(rows, name="twice", pair="tiny", params={"max_new_tokens": 64})
+        ids = created["request_ids"]
+        client.enqueue([i for i in ids for _ in range(2)], "tiny")  # c0 c0 c1 c1 ...: one to each child
+        client.wait(created["job_id"], workers=fleet.procs, timeout_s=240)
+        client.wait_for_empty_queue("tiny", timeout_s=60)
+        stored = [store.get_request(i) for i in ids]
+        assert [(r["status"], r["attempts"]) for r in stored] == [("ok", 1)] * 6, stored
+        assert "another message for a row this worker is generating; dropped" in fleet.log()
+    finally:
+        fleet.stop()
+
+
 def test_rows_whose_messages_were_lost_are_sent_again(sqlite_fleet, use):
     """Rows queued in the store with no message anywhere (a broker that lost its data, or a
     worker SIGKILLed between taking a message and recording it): ``wait`` with
