@@ -262,7 +262,7 @@ def _generate_row(
     or cancelled mid-way (``cancel --now``: the server asks ``cancels.flags`` before each
     step; the row's partial text is kept)."""
     request_id, job_id = row["id"], row.get("job_id")
-    stream = StreamWriter(request_id) if (row.get("params") or {}).get("_stream") else None
+    stream = StreamWriter(request_id, row["attempts"]) if (row.get("params") or {}).get("_stream") else None
     keys = (job_id, request_id) if job_id else (request_id,)  # its job's cancel, or its own
     stop = cancels.flags.watch(keys, row.get("cancel_requested_at"))
     limit = soft_time_limit(task)

@@ -6,7 +6,10 @@ generated, delta by delta as the engine accepts tokens (``StreamWriter`` is the 
 ``specdec:stream:<request id>`` (XADD; kept STREAM_TTL_S, so a reader that starts late
 misses nothing) when the broker or the result backend is Redis; else, with the embedded
 broker (one machine), JSON lines appended to ``<data_dir>/streams/<request id>.jsonl``.
-``follow_stream`` (the client) reads either and deletes what it read. Streaming is best
+``follow_stream`` (the client) reads either and deletes what it read. Each entry carries its
+row's attempt: a row requeued to another worker (its first one lost) publishes its text from
+the start again, and the reader yields only what goes past what it has already given (a greedy
+row's text is the same each time). Streaming is best
 effort: a failing write stops the stream, never the generation (the client still gets the
 whole result from the task). Both ends import this module; it imports neither.
 """
@@ -55,10 +58,13 @@ def _stream_file(request_id: str) -> Path:
 
 
 class StreamWriter:
-    """The worker's end. ``writer(text)`` publishes one delta; ``close()`` the end marker."""
+    """The worker's end. ``writer(text)`` publishes one delta; ``close()`` the end marker.
+    ``attempt``: the row's attempt (the store's count), so a reader tells a requeued row's
+    second start from more text."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, attempt: int = 1):
         self.request_id, self.url, self.broken = request_id, _stream_redis_url(), False
+        self.attempt = attempt
 
     def _put(self, entry: dict[str, Any]) -> None:
         if self.broken:
@@ -81,10 +87,36 @@ class StreamWriter:
             log.warning("request %s: streaming stopped: %s", self.request_id, e)
 
     def __call__(self, text: str) -> None:
-        self._put({"t": text})
+        self._put({"t": text, "a": self.attempt})
 
     def close(self) -> None:
-        self._put({"end": 1})
+        self._put({"end": 1, "a": self.attempt})
+
+
+class _Attempts:
+    """What a reader has given of a row's text, across its attempts: a later attempt starts
+    over, and only its text past what was given is new; an earlier one's entries are stale."""
+
+    def __init__(self) -> None:
+        self.attempt, self.given, self.read = 0, 0, 0  # attempt followed; characters yielded; of it read
+
+    def current(self, entry: dict[str, Any]) -> bool:
+        """Whether ``entry`` is of the attempt followed (a later one starts being followed)."""
+        attempt = int(entry.get("a", 0))
+        if attempt > self.attempt:
+            self.attempt, self.read = attempt, 0
+        return attempt == self.attempt
+
+    def new_text(self, entry: dict[str, Any]) -> str:
+        if "end" in entry or not self.current(entry):
+            return ""
+        text, start = str(entry["t"]), self.read
+        self.read += len(text)
+        if self.read <= self.given:
+            return ""  # (a requeued row catching up with what was given)
+        text = text[max(0, self.given - start) :]
+        self.given = self.read
+        return text
 
 
 def follow_stream(
@@ -98,6 +130,7 @@ def follow_stream(
     key, path = stream_key(request_id), _stream_file(request_id)
     last_id, offset, partial = "0-0", 0, b""
     finished = False
+    reading = _Attempts()
     try:
         while True:
             entries = []
@@ -120,9 +153,10 @@ def follow_stream(
                 if not entries:
                     time.sleep(poll_s)
             for entry in entries:
-                if "end" in entry:
+                if "end" in entry and reading.current(entry):
                     return
-                yield entry["t"]
+                if text := reading.new_text(entry):
+                    yield text
             if entries:
                 continue
             if finished:

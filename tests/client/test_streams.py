@@ -1,0 +1,40 @@
+"""A row's streamed text, worker to client (``client/streams.py``), on Redis and in files."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec_llm.client.streams import StreamWriter, follow_stream
+from specdec_llm.settings import reload_settings
+
+
+@pytest.fixture(params=["redis", "files"])
+def streams(request, tmp_path, monkeypatch):
+    """Streams on a private Redis (a Redis broker) or in the data dir's files (the embedded one)."""
+    for var in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
+    if request.param == "redis":
+        monkeypatch.setenv("SPECDEC_BROKER_URL", f"{request.getfixturevalue('redis_url')}/5")
+    reload_settings()
+    yield request.param
+    monkeypatch.undo()
+    reload_settings()
+
+
+def test_a_requeued_row_streams_only_the_text_past_what_was_given(streams):
+    """Its first worker lost mid-row, the row starts over on another: the reader gives only what
+    goes past the text it gave (a greedy row's text is the same each time), and a late entry of
+    the lost attempt is stale. It once gave "Hel", "lo w", then "Hello wor", "ld" again."""
+    first = StreamWriter("row-1", 1)
+    first("Hel")
+    first("lo w")
+    second = StreamWriter("row-1", 2)
+    second("Hello")
+    first("XX")  # (the first worker, slow but not dead)
+    second(" wor")
+    first.close()
+    second("ld")
+    second.close()
+    got = list(follow_stream("row-1", lambda: False, timeout_s=10))
+    assert got == ["Hel", "lo w", "or", "ld"] and "".join(got) == "Hello world"
