@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 # a lock file per row being generated, per worker node: a second message for one of them (a
 # resumed `run`, a `retry`, a redelivery), in another task thread or prefork child of the node,
 # is dropped, not decoded again beside it under the same lease owner (the node's name)
-ROWS_DIR = Path(tempfile.gettempdir()) / "specdec-llm-rows"
+ROWS_DIR = Path(tempfile.gettempdir()) / f"specdec-llm-rows-{os.getuid()}"  # (per user: /tmp is shared)
 
 TRANSIENT: tuple[type[BaseException], ...] = (
     *store.TRANSIENT_ERRORS,  # the database away or locked for a moment (the store names them)
