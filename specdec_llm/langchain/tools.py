@@ -46,7 +46,8 @@ from specdec_llm.engine import RequestError
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FENCE = "```json"
 PREFILL = OPEN + "\n"  # the forced start of a reply that must call a tool
-JSON_ONLY = "Reply with a single JSON object and nothing else (no code fence, no explanation)"
+JSON_ONLY = "Reply with a single JSON {} and nothing else (no code fence, no explanation)"  # {}: object, array...
+JSON_WORDS = {"object": "object", "array": "array", "string": "string", "number": "number", "integer": "integer"}
 _FENCED = re.compile(r"\A```json\s*(.*?)\s*```\Z", re.S)
 _DECODER = json.JSONDecoder()
 
@@ -118,11 +119,12 @@ def format_instruction(response_format: dict[str, Any]) -> str:
     """The system instruction for an OpenAI ``response_format`` (json_schema or json_object)."""
     kind = response_format.get("type")
     if kind == "json_object":
-        return JSON_ONLY + "."
+        return JSON_ONLY.format("object") + "."
     if kind == "json_schema":
         schema = (response_format.get("json_schema") or {}).get("schema")
         if isinstance(schema, dict):
-            return f"{JSON_ONLY}, matching this JSON schema:\n{json.dumps(schema)}"
+            what = JSON_WORDS.get(schema.get("type"), "value") if isinstance(schema.get("type"), str) else "value"
+            return f"{JSON_ONLY.format(what)}, matching this JSON schema:\n{json.dumps(schema)}"
     raise RequestError(
         "response_format",
         f"{response_format!r}: use {{'type': 'json_object'}} or "

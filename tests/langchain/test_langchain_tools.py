@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from specdec_llm.engine import RequestError
 from specdec_llm.langchain import ChatSpecDec, to_turns
 from specdec_llm.langchain.base import ENGINE_FIELDS, GENERATION_FIELDS
-from specdec_llm.langchain.tools import PREFILL, CallStream, parse, plan
+from specdec_llm.langchain.tools import PREFILL, CallStream, format_instruction, parse, plan
 from specdec_llm.settings import reload_settings
 
 NAMES = ("add", "lookup")
@@ -362,6 +362,8 @@ def test_structured_output_all_three_methods(closing_local):
     turns = tools_local._prepare([SystemMessage("Be terse."), *question], None, {"response_format": fmt}).item.messages
     assert turns[0]["content"].startswith("Be terse.\n\nReply with a single JSON object")
     assert json.dumps(fmt["json_schema"]["schema"]) in turns[0]["content"] and turns[1:] == to_turns(question)
+    array = {"type": "json_schema", "json_schema": {"name": "xs", "schema": {"type": "array", "items": {}}}}
+    assert format_instruction(array).startswith("Reply with a single JSON array and nothing else")
     with pytest.raises(RequestError, match="method"):
         tools_local.with_structured_output(Sum, method="xml")
     with pytest.raises(RequestError, match="schema"):
