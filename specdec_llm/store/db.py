@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 log = logging.getLogger(__name__)
+# alembic names each of its plugins at INFO whenever it loads (seven lines at every worker start)
+logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
