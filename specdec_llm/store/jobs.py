@@ -435,30 +435,36 @@ def cancel_request(
     next iteration, its partial text kept (``end_cancelled``). Returns what became of it:
     "cancelled", "stopping", or its status when it had finished ("ok", "failed", "cancelled")
     or does not exist ("missing")."""
-    with writing(url) as s:
-        req = s.get(Request, request_id)
-        if req is None:
-            return "missing"
-        if req.status == "queued":
-            req.status, req.error, req.finished_at = "cancelled", reason, utcnow()
-            s.flush()
-            if req.job_id:
-                refresh_job(s, req.job_id)
+    with writing(url) as s:  # each step one conditional UPDATE: a worker taking the row meanwhile is seen
+        queued = s.execute(
+            update(Request)
+            .where(Request.id == request_id, Request.status == "queued")
+            .values(status="cancelled", error=reason, finished_at=utcnow())
+            .returning(Request.job_id)
+        ).first()
+        if queued is not None:
+            if queued.job_id:
+                refresh_job(s, queued.job_id)
             return "cancelled"
-        if req.status == "running":
-            req.cancel_requested_at = at or utcnow()
+        running = s.execute(
+            update(Request)
+            .where(Request.id == request_id, Request.status == "running")
+            .values(cancel_requested_at=at or utcnow())
+            .returning(Request.id)
+        ).first()
+        if running is not None:
             return "stopping"
-        return req.status
+        return s.scalar(select(Request.status).where(Request.id == request_id)) or "missing"
 
 
 def end_cancelled(
     request_id: str, result: dict[str, Any], *, iterations_after: int | None = None, url: str | None = None
 ) -> bool:
-    """A running row stopped by ``cancel --now`` or ``cancel_request``: status "cancelled", its partial text and
-    tokens kept as its output (finish reason "cancelled"), no telemetry (reports count
-    finished rows); its error says after how many tokens, and ``iterations_after``: how many
-    of its iterations ended after the cancel was written (its worker counts them). False when
-    the row was not running (finished or requeued meanwhile)."""
+    """A running row stopped by ``cancel --now`` or ``cancel_request``: status "cancelled", its
+    partial text and tokens kept as its output (finish reason "cancelled"), no telemetry
+    (reports count finished rows); its error says after how many tokens, and
+    ``iterations_after``: how many of its iterations ended after the cancel was written (its
+    worker counts them). False when the row was not running (finished or requeued meanwhile)."""
     stats = result.get("stats") or {}
     tokens = int(stats.get("output_tokens") or len(result.get("token_ids") or []))
     late = "" if iterations_after is None else f" ({iterations_after} iterations after the cancel was written)"
