@@ -52,6 +52,11 @@ class Settings(BaseSettings):
     lease_heartbeat_s: float = Field(10.0, gt=0)
     lease_timeout_s: float = Field(60.0, gt=0)
 
+    @field_validator("device", "dtype", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value  # SPECDEC_DEVICE= : each pair's own, as before
+
     @field_validator("max_batch")
     @classmethod
     def _max_batch(cls, value: int | str) -> int | str:

@@ -484,6 +484,13 @@ def test_a_setting_that_cannot_be_read_is_one_line_for_every_command(
     one_line_exit_2(CliRunner().invoke(main_cli(), command), fragment)
 
 
+def test_an_empty_device_or_dtype_variable_means_each_pairs_own(settings_env):
+    from specdec_llm.settings import get_settings
+
+    fresh_settings(settings_env, SPECDEC_DEVICE="", SPECDEC_DTYPE="")
+    assert (get_settings().device, get_settings().dtype) == (None, None)
+
+
 def test_a_setting_that_cannot_be_read_is_a_spec_dec_error_in_python(settings_env):
     from specdec_llm.errors import SpecDecError
     from specdec_llm.settings import SettingsError, get_settings

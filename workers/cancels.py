@@ -126,14 +126,13 @@ class CancelFlags:
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def watch(self, keys: tuple[str, ...], cancelled_at: datetime | None = None) -> RowStop:
-        """Start watching one row: ``keys``, its job id and request id, whose cancel flag was
-        ``cancelled_at`` when the row was taken (the job's or its own; None: neither set); the
-        row's stop check (call ``release(keys)`` after)."""
+    def watch(self, keys: tuple[str, ...], cancelled: dict[str | None, datetime | None] | None = None) -> RowStop:
+        """Start watching one row: ``keys``, its job id and request id, whose cancel flags were
+        ``cancelled`` (key -> when written; None or absent: not set) when the row was taken;
+        the row's stop check (call ``release(keys)`` after)."""
         with self.lock:
             flagged = {k: v for k, v in self.flagged.items() if k not in keys}  # the store said so just now
-            if cancelled_at is not None:
-                flagged[keys[0]] = cancelled_at
+            flagged.update((k, t) for k, t in (cancelled or {}).items() if k in keys and t is not None)
             self.flagged = flagged
             for key in keys:
                 self.since.setdefault(key, _announced.value)
@@ -145,10 +144,14 @@ class CancelFlags:
 
     def release(self, keys: tuple[str, ...]) -> None:
         with self.lock:
+            gone = []
             for key in keys:
                 self.watched[key] -= 1
                 if self.watched[key] <= 0:
                     del self.watched[key], self.since[key]
+                    gone.append(key)
+            if any(k in self.flagged for k in gone):  # (what the store says when a row of it is taken again)
+                self.flagged = {k: v for k, v in self.flagged.items() if k not in gone}
 
     def catch_up(self) -> None:
         """The announcements since this process last looked: a watched job named there is

@@ -264,7 +264,9 @@ def _generate_row(
     request_id, job_id = row["id"], row.get("job_id")
     stream = StreamWriter(request_id, row["attempts"]) if (row.get("params") or {}).get("_stream") else None
     keys = (job_id, request_id) if job_id else (request_id,)  # its job's cancel, or its own
-    stop = cancels.flags.watch(keys, row.get("cancel_requested_at"))
+    stop = cancels.flags.watch(
+        keys, {job_id: row.get("cancel_requested_at"), request_id: row.get("row_cancel_requested_at")}
+    )
     limit = soft_time_limit(task)
     try:
         req = build_request(row, rt.loaded.tokenizer)

@@ -171,10 +171,10 @@ def _lines(f: BinaryIO) -> Iterator[tuple[int, str | _Bad]]:
 
 
 def _opens_array(line: str) -> bool:
-    """Whether a file's first line opens a JSON array: ``[`` alone (pretty-printed), ``[{`` (an
-    array of objects), or a whole array on one line. Any other line, ``[[[[`` say, is a bad row."""
+    """Whether a file's first line opens a JSON array: ``[`` alone (pretty-printed), ``[{`` or
+    ``[ {`` (an array of objects), or a whole array on one line. Any other line, ``[[[[`` say, is a bad row."""
     head = line.strip()
-    if head == "[" or head.startswith("[{"):
+    if head == "[" or (head.startswith("[") and head[1:].lstrip().startswith("{")):
         return True
     if not head.startswith("["):
         return False

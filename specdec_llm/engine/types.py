@@ -117,7 +117,7 @@ def check_response_format(fmt: object) -> None:
     except (TypeError, ValueError) as e:  # (a value JSON cannot hold: NaN is refused elsewhere)
         problem = str(e)
     if problem:
-        raise RequestError(FORMAT_FIELD, f"{kind} does not compile: {problem.strip()[:400]}")
+        raise RequestError(FORMAT_FIELD, f"{kind} does not compile: {' '.join(problem.split())[:400]}")  # one line
 
 
 # JSON as json.dumps writes it (", " and ": ", no other whitespace): what models write most, and

@@ -41,12 +41,18 @@ class RemoteBackend:
         past its deadline) cancels the row: its worker stops it at its next iteration."""
         [(rid, result)] = self._submit([item], call, stream=True)
         streamed, finished = [], False
+
+        def stopped() -> bool:  # (an async consumer gone)
+            return cancel is not None and cancel.is_set()
+
         try:
-            for delta in client.follow_stream(rid, result.ready, timeout_s=call.remaining()):
+            for delta in client.follow_stream(rid, lambda: result.ready() or stopped(), timeout_s=call.remaining()):
                 streamed.append(delta)
                 yield "text", delta
-                if cancel is not None and cancel.is_set():
+                if stopped():
                     return
+            if stopped():  # (gone before any text: the row is still queued, or had not started)
+                return
             final = self._wait(rid, result, call)
             finished = True
         except TimeoutError:

@@ -123,7 +123,8 @@ def format_instruction(response_format: dict[str, Any]) -> str:
     if kind == "json_schema":
         schema = (response_format.get("json_schema") or {}).get("schema")
         if isinstance(schema, dict):
-            what = JSON_WORDS.get(schema.get("type"), "value") if isinstance(schema.get("type"), str) else "value"
+            kind_of = schema.get("type")
+            what = JSON_WORDS.get(kind_of, "value") if isinstance(kind_of, str) else "value"
             return f"{JSON_ONLY.format(what)}, matching this JSON schema:\n{json.dumps(schema)}"
     raise RequestError(
         "response_format",

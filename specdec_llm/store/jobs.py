@@ -143,8 +143,8 @@ def start(
     a dict: ``taken`` (whether ``owner`` holds it now), ``id``, ``job_id``, ``status``,
     ``error``, ``attempts``, ``category``, ``prompt``, ``messages``, ``params``, ``output``
     (text, token_ids, finish_reason, prompt_tokens, output_tokens; None without one) and
-    ``cancel_requested_at``, the job's cancel flag (``cancel --now``) or the row's own
-    (``cancel_request``), the earlier where both are set (None when neither is)."""
+    ``cancel_requested_at``, the job's cancel flag (``cancel --now``), and
+    ``row_cancel_requested_at``, the row's own (``cancel_request``) (each None when not set)."""
     with writing(url) as s:
         taken = _take(s, request_id, owner, lease_timeout_s, max_attempts, worker)
         row = s.execute(
@@ -156,7 +156,6 @@ def start(
         if row is None:
             return None
         req, out, job_flag = row
-        flags = [t for t in (job_flag, req.cancel_requested_at) if t is not None]
         output = None
         if out is not None:
             output = {
@@ -167,7 +166,8 @@ def start(
             "taken": taken,
             **{k: getattr(req, k) for k in fields},
             "output": output,
-            "cancel_requested_at": min(flags, default=None),
+            "cancel_requested_at": job_flag,
+            "row_cancel_requested_at": req.cancel_requested_at,
         }
 
 

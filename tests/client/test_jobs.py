@@ -74,6 +74,9 @@ def test_a_json_array_or_a_utf16_file_fails_the_command_with_one_clear_error(tmp
     # a first line that only looks like an array is one bad row, not a refused file
     (tmp_path / "odd.jsonl").write_text("[[[[oops\n" + json.dumps({"prompt": "hi"}) + "\n")
     bad, good = read_rows(tmp_path / "odd.jsonl")
+    (tmp_path / "spaced.json").write_text('[ {"prompt": "a"},\n {"prompt": "b"}\n]\n')  # an array all the same
+    with pytest.raises(InputError, match="line 1 starts a JSON array"):
+        read_rows(tmp_path / "spaced.json")
     assert bad.error.startswith("invalid JSON") and good.prompt == "hi" and good.error is None
 
 

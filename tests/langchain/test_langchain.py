@@ -404,6 +404,26 @@ def test_a_remote_stream_whose_consumer_stops_reading_stops_its_row(remote):
     assert llm.invoke(PROMPTS[2]) == full  # the job's other calls are not stopped
 
 
+def test_an_async_stream_abandoned_before_its_first_text_cancels_its_row(remote):
+    """No worker serves the pair yet, so the row waits in the queue; its consumer goes away (a web
+    client disconnected): the row is cancelled and the thread that followed its stream ends."""
+    import threading
+
+    async def consume_then_leave():
+        agen = SpecDecLLM(pair="tiny-idle", max_new_tokens=8, job_name="lc-gone").astream("hi")
+        first = asyncio.ensure_future(agen.__anext__())
+        await asyncio.sleep(1.0)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await agen.aclose()
+
+    asyncio.run(consume_then_leave())
+    rows = lambda: client.job_requests(job_id("lc-gone", "tiny-idle"), outputs=False)  # noqa: E731
+    wait_for(lambda: [r["status"] for r in rows()] == ["cancelled"], timeout=10)
+    wait_for(lambda: not any(t.name == "specdec-async" for t in threading.enumerate()), timeout=10)
+
+
 def test_remote_stop_strings_every_path(remote):
     llm = SpecDecLLM(pair="tiny", max_new_tokens=40)
     full = llm.invoke(PROMPTS[3])
