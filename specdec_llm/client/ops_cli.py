@@ -192,7 +192,7 @@ def workers_cmd(
 def prune_cmd(
     older_than: Annotated[
         str | None,
-        typer.Option("--older-than", help=f"Delete finished jobs created before this: {SinceHelp}"),
+        typer.Option("--older-than", help=f"Delete finished jobs last used before this: {SinceHelp}"),
     ] = None,
     job: Annotated[str | None, typer.Option("--job", help="Only this job (still: if finished and that old)")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
@@ -218,7 +218,7 @@ def prune_cmd(
 
             client.get_job(job)  # an unknown job: one line, exit 2
         plan = admin.prune_plan(cutoff, job_id=job)
-    when = f"created before {cutoff:%Y-%m-%d %H:%M} UTC"
+    when = f"last used before {cutoff:%Y-%m-%d %H:%M} UTC"
     kept = [f"{plan['unfinished']} older jobs still have rows to run"] if plan["unfinished"] else []
     kept += [f"{plan['held']} finished ones are still in use (a `run` writing its results)"] if plan["held"] else []
     kept_note = f" ({', '.join(kept)}: kept)" if kept else ""

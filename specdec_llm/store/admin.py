@@ -199,17 +199,23 @@ def list_workers(
 
 
 # -- prune -----------------------------------------------------------------------------------
+def _last_active() -> ColumnElement[Any]:
+    """When a job was last in use: its last finish (a job used again, a LangChain ``job_name``'s
+    or a resumed ``run``'s, finishes again), else its creation."""
+    return func.coalesce(Job.finished_at, Job.created_at)
+
+
 def _prunable(cutoff: datetime, job_id: str | None) -> list[Any]:
-    """Finished, created before ``cutoff`` (only ``job_id`` if given), and held by no command
-    now (``record.hold_job``: a ``run`` still exporting it). Evaluated at each use: a hold
-    written meanwhile counts."""
+    """Finished, last in use before ``cutoff`` (only ``job_id`` if given), and held by no
+    command now (``record.hold_job``: a ``run`` still exporting it). Evaluated at each use: a
+    hold written meanwhile counts."""
     unheld = or_(Job.held_until.is_(None), Job.held_until <= utcnow())
-    where = [Job.status == "done", Job.created_at < cutoff, unheld]
+    where = [Job.status == "done", _last_active() < cutoff, unheld]
     return [*where, Job.id == job_id] if job_id is not None else where
 
 
 def prune_plan(cutoff: datetime, *, job_id: str | None = None, url: str | None = None) -> dict[str, int]:
-    """What ``prune`` would delete: ``jobs`` (finished, created before ``cutoff``; only
+    """What ``prune`` would delete: ``jobs`` (finished, last in use before ``cutoff``; only
     ``job_id`` if given) and their ``rows``; ``unfinished``: older jobs kept because rows are
     still queued or running; ``held``: older finished jobs kept because a command still uses
     them (``record.hold_job``). Reads only."""
@@ -219,7 +225,7 @@ def prune_plan(cutoff: datetime, *, job_id: str | None = None, url: str | None =
         rows = 0
         for chunk in chunks(list(ids)):
             rows += s.scalar(select(func.count()).where(Request.job_id.in_(chunk))) or 0
-        older = [Job.created_at < cutoff] + ([Job.id == job_id] if job_id else [])
+        older = [_last_active() < cutoff] + ([Job.id == job_id] if job_id else [])
         unfinished = s.scalar(select(func.count()).select_from(Job).where(*older, Job.status != "done")) or 0
         in_use = [*older, Job.status == "done", Job.held_until > utcnow()]
         held = s.scalar(select(func.count()).select_from(Job).where(*in_use))
@@ -234,7 +240,7 @@ def prune(
     on_batch: Callable[[dict[str, int]], None] | None = None,
     url: str | None = None,
 ) -> dict[str, int]:
-    """Delete finished jobs created before ``cutoff`` (only ``job_id`` if given) with their
+    """Delete finished jobs last in use before ``cutoff`` (only ``job_id`` if given) with their
     rows, outputs and telemetry: at most ``batch_rows`` rows per transaction (default
     ``PRUNE_BATCH``), a job once its rows are gone. Returns what it freed: ``{"jobs", "rows", "outputs", "telemetry"}``
     (``on_batch(freed so far)`` after each transaction). A job that gets new rows meanwhile

@@ -123,7 +123,7 @@ def _print_tables(filters: dict[str, Any], columns: list[str], no_data: str) -> 
     console = Console()
     for table in to_tables(rows, console.width, columns):
         console.print(table)
-    console.print(speedup_note(rows))
+    console.print(speedup_note(rows), markup=False, highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -142,11 +142,21 @@ def to_json(rows: list[dict[str, Any]], columns: Columns = None) -> str:
 
 
 def speedup_note(rows: list[dict[str, Any]]) -> str:
-    """What the speedup figures are measured against (the bases the rows use)."""
+    """What the speedup figures are measured against (the bases the rows use), and where a
+    cost covers only some of a row's requests (some were recorded without a price)."""
     bases = sorted({r["speedup_basis"] for r in rows if r.get("speedup_basis")})
-    return "speedup vs target-only decoding; basis: " + (
+    note = "speedup vs target-only decoding; basis: " + (
         "; ".join(bases) if bases else "none (no counterfactual recorded)"
     )
+    partial = [r for r in rows if r.get("cost_basis")]
+    if partial:
+        labels = ", ".join(" / ".join(str(r[g]) for g in _groups(rows)) or "all" for r in partial[:5])
+        more = f" and {len(partial) - 5} more" if len(partial) > 5 else ""
+        note += (
+            f"\ncost covers the priced requests only in {labels}{more} (no price for the others' device: "
+            "--price-per-hour or SPECDEC_PRICE_PER_HOUR)"
+        )
+    return note
 
 
 def _header_width(header: str) -> int:
@@ -163,6 +173,7 @@ def _table(
 ) -> Table:
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     for g, w in zip(groups, group_widths):
@@ -172,8 +183,8 @@ def _table(
         header = _COLUMNS[c][0]
         head = _header_width(header) if wrap else len(header)
         table.add_column(header, justify="right", width=max([head] + [len(v) for v in col]))
-    for i, r in enumerate(rows):
-        table.add_row(*[fmt(g, r[g]) for g in groups], *[col[i] for col in values])
+    for i, r in enumerate(rows):  # (labels as plain text: a category "[bold]x[/]" is no rich markup)
+        table.add_row(*[Text(fmt(g, r[g])) for g in groups], *[col[i] for col in values])
     return table
 
 
@@ -239,7 +250,7 @@ def table_text(rows: list[dict[str, Any]], width: int = 220, columns: Columns = 
     console = Console(file=out, width=width, color_system=None)
     for table in to_tables(rows, width, columns):
         console.print(table)
-    console.print(speedup_note(rows))
+    console.print(speedup_note(rows), markup=False, highlight=False)
     return out.getvalue()
 
 

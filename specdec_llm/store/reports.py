@@ -65,6 +65,7 @@ METRICS = (
     "device_seconds",
     "cost_usd",
     "cost_per_1m_output_tokens",
+    "cost_basis",
 )
 # percentile columns: name in the row -> telemetry column
 _PERCENTILES = {
@@ -129,7 +130,7 @@ def parse_when(
                     "like 2026-01-31"
                 ) from None
         try:
-            value = date.fromisoformat(text) if len(text) == 10 else datetime.fromisoformat(text)
+            value = _iso_date(text) or datetime.fromisoformat(text)
         except ValueError:
             raise ReportInputError(
                 f"--{option}: cannot read {value!r}; use a duration like 7d, 12h or 30m, "
@@ -142,6 +143,14 @@ def parse_when(
     if isinstance(value, date):
         return datetime(value.year, value.month, value.day) + timedelta(days=1 if end else 0)
     raise ReportInputError(f"--{option}: expected a date, a datetime or text, not {type(value).__name__}")
+
+
+def _iso_date(text: str) -> date | None:
+    """A bare ISO date ("2026-01-31", "20260131"), or None for anything else."""
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        return None
 
 
 DEVICE_KINDS = ("cpu", "cuda", "mps", "xpu", "*")  # what a price may name (torch's device types)
@@ -319,7 +328,12 @@ def _telemetry_query(
             (cast(func.sum(T.draft_tokens_accepted), Float) / func.nullif(func.sum(T.draft_tokens_proposed), 0)).label(
                 "acceptance_rate"
             ),
-            func.avg(T.mean_accepted_length).label("mean_accepted_length"),
+            # tokens per target forward over the group: its tokens over its forwards (a request's
+            # forwards: its tokens over its own mean), not a mean of the requests' ratios
+            (
+                cast(func.sum(case((T.mean_accepted_length > 0, T.output_tokens))), Float)
+                / func.nullif(func.sum(T.output_tokens / func.nullif(T.mean_accepted_length, 0)), 0)
+            ).label("mean_accepted_length"),
             (func.sum(T.baseline_s) / func.nullif(func.sum(case((T.baseline_s.isnot(None), T.wall_time_s))), 0)).label(
                 "speedup"
             ),
@@ -328,6 +342,8 @@ def _telemetry_query(
             ),
             func.sum(_device_seconds()).label("device_seconds"),
             func.sum(_row_cost(prices)).label("cost_usd"),
+            func.sum(case((_row_cost(prices).is_not(None), 1), else_=0)).label("priced"),
+            func.sum(case((_row_cost(prices).is_not(None), T.output_tokens), else_=0)).label("priced_output_tokens"),
         )
         .select_from(T)
         .outerjoin(B, and_(B.pair_id == T.pair_id, B.device_kind == T.device_kind, B.dtype == T.dtype))
@@ -395,6 +411,7 @@ def summary(
     failed_by_key = {tuple(r[: len(groups)]): r[-1] for r in failed}
     rows = [_finish(dict(r), groups, failed_by_key.pop(tuple(r[g] for g in groups), 0)) for r in ok]
     rows += [_finish(dict(zip(groups, key)), groups, n) for key, n in failed_by_key.items()]
+    rows = [r for r in rows if r["requests"]]  # (ungrouped, an aggregate over no rows is one row of zeros)
     for r in rows:
         if "pair" in r:
             r["pair"] = pair_names.get(r["pair"], r["pair"])
@@ -427,8 +444,12 @@ def _finish(raw: dict[str, Any], groups: tuple[str, ...], failed: int) -> dict[s
         row["speedup"], row["speedup_basis"] = float(raw["speedup_legacy"]), LEGACY_BASIS
     if row["device_seconds"] is None:
         row["device_seconds"] = 0.0
-    cost, out = row["cost_usd"], row["output_tokens"]
+    priced, out = int(raw.get("priced") or 0), int(raw.get("priced_output_tokens") or 0)
+    cost = row["cost_usd"]
     row["cost_per_1m_output_tokens"] = cost / out * 1e6 if cost is not None and out else None
+    row["cost_basis"] = None  # every request priced, or none: the cost says so itself
+    if 0 < priced < ok:
+        row["cost_basis"] = f"{priced} of {ok} requests priced; the cost and $/1M cover those only"
     return {**{g: row[g] for g in groups}, **{m: row[m] for m in METRICS}}
 
 

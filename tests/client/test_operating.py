@@ -66,8 +66,15 @@ def make_job(url, job_id, *, name="job", ok=0, failed=0, queued=0, age=timedelta
         store.mark_request(f"{job_id}-{i}", "failed", error="boom", url=url)
     with store.session_scope(url) as s:
         then = utcnow() - age
+        done = (ok or failed) and not queued
         s.execute(
-            update(Job).where(Job.id == job_id).values(created_at=then, started_at=then if ok or failed else None)
+            update(Job)
+            .where(Job.id == job_id)
+            .values(
+                created_at=then,
+                started_at=then if ok or failed else None,
+                finished_at=then + timedelta(minutes=1) if done else None,
+            )
         )
     store.get_job(job_id, url=url)  # the counters recounted
 
@@ -174,21 +181,24 @@ def test_prune_deletes_old_finished_jobs_in_batches_and_keeps_the_rest(url, monk
     make_job(url, "old2", ok=5, failed=2, age=timedelta(days=5))
     make_job(url, "oldrun", ok=1, queued=2, age=timedelta(days=4))  # unfinished: kept
     make_job(url, "recent", ok=2, age=timedelta(hours=1))
+    make_job(url, "lc-reused", ok=2, age=timedelta(days=40))  # a LangChain job_name first used 40 days ago...
+    with store.session_scope(url) as s:  # ...and last an hour ago: kept (its whole history went)
+        s.execute(update(Job).where(Job.id == "lc-reused").values(finished_at=utcnow() - timedelta(hours=1)))
     declined = cli("prune", "--older-than", "2d", input="n\n")
     assert declined.exit_code == 1 and "nothing deleted" in declined.stdout
-    assert "delete 2 finished jobs created before" in declined.stdout and "their 10 rows" in declined.stdout
-    assert _count(url, Job) == 4 and _count(url, Request) == 15
+    assert "delete 2 finished jobs last used before" in declined.stdout and "their 10 rows" in declined.stdout
+    assert _count(url, Job) == 5 and _count(url, Request) == 17
     monkeypatch.setattr(admin, "PRUNE_BATCH", 4)  # several transactions
     r = cli("prune", "--older-than", "2d", "--yes")
     assert r.exit_code == 0, r.output
     assert "freed 2 jobs, 10 rows, 8 outputs and 8 telemetry rows (1 older jobs still have rows to run" in r.stdout
     assert len(r.stderr.strip().splitlines()) >= 3  # a line per transaction
-    assert {j["id"] for j in admin.list_jobs(limit=10)} == {"oldrun", "recent"}
-    assert _count(url, Request) == 5 and _count(url, Output) == 3 and _count(url, Telemetry) == 3
+    assert {j["id"] for j in admin.list_jobs(limit=10)} == {"oldrun", "recent", "lc-reused"}
+    assert _count(url, Request) == 7 and _count(url, Output) == 5 and _count(url, Telemetry) == 5
     assert "nothing to prune" in cli("prune", "--older-than", "2d", "--yes").stdout
     r = cli("prune", "--older-than", "0m", "--job", "recent", input="y\n")
     assert r.exit_code == 0 and "freed 1 jobs, 2 rows" in r.stdout, r.output
-    assert {j["id"] for j in admin.list_jobs(limit=10)} == {"oldrun"}
+    assert {j["id"] for j in admin.list_jobs(limit=10)} == {"oldrun", "lc-reused"}
 
 
 # -- results --failed-only ------------------------------------------------------------------------
@@ -320,7 +330,7 @@ def test_a_worker_reads_a_cancel_flag_when_told_and_forgets_it_after_a_retry(url
     assert not flags.watch(("fl",))()  # a new row of the job: not stopped by what an earlier look said
     flags.release(("fl",))
     jobs.cancel("fl", now=True, url=url)  # a row taken after the cancel (its job's flag read with it)
-    assert flags.watch(("fl",), jobs.cancel_times(["fl"], url=url)["fl"])()
+    assert flags.watch(("fl",), jobs.cancel_times(["fl"], url=url))()
     flags.release(("fl",))
 
 
@@ -388,8 +398,14 @@ def test_one_row_cancelled_alone_stops_at_its_next_step_and_its_job_goes_on(url)
     assert jobs.cancel_request("one-1", at=written, url=url) == "stopping"
     assert jobs.renew_leases(["one-1", "one-2"], "w1@h", url=url) == {"one-1": written}  # the heartbeat's read
     assert jobs.cancel_times(["one", "one-1", "one-2"], url=url) == {"one-1": written}  # the looker's
-    assert jobs.start("one-1", "w1@h", lease_timeout_s=60, max_attempts=3, url=url)["cancel_requested_at"] == written
+    taken = jobs.start("one-1", "w1@h", lease_timeout_s=60, max_attempts=3, url=url)  # (a redelivery)
+    assert (taken["row_cancel_requested_at"], taken["cancel_requested_at"]) == (written, None)  # its own, not its job's
     assert not mine() and not other()
+    again = CancelFlags()  # a process taking it now: the flag stops that row, not the job's others
+    row_stop = again.watch(("one", "one-1"), {"one": None, "one-1": taken["row_cancel_requested_at"]})
+    assert row_stop() and not again.watch(("one", "one-2"))()
+    again.release(("one", "one-1")), again.release(("one", "one-2"))
+    assert again.flagged == {}  # (a released row's flag is forgotten: a long-lived worker does not grow)
     announce("one-1", written)  # the broadcast, naming the row
     assert mine() and not other()
     assert jobs.end_cancelled("one-1", {**RESULT, "stats": {}}, url=url)

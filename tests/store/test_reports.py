@@ -115,7 +115,8 @@ def expected(rows, prices=None):
         "ttft_p50_s": np.percentile(ttft, 50),
         "ttft_p95_s": np.percentile(ttft, 95),
         "acceptance_rate": sum(r[7] for r in rows) / (10 * len(rows)),
-        "mean_accepted_length": np.mean([r[8] for r in rows]),
+        # tokens per target forward over the group: its tokens over its forwards
+        "mean_accepted_length": out / sum(r[6] / r[8] for r in rows),
         "speedup": np.mean([r[3] / base[r[0]] for r in rows]),
         "device_seconds": wall.sum(),
         "cost_usd": cost,
@@ -501,3 +502,43 @@ def test_speedup_is_the_recorded_counterfactual_over_the_time_taken(tmp_path):
     assert "basis: same-process target-only step cost" in " ".join(text.split())
     assert "speedup_basis" in render.to_csv([p]).splitlines()[0]
     db.dispose_engine(url)
+
+
+def test_a_cost_over_some_unpriced_rows_says_so_and_labels_are_plain_text(tmp_path):
+    """A row recorded without a price adds no cost: the $/1M figure is over the priced rows'
+    tokens only, and the report says what its cost covers (it read 10x low). A category that
+    looks like rich markup is shown as written (it crashed the table, or lost its text)."""
+    url = sqlite_url(tmp_path)
+    db.upgrade(url)
+    assert reports.summary(group_by="", url=url) == []  # (an empty store: no row of zeros)
+    for rid, device, tokens, price, category in (
+        ("gpu", "cuda", 1_000_000, 3.6, "x[/]"),
+        ("cpu", "cpu", 9_000_000, None, "x[/]"),
+        ("other", "cpu", 10, None, "[bold]y[/]"),
+    ):
+        stats = {"tokens_per_s": 10.0, "wall_time_s": 3600.0, "output_tokens": tokens}
+        record.record_result(
+            rid,
+            {"text": "", "token_ids": [], "finish_reason": "eos", "stats": stats},
+            worker=None,
+            device=device,
+            queue_wait_s=None,
+            pair="p",
+            job_id=None,
+            price_per_hour=price,
+            category=category,
+            url=url,
+        )
+    rows = reports.summary(group_by="category", url=url)
+    both = next(r for r in rows if r["category"] == "x[/]")
+    assert both["cost_usd"] == pytest.approx(3.6) and both["cost_per_1m_output_tokens"] == pytest.approx(3.6)
+    assert both["cost_basis"] == "1 of 2 requests priced; the cost and $/1M cover those only"
+    text = render.table_text(rows, width=200)
+    assert "x[/]" in text and "[bold]y[/]" in text
+    assert "cost covers the priced requests only in x[/]" in text
+    db.dispose_engine(url)
+
+
+def test_a_compact_date_is_a_date():
+    assert reports.parse_when("20260131", "until", end=True) == datetime(2026, 2, 1)
+    assert reports.parse_when("2026-01-31", "until", end=True) == datetime(2026, 2, 1)
