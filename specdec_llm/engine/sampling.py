@@ -23,6 +23,7 @@ def probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) ->
         cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
         # drop a token when the mass before it already reaches top_p (the top token always stays)
         drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= top_p
+        drop_sorted[..., 0] = False  # (a top_p under float32's least number compares as 0: every token went)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return torch.softmax(x, dim=-1)

@@ -113,6 +113,16 @@ def test_seed_reproducible_and_auto_k_seeded(target):
     assert a.stats.k_values[:4] == [dec.seeded_k] * 4
 
 
+def test_a_top_p_below_float32s_least_number_keeps_the_top_token_and_its_batch(target):
+    """top_p = 1e-300 is valid (0 < top_p <= 1) but compares as 0 in float32: it dropped every
+    token, and the NaN failed every row of its batch. It is the top token alone now."""
+    dec = SpeculativeDecoder(target, perturbed(target, 0.5, seed=1))
+    greedy = GenerationRequest(prompt=[3, 4, 5], max_new_tokens=12, k=2)
+    tiny = GenerationRequest(prompt=[3, 4, 5], max_new_tokens=12, k=2, temperature=1.0, top_p=1e-300, seed=3)
+    a, b = dec.generate_many([greedy, tiny], max_batch=2)
+    assert b.token_ids == a.token_ids == dec.generate(greedy).token_ids  # the top token: greedy's
+
+
 class CheckedBatch(decoder_mod.Batch):
     def step(self):
         done = super().step()
