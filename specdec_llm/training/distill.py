@@ -287,9 +287,12 @@ def build_data(
 # -- training -------------------------------------------------------------------------------
 def _batches(examples, batch_size: int, max_len: int, rng: random.Random):
     order = list(range(len(examples)))
+    if not order:
+        raise ValueError("no distillation examples to train on; run the data phase first")
     while True:
         rng.shuffle(order)
-        for i in range(0, len(order) - batch_size + 1, batch_size):
+        # (fewer examples than a batch: one smaller batch; it looped forever yielding nothing)
+        for i in range(0, max(1, len(order) - batch_size + 1), batch_size):
             yield [examples[j] for j in order[i : i + batch_size]]
 
 

@@ -202,3 +202,16 @@ def test_the_distill_command_runs_both_phases(tiny_pair_dir, tmp_path):
     r = CliRunner().invoke(app, [*args, "--phase", "data"])
     assert r.exit_code == 0, r.output
     assert json.loads((work / "data" / "manifest.json").read_text())["shards"] == manifest["shards"]
+
+
+def test_fewer_examples_than_a_batch_train_as_one_smaller_batch():
+    """A small data phase (or one cut short by --hours) with the default batch size of 16:
+    training hung at full CPU, its batch generator yielding nothing."""
+    import random
+
+    from specdec_llm.training.distill import _batches
+
+    batches = _batches(["a", "b", "c"], batch_size=16, max_len=64, rng=random.Random(0))
+    assert sorted(next(batches)) == ["a", "b", "c"] and sorted(next(batches)) == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="no distillation examples"):
+        next(_batches([], batch_size=16, max_len=64, rng=random.Random(0)))
