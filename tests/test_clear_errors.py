@@ -85,6 +85,8 @@ def test_extra_csv_fields_fail_their_row(tmp_path):
         (["--format", "xml"], "format: 'xml' unknown"),
         (["--out", "{file}/out.jsonl"], "out: cannot write"),
         (["--out", "{dir}"], "is a folder"),
+        (["--out", "{file}"], "is the input file; the results would overwrite it"),
+        (["--out", "{dir}/./in.jsonl"], "is the input file"),
     ],
 )
 def test_run_refuses_a_bad_output_before_generating(pairs_file, tmp_path, monkeypatch, extra, fragment):

@@ -281,7 +281,7 @@ def run(
     device = check_device(device)
     batching = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
     out = out or Path(f"{file.stem}.results.{'csv' if fmt == 'csv' else 'jsonl'}")
-    _check_output(fmt, out)  # before generating anything, not after
+    _check_output(fmt, out, source=file)  # before generating anything, not after
     with user_errors():  # the price (the flag, else SPECDEC_PRICE_PER_HOUR): now, not after the job
         store.price_for(price_per_hour or None, device or "cpu")
         if (
@@ -404,14 +404,17 @@ def _cancelled_note(job: str, cancelled: int) -> str:
     )
 
 
-def _check_output(fmt: str, out: Path) -> None:
-    """Refuse a format or an output file that cannot work, before a job runs."""
+def _check_output(fmt: str, out: Path, source: Path | None = None) -> None:
+    """Refuse a format or an output file that cannot work, before a job runs; ``source``: the
+    input file, which the results must not overwrite."""
     from .jobs import FORMATS
 
     if fmt not in FORMATS:
         fail(f"format: {fmt!r} unknown; use --format {', '.join(FORMATS)}")
     if out.is_dir():
         fail(f"out: {out} is a folder; give a file name, e.g. --out {out / 'results.jsonl'}")
+    if source is not None and out.exists() and source.exists() and out.samefile(source):
+        fail(f"out: {out} is the input file; the results would overwrite it: choose another --out")
     problem = _cannot_write(out)
     if problem:
         fail(f"out: cannot write {out} ({problem}); choose another --out, in a folder you can write")
