@@ -301,6 +301,7 @@ def job_requests(job_id: str, *, outputs: bool = True, url: str | None = None) -
     """Every request of a job (id, status, error, params, attempts, pair) in input order
     (``params["_row"]``), with its output and key telemetry when ``outputs``. Reads only."""
     columns = [Request.id, Request.status, Request.error, Request.params, Request.attempts, Pair.name.label("pair")]
+    columns.append(Request.prompt.is_(None).label("messages_row"))  # (a row of chat messages has no prompt)
     q = select(*columns).outerjoin(Pair, Pair.id == Request.pair_id).where(Request.job_id == job_id)
     if outputs:
         q = (

@@ -263,3 +263,17 @@ def test_a_20_row_batch_file_with_2_bad_rows_round_trips(embedded, tmp_path):
     again = invoke("results", job, "--format", "openai")  # the same lines from the store
     assert again.exit_code == 0 and [json.loads(line) for line in again.stdout.splitlines()] == got
     assert client.job_counts(job) == {"queued": 0, "running": 0, "ok": 18, "failed": 2, "cancelled": 0}
+
+
+def test_a_messages_row_of_a_jsonl_job_is_a_chat_completion(embedded, tmp_path):
+    """A JSON Lines row of chat messages (not an OpenAI Batch line) comes out as a chat
+    completion in the openai format, a prompt row as a text completion (it was one too)."""
+    path = jsonl(
+        tmp_path / "in.jsonl", {"id": "m", "messages": [{"role": "user", "content": "hi"}]}, {"id": "p", "prompt": "hi"}
+    )
+    out = tmp_path / "out.jsonl"
+    res = invoke("run", path, "--pair", "tiny", "--max-new-tokens", "4", "--format", "openai", "--out", out)
+    assert res.exit_code == 0, res.output
+    m, p = (json.loads(line) for line in out.read_text().splitlines())
+    assert m["response"]["body"]["object"] == "chat.completion" and "message" in m["response"]["body"]["choices"][0]
+    assert p["response"]["body"]["object"] == "text_completion"
