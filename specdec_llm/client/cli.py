@@ -77,9 +77,21 @@ def _params(options: dict[str, Any]) -> dict[str, Any]:
     params["k"] = parse_k(params.get("k"))
     params["stop"] = list(params.get("stop") or []) or None
     params["chat"] = params.get("chat") or None  # a flag: off is no parameter
-    if params.get("drafter") == "auto":  # auto is the default: the same job as without
-        params["drafter"] = None
-    return {key: v for key, v in params.items() if v is not None}
+    # a value the engine takes anyway (k auto, temperature 0, ...) is the same job as without it
+    # (a job's id hashes its parameters: spelled out, a default made a new job of every row)
+    return {key: v for key, v in params.items() if v is not None and not _is_default(key, v)}
+
+
+def _is_default(name: str, value: Any) -> bool:
+    import dataclasses
+
+    from specdec_llm.engine import GenerationRequest
+
+    fields = {f.name: f for f in dataclasses.fields(GenerationRequest)}
+    f = fields.get(name)
+    if f is None or f.default is dataclasses.MISSING:
+        return False
+    return bool(type(value) is type(f.default) and value == f.default)
 
 
 def json_schema_format(path: Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@ worker subprocess that `run` starts and stops)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from helpers import invoke, jsonl
@@ -86,6 +87,28 @@ def test_job_id_is_content_pair_and_params(tmp_path):
     assert job_id_for(a, "tiny", {"max_new_tokens": 4}) == job_id_for(b, "tiny", {"max_new_tokens": 4})
     assert job_id_for(a, "tiny", {"max_new_tokens": 4}) != job_id_for(a, "tiny", {"max_new_tokens": 5})
     assert job_id_for(a, "tiny", {}) != job_id_for(a, "tiny-shared", {})
+
+
+def test_a_default_spelled_out_is_the_same_job(embedded, tmp_path):
+    """`--k auto --temperature 0 --max-new-tokens 128 --mode speculative` are what a job gets
+    anyway: the same job id as without them (it was a new job, every row generated again)."""
+    path = jsonl(tmp_path / "in.jsonl", {"prompt": "one"})
+    first = invoke("submit", path, "--pair", "tiny")
+    flags = [
+        "--k",
+        "auto",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "128",
+        "--mode",
+        "speculative",
+        "--drafter",
+        "auto",
+    ]
+    again = invoke("submit", path, "--pair", "tiny", *flags)
+    job = lambda res: re.search(r"job ([0-9a-f]{16})", res.output).group(1)  # noqa: E731
+    assert first.exit_code == again.exit_code == 0 and job(first) == job(again), (first.output, again.output)
 
 
 # -- the commands, embedded, no worker ---------------------------------------------------------
