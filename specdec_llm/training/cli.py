@@ -117,6 +117,9 @@ def _check_numbers(options: dict) -> None:
     if options["gen_dtype"] not in ("float32", "bfloat16", "float16"):
         fail(f"gen-dtype: {options['gen_dtype']!r} unknown; use float32, bfloat16 or float16")
     check_device(options["device"])
+    init = options.get("init_from")
+    if init and not init.startswith("pkg:") and not Path(init).is_dir():
+        fail(f"init-from: {init} is not a folder; give a distilled draft's folder (distill --out) or pkg:DIST/PATH")
 
 
 def _check_distill(options: dict):

@@ -40,6 +40,7 @@ from ..pairs import (
     reference,
     shared_draft,
 )
+from .corpus import CorpusError
 from .evaluate import read_prompts
 from .loop import Schedule, TrainLoop, subset_rows
 
@@ -399,7 +400,7 @@ def _split_heldout(store: DataStore, cfg: TrainConfig) -> tuple[list, list]:
     for the agreement curve at each checkpoint."""
     examples = list(store.examples())
     if not examples:
-        raise ValueError(f"no distillation data under {store.root}; run the data phase first")
+        raise CorpusError(f"no distillation data under {store.root}; run the data phase first (--phase data)")
     held = random.Random(cfg.seed).sample(range(len(examples)), min(cfg.holdout, len(examples) // 10))
     held_set = set(held)
     return [ex for i, ex in enumerate(examples) if i not in held_set], [examples[i] for i in held]

@@ -35,6 +35,7 @@ CASES = [
     ("samples", [*DISTILL, "--prompts", "seeds.jsonl", "--samples", "-1"]),
     ("vocab-subset", [*DISTILL, "--prompts", "seeds.jsonl", "--vocab-subset", "-5"]),
     ("hours", [*DISTILL, "--prompts", "seeds.jsonl", "--hours", "-1"]),
+    ("init-from", [*DISTILL, "--prompts", "seeds.jsonl", "--init-from", "no-such-draft"]),
     ("prompts", [*EVAL, "--prompts", "array.jsonl"]),
     ("prompts", [*EVAL, "--prompts", "bad.jsonl"]),
     ("prompts", [*EVAL, "--prompts", "empty.jsonl"]),
