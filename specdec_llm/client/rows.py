@@ -369,6 +369,11 @@ def _csv(lines: Iterable[tuple[int, str | _Bad]], path: Path) -> list[Row]:
                     "line after it would become part of one prompt; close the quote (a quote inside a quoted "
                     'field is written "")'
                 ) from None
+            if "field larger than field limit" in str(e):  # the reader would go on from inside that field
+                raise InputError(
+                    f"{path}: line {start}: a field of this record is over {MAX_LINE_BYTES:,} characters, more "
+                    "than one row may hold, and the lines after it cannot be told apart from it; shorten it"
+                ) from None
             rows.append(Row(len(rows), start, "", prompt="", error=f"bad CSV ({e})"))
             start = reader.line_num + 1
             continue

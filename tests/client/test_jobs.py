@@ -75,6 +75,10 @@ def test_a_json_array_or_a_utf16_file_fails_the_command_with_one_clear_error(tmp
     # a first line that only looks like an array is one bad row, not a refused file
     (tmp_path / "odd.jsonl").write_text("[[[[oops\n" + json.dumps({"prompt": "hi"}) + "\n")
     bad, good = read_rows(tmp_path / "odd.jsonl")
+    # a quoted field over the limit: the reader would go on from inside it (620 junk rows)
+    (tmp_path / "huge.csv").write_text('id,prompt\nq1,"' + ("y" * 1000 + "\n") * 9000 + 'end"\nq2,after\n')
+    with pytest.raises(InputError, match="line 2: a field of this record is over 8,388,608 characters"):
+        read_rows(tmp_path / "huge.csv")
     (tmp_path / "spaced.json").write_text('[ {"prompt": "a"},\n {"prompt": "b"}\n]\n')  # an array all the same
     with pytest.raises(InputError, match="line 1 starts a JSON array"):
         read_rows(tmp_path / "spaced.json")
