@@ -293,6 +293,8 @@ def eval_pair(
             f"{s['tokens_per_s']:.1f}",
         )
     console.print(table)
+    for line in report.get("skipped", []):
+        err.print(f"skipped {line}", markup=False, highlight=False)
 
 
 # -- corpus ----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from ..engine import GenerationRequest, SpeculativeDecoder
+from ..engine import GenerationRequest, RequestError, SpeculativeDecoder
 
 
 def _json_object(path: Path, n: int, line: str) -> dict:
@@ -80,9 +80,16 @@ def evaluate(
     """Greedy speculative decoding at a fixed k over ``rows`` with ``drafter`` ("auto": the
     first of the pair's drafters that proposes, each iteration); figures overall and per category."""
     by_cat: dict[str, list] = defaultdict(list)
-    for row in rows:
+    skipped = []
+    for n, row in enumerate(rows, 1):
         req = GenerationRequest(prompt=row["prompt"], chat=True, max_new_tokens=max_new_tokens, k=k, drafter=drafter)
-        res = decoder.generate(req)
+        try:
+            res = decoder.generate(req)
+        except RequestError as e:  # (a prompt over the context, say: the others still count)
+            if e.field != "prompt":
+                raise
+            skipped.append(f"prompt {n}: {e}")
+            continue
         by_cat[row["category"]].append(res.stats)
         if on_row:
             on_row(row, res)
@@ -92,6 +99,8 @@ def evaluate(
         "drafter": drafter,
         "max_new_tokens": max_new_tokens,
     }
+    if skipped:
+        out["skipped"] = skipped
     if len(by_cat) > 1 or "all" not in by_cat:
         out["categories"] = {c: _summary(v) for c, v in sorted(by_cat.items())}
     return out
