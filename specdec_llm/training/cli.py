@@ -138,6 +138,8 @@ def _check_distill(options: dict):
     if (options["pair"] is None) == (options["target"] is None):
         fail("give exactly one of --pair NAME or --target REF")
     _check_numbers(options)
+    if phase in ("train", "all"):
+        _check_checkpoint(Path(options["work"]) / ("eagle-ckpt" if kind == "eagle" else "ckpt"), options["resume"])
     seeds = None
     if kind == "model" and phase in ("data", "all"):
         seeds = [
@@ -146,6 +148,23 @@ def _check_distill(options: dict):
         if options["prompt_pool"] is not None:
             read_prompt_file("prompt-pool", options["prompt_pool"], "data/distill_prompts_smollm2-135m.jsonl")
     return feature_list, layer_list, seeds
+
+
+def _check_checkpoint(ckpt: Path, resume: bool) -> None:
+    """A checkpoint in ``ckpt`` is continued with --resume, never written over without it (a
+    rerun without the flag lost a long run); --resume with none says it starts afresh."""
+    state = ckpt / "state.json"
+    if resume and not state.exists():
+        err.print(f"resume: no checkpoint in {ckpt} yet: training starts at step 0", markup=False)
+    elif not resume and state.exists():
+        try:
+            step = json.loads(state.read_text()).get("step", "?")
+        except (OSError, ValueError, AttributeError):
+            step = "?"
+        fail(
+            f"resume: {ckpt} holds a checkpoint (step {step}); pass --resume to continue it, or start over "
+            f"with another --work (or delete {ckpt})"
+        )
 
 
 def _distill_data(model, tok, work: Path, seeds: list[str], pool: Path | None, cfg, progress, deadline) -> None:
