@@ -262,6 +262,7 @@ def build_data(
     blocks = work_blocks(len(pool), cfg.samples, cfg.batch_size, cfg.seed)
     total = sum(len(b) for b in blocks)
     done = store.manifest.get("items_done", 0)
+    _check_same_order(store.manifest.get("config") if done else None, cfg, store.root)
     task = progress.add_task("target answers", total=total, completed=done) if progress else None
     encoded: dict[int, list[int]] = {}
     end = 0  # items up to the end of this block
@@ -283,6 +284,21 @@ def build_data(
             if store.manifest["shards"] % 10 == 0:  # a plain line too, for logs of background runs
                 progress.console.print(f"data: {done}/{total} answers, {store.manifest['tokens']:,} tokens")
     return store.manifest
+
+
+ORDER_FIELDS = ("samples", "batch_size", "seed")  # what decides the order a data phase resumes in
+
+
+def _check_same_order(started: dict | None, cfg: DataConfig, root: Path) -> None:
+    """A data phase resumes by position in its work order: with other ``ORDER_FIELDS`` it would
+    answer some prompts twice and skip others (and the corpus import refuses the shards)."""
+    changed = [f for f in ORDER_FIELDS if started is not None and f in started and started[f] != getattr(cfg, f)]
+    if changed:
+        was = ", ".join(f"{f} {started[f]}" for f in changed)
+        raise CorpusError(
+            f"the data phase in {root} was started with {was}; resume it with the same "
+            "(--gen-batch is batch_size), or start over with another --work"
+        )
 
 
 # -- training -------------------------------------------------------------------------------
