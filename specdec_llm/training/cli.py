@@ -349,6 +349,10 @@ def corpus_grow(
     check_device(device)
     if samples < 0 or min(batch, max_new_tokens, max_prompt_tokens) < 1:
         fail("samples must be >= 0; batch, max-new-tokens and max-prompt-tokens >= 1")
+    if samples and not (math.isfinite(temperature) and temperature > 0):  # (-1 sampled the least likely tokens)
+        fail(f"temperature: {temperature} is not a positive temperature; use e.g. 0.8")
+    if hours is not None and not (math.isfinite(hours) and hours > 0):
+        fail(f"hours: {hours} is not a positive number of hours; use e.g. 0.5, or leave it out for no limit")
     if dtype not in ("bfloat16", "float16", "float32"):
         fail(f"dtype: {dtype!r} unknown; use bfloat16, float16 or float32")
     with user_errors():

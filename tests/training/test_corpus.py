@@ -221,6 +221,14 @@ def test_bad_prompt_files_are_one_clear_error(tmp_path):
         assert result.exit_code == 2, result.output
         assert result.stderr.startswith("error: prompts: ") and fragment in result.stderr
         assert "Traceback" not in result.output
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "fine"}\n')
+    for args, fragment in (
+        (["--samples", "1", "--temperature", "-1"], "temperature: -1.0 is not a positive temperature"),
+        (["--hours", "-1"], "hours: -1.0 is not a positive number of hours"),
+    ):
+        result = runner.invoke(app, ["corpus", "grow", "--target", "nowhere", "--prompts", str(good), *args])
+        assert result.exit_code == 2 and result.stderr.startswith(f"error: {fragment}"), result.output
 
 
 def test_the_cli_grows_shows_teaches_and_widens(pairs_file, tmp_path):
