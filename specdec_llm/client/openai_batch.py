@@ -56,6 +56,10 @@ NEUTRAL = {
     "presence_penalty": 0,
     "frequency_penalty": 0,
     "response_format": {"type": "text"},
+    "tools": [],
+    "tool_choice": "none",
+    "logit_bias": {},
+    "modalities": ["text"],
 }
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -115,7 +119,7 @@ def fill(row: Row, obj: dict[str, Any]) -> str | None:
             )
         return f"body.{name}: not supported by specdec-llm; remove it (supported: {wanted}, {', '.join(PARAMS)})"
     params, source = {}, {}
-    for name in PARAMS:  # (max_tokens and max_completion_tokens: the last wins)
+    for name in PARAMS:  # (max_tokens, then max_completion_tokens: the newer name wins where both are given)
         if body.get(name) is not None and body[name] != NEUTRAL.get(name):
             params[PARAMS[name]], source[PARAMS[name]] = body[name], name
     if isinstance(params.get("stop"), str):

@@ -192,11 +192,12 @@ def _jsonl(lines: Iterable[tuple[int, str | _Bad]], path: Path) -> list[Row]:
             continue
         if not line.strip():
             continue
-        if not rows and _opens_array(line):  # a JSON array (a .json file): no row would read
+        if not rows and (_opens_array(line) or line.strip() == "{"):  # a .json file: no row would read
             out = f"{path.stem}.jsonl" if path.suffix.lower() != ".jsonl" else f"{path.stem}-lines.jsonl"
+            what, jq = ("a JSON array", ".[]") if line.strip() != "{" else ("an object over several lines", ".")
             raise InputError(
-                f"{path}: line {n} starts a JSON array; JSON Lines expected: one object per line; "
-                f"convert with `jq -c '.[]' {path.name} > {out}`"
+                f"{path}: line {n} starts {what}; JSON Lines expected: one object per line; "
+                f"convert with `jq -c '{jq}' {path.name} > {out}`"
             )
         row = Row(len(rows), n, "")
         rows.append(row)

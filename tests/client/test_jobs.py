@@ -79,6 +79,9 @@ def test_a_json_array_or_a_utf16_file_fails_the_command_with_one_clear_error(tmp
     (tmp_path / "huge.csv").write_text('id,prompt\nq1,"' + ("y" * 1000 + "\n") * 9000 + 'end"\nq2,after\n')
     with pytest.raises(InputError, match="line 2: a field of this record is over 8,388,608 characters"):
         read_rows(tmp_path / "huge.csv")
+    (tmp_path / "pretty.json").write_text(json.dumps({"prompt": "a"}, indent=2))  # one row per line, all failed
+    with pytest.raises(InputError, match=r"line 1 starts an object over several lines.*jq -c '\.' pretty\.json"):
+        read_rows(tmp_path / "pretty.json")
     (tmp_path / "spaced.json").write_text('[ {"prompt": "a"},\n {"prompt": "b"}\n]\n')  # an array all the same
     with pytest.raises(InputError, match="line 1 starts a JSON array"):
         read_rows(tmp_path / "spaced.json")

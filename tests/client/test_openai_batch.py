@@ -101,7 +101,7 @@ def test_lines_become_rows(tmp_path):
 @pytest.mark.parametrize(
     "line, error",
     [
-        (chat_line("x", tools=[{"type": "function", "function": {"name": "f"}}]), "body.tools: not supported"),
+        (chat_line("x", tools=[{"type": "function", "function": {"name": "f"}}]), "body.tools: [{"),
         (chat_line("x", n=2), "body.n: 2 is not supported by specdec-llm; use 1 or leave it out"),
         (chat_line("x", n=True), "body.n: true is not supported"),
         (chat_line("x", logprobs=True, top_logprobs=2), "body.logprobs: true is not supported"),
@@ -111,7 +111,7 @@ def test_lines_become_rows(tmp_path):
         ),
         (chat_line("x", stream=True), "body.stream: true is not supported"),
         (chat_line("x", frequency_penalty=0.5), "body.frequency_penalty: 0.5 is not supported"),
-        (chat_line("x", logit_bias={"50256": -100}), "body.logit_bias: not supported by specdec-llm; remove it"),
+        (chat_line("x", logit_bias={"50256": -100}), 'body.logit_bias: {"50256": -100} is not supported by specdec-llm; use {}'),
         (chat_line("x", temperature=-1), "body.temperature: -1 must be >= 0"),
         (chat_line("x", max_tokens=0), "body.max_tokens: "),
         (chat_line("x", max_completion_tokens="many"), "body.max_completion_tokens: "),
@@ -144,6 +144,14 @@ def test_a_bad_line_fails_its_row_naming_the_field(tmp_path, line, error):
     check_rows(rows, {})
     assert [r.error for r in rows[::2]] == [None, None]
     assert rows[1].error.startswith(error), rows[1].error
+
+
+def test_fields_at_the_value_that_asks_for_nothing_are_accepted(tmp_path):
+    """What SDKs send by default: no tools, tool_choice none, no logit bias, text only."""
+    line = chat_line("x", tools=[], tool_choice="none", logit_bias={}, modalities=["text"])
+    [row] = read_rows(jsonl(tmp_path / "batch.jsonl", line))
+    check_rows([row], {})
+    assert row.error is None
 
 
 # -- out ---------------------------------------------------------------------------------------------
