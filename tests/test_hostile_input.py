@@ -217,7 +217,9 @@ def test_job_rows_fail_alone_and_are_always_storable(tiny_decoder, tmp_path_fact
         text = [line.strip() for line in (first, *lines[1:]) if line.strip()]
         if "starts a JSON array" in str(e):  # only when the first line is `[`, `[{...` or a one-line array
             head = text[0]
-            assert head == "[" or head[1:].lstrip().startswith("{") or isinstance(json.loads(head), list)
+            assert head.startswith("[") and (
+                head[1:].lstrip().startswith("{") or head == "[" or isinstance(json.loads(head), list)
+            )
             return
         if "starts an object over several lines" in str(e):  # a pretty-printed .json file
             assert text[0] == "{"

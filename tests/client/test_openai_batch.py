@@ -111,7 +111,10 @@ def test_lines_become_rows(tmp_path):
         ),
         (chat_line("x", stream=True), "body.stream: true is not supported"),
         (chat_line("x", frequency_penalty=0.5), "body.frequency_penalty: 0.5 is not supported"),
-        (chat_line("x", logit_bias={"50256": -100}), 'body.logit_bias: {"50256": -100} is not supported by specdec-llm; use {}'),
+        (
+            chat_line("x", logit_bias={"50256": -100}),
+            'body.logit_bias: {"50256": -100} is not supported by specdec-llm; use {}',
+        ),
         (chat_line("x", temperature=-1), "body.temperature: -1 must be >= 0"),
         (chat_line("x", max_tokens=0), "body.max_tokens: "),
         (chat_line("x", max_completion_tokens="many"), "body.max_completion_tokens: "),
