@@ -567,16 +567,18 @@ def test_a_device_this_machine_lacks_is_one_line_before_anything_runs(
         assert "specdec worker:" not in r.output  # before Celery starts
     assert not (embedded / "specdec.db").exists()  # nothing enqueued
     pairs_file.write_text(text)
-    # SPECDEC_DEVICE
+    # SPECDEC_DEVICE (no device at all: refused as the settings are read)
     fresh_settings(settings_env, SPECDEC_DEVICE=device)
+    said = f"SPECDEC_DEVICE='{device}'" if device == "banana" else f"SPECDEC_DEVICE: '{device}'"
     for command in (
         ["generate", "hi", "--pair", "tiny"],
         ["worker", "--pair", "tiny"],
         ["run", str(rows), "--pair", "tiny"],
     ):
-        one_line_exit_2(CliRunner().invoke(cli, command), f"SPECDEC_DEVICE: '{device}'")
+        one_line_exit_2(CliRunner().invoke(cli, command), said)
     assert not (embedded / "specdec.db").exists()
     from specdec_llm.pairs import PairError, load_pair
+    from specdec_llm.settings import SettingsError
 
-    with pytest.raises(PairError, match="SPECDEC_DEVICE"):  # LangChain's local mode and every other loader
+    with pytest.raises(SettingsError if device == "banana" else PairError, match="SPECDEC_DEVICE"):  # every loader
         load_pair("tiny")

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from ..errors import SpecDecError
 from ..pairs import (
     DRAFT_META,
     SHARED_TENSORS,
@@ -40,7 +41,6 @@ from ..pairs import (
     reference,
     shared_draft,
 )
-from .corpus import CorpusError
 from .evaluate import read_prompts
 from .loop import Schedule, TrainLoop, subset_rows
 
@@ -48,6 +48,10 @@ EXPAND_TEMPLATE = (
     "Here is an example of a task someone might ask an AI assistant:\n\n{seed}\n\n"
     "Write one new, different task on a related topic. Reply with the task only."
 )
+
+
+class DistillError(SpecDecError, ValueError):
+    """A distillation that cannot go on as asked (no data; a data phase resumed in another order)."""
 
 
 @dataclass
@@ -295,7 +299,7 @@ def _check_same_order(started: dict | None, cfg: DataConfig, root: Path) -> None
     changed = [f for f in ORDER_FIELDS if started is not None and f in started and started[f] != getattr(cfg, f)]
     if changed:
         was = ", ".join(f"{f} {started[f]}" for f in changed)
-        raise CorpusError(
+        raise DistillError(
             f"the data phase in {root} was started with {was}; resume it with the same "
             "(--gen-batch is batch_size), or start over with another --work"
         )
@@ -416,7 +420,7 @@ def _split_heldout(store: DataStore, cfg: TrainConfig) -> tuple[list, list]:
     for the agreement curve at each checkpoint."""
     examples = list(store.examples())
     if not examples:
-        raise CorpusError(f"no distillation data under {store.root}; run the data phase first (--phase data)")
+        raise DistillError(f"no distillation data under {store.root}; run the data phase first (--phase data)")
     held = random.Random(cfg.seed).sample(range(len(examples)), min(cfg.holdout, len(examples) // 10))
     held_set = set(held)
     return [ex for i, ex in enumerate(examples) if i not in held_set], [examples[i] for i in held]

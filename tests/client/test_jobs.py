@@ -144,7 +144,7 @@ NOT_OPTIONS = {
 def test_submit_passes_every_generation_option_on(embedded, tmp_path):
     """Each ``GenerationRequest`` field is an option of ``generate``, ``submit`` and ``run``
     (but those ``NOT_OPTIONS`` names, each with its reason), and reaches the job as given;
-    options left out, ``--chat`` off and ``--drafter auto`` are no parameter."""
+    options left out, ``--chat`` off and an option at its default (``--drafter auto``) are no parameter."""
     from dataclasses import fields
     from inspect import signature
 
@@ -157,7 +157,7 @@ def test_submit_passes_every_generation_option_on(embedded, tmp_path):
         assert wanted - set(signature(command).parameters) == set(), command.__name__
     path = jsonl(tmp_path / "in.jsonl", {"prompt": "one"})
     given = ["--max-new-tokens", "4", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "5", "--seed", "3"]
-    given += ["--k", "2", "--stop", "END", "--chat", "--mode", "speculative", "--drafter", "lookup"]
+    given += ["--k", "2", "--stop", "END", "--chat", "--mode", "baseline", "--drafter", "lookup"]
     res = invoke("submit", path, "--pair", "tiny", *given)
     assert res.exit_code == 0, res.output
     params = client.submit(path, "tiny", {})  # (the same file, no parameters: another job)
@@ -171,7 +171,7 @@ def test_submit_passes_every_generation_option_on(embedded, tmp_path):
         "k": 2,
         "stop": ["END"],
         "chat": True,
-        "mode": "speculative",
+        "mode": "baseline",
         "drafter": "lookup",
     }
     res = invoke("submit", path, "--pair", "tiny", "--drafter", "auto")

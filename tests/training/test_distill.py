@@ -66,7 +66,7 @@ def test_interrupted_data_phase_resumes_at_the_next_batch(distilled, tmp_path):
     store.manifest.update(items_done=len(kept), tokens=sum(len(s) - p for s, p, _, _ in kept))
     store.save_manifest()
     other = D.DataConfig(**{**cfg.__dict__, "batch_size": 2})  # another order: refused, nothing written
-    with pytest.raises(D.CorpusError, match="started with batch_size 8; resume it with the same"):
+    with pytest.raises(D.DistillError, match="started with batch_size 8; resume it with the same"):
         D.build_data(target, tiny_tokenizer(), SEEDS, data.parent, other)
     again = D.build_data(target, tiny_tokenizer(), SEEDS, data.parent, cfg)
     assert (again["shards"], again["tokens"], again["items_done"]) == (
