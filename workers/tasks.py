@@ -279,8 +279,11 @@ def _generate_row(
             result = res.to_dict()
     except RequestError as e:
         metrics.failed(pair, "bad_input")
-        store.mark_request(request_id, "failed", error=str(e))
-        return {}, {"request_id": request_id, "status": "failed", "error": str(e)}
+        error = str(e)
+        if e.field == "prompt" and row.get("messages") is not None:  # (its prompt: the messages, rendered)
+            error = f"messages: as the chat template renders them, {error.partition(': ')[2]}"
+        store.mark_request(request_id, "failed", error=error)
+        return {}, {"request_id": request_id, "status": "failed", "error": error}
     except (SoftTimeLimitExceeded, TimeoutError):  # prefork's signal, or the server's deadline
         metrics.failed(pair, "timeout")
         error = f"timed out: generation took longer than the {limit} s limit"

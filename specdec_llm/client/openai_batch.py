@@ -255,7 +255,7 @@ def _param(message: str) -> tuple[str | None, int | None]:
     head = message.split(": ", 1)[0] if ": " in message else ""
     if head.startswith("body."):
         return head[len("body.") :], line
-    if head in LINE_KEYS or head in REQUEST_FIELDS or head.startswith("messages["):
+    if head in LINE_KEYS or head in REQUEST_FIELDS or head == "messages" or head.startswith("messages["):
         return head, line
     return None, line
 

@@ -185,15 +185,16 @@ def test_bad_rows_fail_alone_with_clear_errors(sqlite_fleet, use, tmp_path):
                 '{"id": "h", "messages": [{"role": "user", "content": "hello there"}]}',
                 '{"id": "i", "messages": "hello"}',
                 '{"id": "j", "prompt": "fine", "params": {"top_p": 0}}',
+                '{"id": "k", "messages": [{"role": "user", "content": "' + too_long + '"}]}',
             ]
         )
         + "\n"
     )
     sub = client.submit(path, "tiny", {"max_new_tokens": 6})
-    assert (sub["rows"], sub["bad"], sub["enqueued"]) == (10, 7, 3)
+    assert (sub["rows"], sub["bad"], sub["enqueued"]) == (11, 7, 4)
     client.wait(sub["job_id"], workers=sqlite_fleet.procs, timeout_s=60)
     items = client.results(sub["job_id"])
-    assert [i["id"] for i in items] == ["a", "2", "c", "d", "a", "f", "g", "h", "i", "j"]  # input order
+    assert [i["id"] for i in items] == ["a", "2", "c", "d", "a", "f", "g", "h", "i", "j", "k"]  # input order
     expected = [
         None,
         "line 2: invalid JSON",
@@ -205,6 +206,7 @@ def test_bad_rows_fail_alone_with_clear_errors(sqlite_fleet, use, tmp_path):
         None,
         '"messages" must be',
         "top_p",
+        "messages: as the chat template renders them, is ",  # (it said "prompt:", which the row has none of)
     ]
     for item, fragment in zip(items, expected):
         if fragment is None:
@@ -212,9 +214,9 @@ def test_bad_rows_fail_alone_with_clear_errors(sqlite_fleet, use, tmp_path):
         else:
             assert item["status"] == "failed" and fragment in item["error"], item
     job = store.get_job(sub["job_id"])
-    assert (job["status"], job["n_ok"], job["n_failed"]) == ("done", 2, 8)
+    assert (job["status"], job["n_ok"], job["n_failed"]) == ("done", 2, 9)
     again = client.retry(sub["job_id"])
-    assert again["bad_input"] == 7 and again["enqueued"] == 1  # only "f": it failed in the worker
+    assert again["bad_input"] == 7 and again["enqueued"] == 2  # only "f" and "k": they failed in the worker
 
 
 # -- JSON only ---------------------------------------------------------------------------------
