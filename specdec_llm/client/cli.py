@@ -376,7 +376,8 @@ def _print_run_summary(st: dict[str, Any], out: Path, *, wall: float) -> None:
     )
     print(
         f"  {st['output_tokens']} output tokens; {_fmt(st['throughput_tokens_per_s'], '.1f')} tok/s over its "
-        f"decoding ({st['elapsed_s']:.1f} s, first row started to last finished); this command took "
+        f"decoding ({st['elapsed_s']:.1f} s, first row started to last finished, a resumed job's pauses "
+        "included); this command took "
         f"{wall:.1f} s (worker start included); {_fmt(st['tokens_per_s_mean'], '.1f')} tok/s per request"
     )
     speedup = "unknown (no counterfactual recorded)" if st["speedup"] is None else f"{st['speedup']:.2f}x"
