@@ -3,8 +3,9 @@
 It knows the task's name, the queues and the message (``protocol.py``) and sends by name:
 it imports no task code (``workers/``), and Celery only when it sends. Plain dicts in and out.
 
-- ``jobs.py``: submit a file as a job, enqueue rows, status, results, retry, cancel, wait; hold a
-  job against ``prune`` while a command still uses it (``holding``);
+- ``jobs.py``: submit a file as a job, enqueue rows, status, results, retry, cancel (a job, or
+  one row: ``cancel_request``), wait; hold a job against ``prune`` while a command still uses it
+  (``holding``);
 - ``rows.py`` / ``openai_batch.py``: input files -> rows -> store requests -> ``GenerationRequest``;
   OpenAI Batch lines in and out;
 - ``streams.py``: text from the worker to the caller while it generates (both ends use it);
