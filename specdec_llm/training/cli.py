@@ -141,6 +141,9 @@ def _check_distill(options: dict):
     if phase in ("train", "all"):
         _check_checkpoint(Path(options["work"]) / ("eagle-ckpt" if kind == "eagle" else "ckpt"), options["resume"])
     seeds = None
+    for name in ("prompts", "prompt_pool"):  # (what we measure on is never trained on)
+        if options.get(name) and "spec_bench" in Path(options[name]).name and phase in ("data", "all"):
+            fail(f"{name.replace('_', '-')}: {options[name]}: Spec-Bench is for evaluation only; use the seed prompts")
     if kind == "model" and phase in ("data", "all"):
         seeds = [
             r["prompt"] for r in read_prompt_file("prompts", options["prompts"], "data/distill_seed_prompts.jsonl")

@@ -19,6 +19,7 @@ def _files(root):
     (root / "array.jsonl").write_text("[1]\n")
     (root / "bad.jsonl").write_text('{"prompt": "fine"}\n{not json\n')
     (root / "empty.jsonl").write_text("\n")
+    (root / "spec_bench_dev.jsonl").write_text(json.dumps({"turns": ["Write a haiku."]}) + "\n")
     (root / "trained" / "ckpt").mkdir(parents=True)
     (root / "trained" / "ckpt" / "state.json").write_text(json.dumps({"step": 2000}))
 
@@ -38,6 +39,7 @@ CASES = [
     ("vocab-subset", [*DISTILL, "--prompts", "seeds.jsonl", "--vocab-subset", "-5"]),
     ("hours", [*DISTILL, "--prompts", "seeds.jsonl", "--hours", "-1"]),
     ("init-from", [*DISTILL, "--prompts", "seeds.jsonl", "--init-from", "no-such-draft"]),
+    ("prompts", [*DISTILL, "--prompts", "spec_bench_dev.jsonl"]),  # the benchmark: never trained on
     ("resume", [*DISTILL[:-1], "trained", "--phase", "train"]),  # a checkpoint, written over without --resume
     ("prompts", [*EVAL, "--prompts", "array.jsonl"]),
     ("prompts", [*EVAL, "--prompts", "bad.jsonl"]),
