@@ -62,12 +62,15 @@ def _load_target(ref: str, device: str = "cpu"):
 
 
 def _int_list(name: str, value: str, example: str) -> list[int]:
-    """A comma-separated list of integers, or the one-line error naming ``name``."""
+    """A comma-separated list of distinct integers, or the one-line error naming ``name``."""
     try:
-        return [int(x) for x in value.split(",")]
+        out = [int(x) for x in value.split(",")]
     except ValueError:
         fail(f"{name}: {value!r} is not a comma-separated list of integers, e.g. {example}")
         raise  # unreachable: fail exits
+    if len(set(out)) < len(out):
+        fail(f"{name}: {value!r} names a layer twice; name each once, e.g. {example}")
+    return out
 
 
 def read_prompt_file(name: str, value: str, example: str, limit: int | None = None) -> list[dict]:

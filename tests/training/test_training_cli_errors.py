@@ -40,6 +40,7 @@ CASES = [
     ("hours", [*DISTILL, "--prompts", "seeds.jsonl", "--hours", "-1"]),
     ("init-from", [*DISTILL, "--prompts", "seeds.jsonl", "--init-from", "no-such-draft"]),
     ("prompts", [*DISTILL, "--prompts", "spec_bench_dev.jsonl"]),  # the benchmark: never trained on
+    ("layers", [*DISTILL, "--prompts", "seeds.jsonl", "--layers", "0,0"]),
     ("resume", [*DISTILL[:-1], "trained", "--phase", "train"]),  # a checkpoint, written over without --resume
     ("prompts", [*EVAL, "--prompts", "array.jsonl"]),
     ("prompts", [*EVAL, "--prompts", "bad.jsonl"]),
