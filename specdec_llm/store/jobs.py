@@ -471,8 +471,13 @@ def end_cancelled(
     late = "" if iterations_after is None else f" ({iterations_after} iterations after the cancel was written)"
     with writing(url) as s:
         now = utcnow()
-        alone = s.scalar(select(Request.cancel_requested_at).where(Request.id == request_id)) is not None
-        how = "its caller cancelled it" if alone else "cancel --now"
+        flags = s.execute(
+            select(Request.cancel_requested_at, Job.cancel_requested_at)
+            .outerjoin(Job, Job.id == Request.job_id)
+            .where(Request.id == request_id)
+        ).first()
+        alone = flags is not None and flags[0] is not None and (flags[1] is None or flags[0] < flags[1])
+        how = "its caller cancelled it" if alone else "cancel --now"  # (whichever was written first)
         changed = s.execute(
             update(Request)
             .where(Request.id == request_id, Request.status == "running")
