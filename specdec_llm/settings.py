@@ -31,7 +31,9 @@ class Settings(BaseSettings):
     config_file: Path = Path(platformdirs.user_config_dir(APP)) / "pairs.toml"
     cache_dir: Path = Path(platformdirs.user_cache_dir(APP))
     default_pair: str = "smollm2-135m-q4"  # the fastest built-in pair (README: figures)
-    device: str | None = Field(None, pattern=r"^(cpu|mps|cuda(:\d+)?)$")  # overrides every pair's, e.g. "cuda:0"
+    # overrides every pair's, e.g. "cuda:0"; the form engine/devices.DEVICE checks (the engine is
+    # not imported here: it loads torch)
+    device: str | None = Field(None, pattern=r"^(cpu|mps|cuda(:\d+)?)$")
     dtype: Dtype | None = None  # overrides every pair's dtype
     threads: int | None = Field(None, ge=1)  # torch intra-op threads (CPU)
 

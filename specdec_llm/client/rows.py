@@ -170,18 +170,22 @@ def _lines(f: BinaryIO) -> Iterator[tuple[int, str | _Bad]]:
             )
 
 
-def _opens_array(line: str) -> bool:
-    """Whether a file's first line opens a JSON array: ``[`` alone (pretty-printed), ``[{`` or
-    ``[ {`` (an array of objects), or a whole array on one line. Any other line, ``[[[[`` say, is a bad row."""
+def _json_document(line: str) -> tuple[str, str] | None:
+    """What a file's first line opens where it is one JSON document, not JSON Lines: (what it
+    is, the jq filter that writes it as lines), or None. An array: ``[`` alone (pretty-printed),
+    ``[{`` or ``[ {`` (an array of objects), or a whole array on one line; an object over
+    several lines: ``{`` alone. Any other line, ``[[[[`` say, is a bad row."""
     head = line.strip()
-    if head == "[" or (head.startswith("[") and head[1:].lstrip().startswith("{")):
-        return True
+    if head == "{":
+        return "an object over several lines", "."
     if not head.startswith("["):
-        return False
+        return None
+    if head == "[" or head[1:].lstrip().startswith("{"):
+        return "a JSON array", ".[]"
     try:
-        return isinstance(json.loads(head), list)
+        return ("a JSON array", ".[]") if isinstance(json.loads(head), list) else None
     except (ValueError, RecursionError):
-        return False
+        return None
 
 
 def _jsonl(lines: Iterable[tuple[int, str | _Bad]], path: Path) -> list[Row]:
@@ -192,9 +196,9 @@ def _jsonl(lines: Iterable[tuple[int, str | _Bad]], path: Path) -> list[Row]:
             continue
         if not line.strip():
             continue
-        if not rows and (_opens_array(line) or line.strip() == "{"):  # a .json file: no row would read
+        if not rows and (document := _json_document(line)):  # a .json file: no row would read
             out = f"{path.stem}.jsonl" if path.suffix.lower() != ".jsonl" else f"{path.stem}-lines.jsonl"
-            what, jq = ("a JSON array", ".[]") if line.strip() != "{" else ("an object over several lines", ".")
+            what, jq = document
             raise InputError(
                 f"{path}: line {n} starts {what}; JSON Lines expected: one object per line; "
                 f"convert with `jq -c '{jq}' {path.name} > {out}`"

@@ -47,7 +47,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FENCE = "```json"
 PREFILL = OPEN + "\n"  # the forced start of a reply that must call a tool
 JSON_ONLY = "Reply with a single JSON {} and nothing else (no code fence, no explanation)"  # {}: object, array...
-JSON_WORDS = {"object": "object", "array": "array", "string": "string", "number": "number", "integer": "integer"}
+JSON_TYPES = ("object", "array", "string", "number", "integer")  # a schema's type, named in the instruction
 _FENCED = re.compile(r"\A```json\s*(.*?)\s*```\Z", re.S)
 _DECODER = json.JSONDecoder()
 
@@ -124,7 +124,7 @@ def format_instruction(response_format: dict[str, Any]) -> str:
         schema = (response_format.get("json_schema") or {}).get("schema")
         if isinstance(schema, dict):
             kind_of = schema.get("type")
-            what = JSON_WORDS.get(kind_of, "value") if isinstance(kind_of, str) else "value"
+            what = kind_of if kind_of in JSON_TYPES else "value"
             return f"{JSON_ONLY.format(what)}, matching this JSON schema:\n{json.dumps(schema)}"
     raise RequestError(
         "response_format",

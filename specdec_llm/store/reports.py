@@ -317,6 +317,7 @@ def _telemetry_query(
 ) -> Select[Any]:
     T, B = Telemetry, Baseline
     keys = _keys(T, dialect, groups)
+    cost = _row_cost(prices)  # (None where a row has no price: the priced rows' count and tokens)
     return (
         select(
             *keys,
@@ -341,9 +342,9 @@ def _telemetry_query(
                 "speedup_legacy"
             ),
             func.sum(_device_seconds()).label("device_seconds"),
-            func.sum(_row_cost(prices)).label("cost_usd"),
-            func.sum(case((_row_cost(prices).is_not(None), 1), else_=0)).label("priced"),
-            func.sum(case((_row_cost(prices).is_not(None), T.output_tokens), else_=0)).label("priced_output_tokens"),
+            func.sum(cost).label("cost_usd"),
+            func.sum(case((cost.is_not(None), 1), else_=0)).label("priced"),
+            func.sum(case((cost.is_not(None), T.output_tokens), else_=0)).label("priced_output_tokens"),
         )
         .select_from(T)
         .outerjoin(B, and_(B.pair_id == T.pair_id, B.device_kind == T.device_kind, B.dtype == T.dtype))

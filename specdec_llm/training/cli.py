@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..cli_common import fail, user_errors
-from ..settings import get_settings
+from ..settings import DTYPE_NAMES, get_settings
 
 console = Console()
 err = Console(stderr=True)
@@ -114,15 +114,19 @@ def _check_numbers(options: dict) -> None:
             fail(f"{name.replace('_', '-')}: {options[name]} is below {least}; use {use}")
     if not (math.isfinite(options["lr"]) and options["lr"] > 0):
         fail(f"lr: {options['lr']} is not a positive learning rate; use e.g. 1e-3")
-    hours = options["hours"]
-    if hours is not None and not (math.isfinite(hours) and hours > 0):
-        fail(f"hours: {hours} is not a positive number of hours; use e.g. 0.5, or leave it out for no limit")
-    if options["gen_dtype"] not in ("float32", "bfloat16", "float16"):
+    _check_hours(options["hours"])
+    if options["gen_dtype"] not in DTYPE_NAMES:
         fail(f"gen-dtype: {options['gen_dtype']!r} unknown; use float32, bfloat16 or float16")
     check_device(options["device"])
     init = options.get("init_from")
     if init and not init.startswith("pkg:") and not Path(init).is_dir():
         fail(f"init-from: {init} is not a folder; give a distilled draft's folder (distill --out) or pkg:DIST/PATH")
+
+
+def _check_hours(hours: float | None) -> None:
+    """``--hours``: unset, or a positive number (distill and corpus grow)."""
+    if hours is not None and not (math.isfinite(hours) and hours > 0):
+        fail(f"hours: {hours} is not a positive number of hours; use e.g. 0.5, or leave it out for no limit")
 
 
 def _check_distill(options: dict):
@@ -357,9 +361,8 @@ def corpus_grow(
         fail("samples must be >= 0; batch, max-new-tokens and max-prompt-tokens >= 1")
     if samples and not (math.isfinite(temperature) and temperature > 0):  # (-1 sampled the least likely tokens)
         fail(f"temperature: {temperature} is not a positive temperature; use e.g. 0.8")
-    if hours is not None and not (math.isfinite(hours) and hours > 0):
-        fail(f"hours: {hours} is not a positive number of hours; use e.g. 0.5, or leave it out for no limit")
-    if dtype not in ("bfloat16", "float16", "float32"):
+    _check_hours(hours)
+    if dtype not in DTYPE_NAMES:
         fail(f"dtype: {dtype!r} unknown; use bfloat16, float16 or float32")
     with user_errors():
         texts = C.read_prompts(prompts)  # checked before any model loads

@@ -309,7 +309,7 @@ def _check_same_order(started: dict | None, cfg: DataConfig, root: Path) -> None
 def _batches(examples, batch_size: int, max_len: int, rng: random.Random):
     order = list(range(len(examples)))
     if not order:
-        raise ValueError("no distillation examples to train on; run the data phase first")
+        raise DistillError("no distillation examples to train on; run the data phase first")
     while True:
         rng.shuffle(order)
         # (fewer examples than a batch: one smaller batch; it looped forever yielding nothing)
