@@ -43,6 +43,7 @@ import hashlib
 import logging
 import os
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -155,7 +156,8 @@ def _row_lock(node: str, request_id: str) -> int | None:
     here (an unwritable temporary folder: the store's lease alone guards the row)."""
     path = _lock_path(node, request_id)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _own_folder(ROWS_DIR)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
         while True:
             fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
             try:
@@ -170,6 +172,16 @@ def _row_lock(node: str, request_id: str) -> int | None:
     except OSError as e:
         log.warning("no row lock in %s (%s); duplicate messages rely on the store's lease", ROWS_DIR, e)
         return -1
+
+
+def _own_folder(folder: Path) -> None:
+    """Makes ``folder`` (mode 0700) or checks that it is this user's own and no one else's to
+    write: another user who made it first could hold a row's lock and have the row dropped."""
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{folder} is not a folder of this user's that only it can write")
 
 
 def _run(

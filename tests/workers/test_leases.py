@@ -188,3 +188,30 @@ def test_batch_server_cancel_drops_one_row_and_keeps_the_others():
         assert not server.cancel(short)  # finished: nothing to cancel
     finally:
         server.close(timeout=10)
+
+
+def test_a_row_lock_folder_others_can_write_is_not_trusted(tmp_path, monkeypatch, caplog):
+    """A rows folder another user made (or any that others can write) could hold a lock on a
+    row so this node drops the row's every message: it is refused, the store's lease alone
+    guards the row, and the row is generated."""
+    import fcntl
+    import os
+
+    from workers import tasks
+
+    monkeypatch.setattr(tasks, "ROWS_DIR", tmp_path / "rows")
+    (tmp_path / "rows").mkdir(mode=0o777)
+    os.chmod(tmp_path / "rows", 0o777)  # (past the umask)
+    path = tasks._lock_path("node", "r1")
+    path.parent.mkdir()
+    held = os.open(path, os.O_CREAT | os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # someone else's lock on the row
+    try:
+        with tasks.generating_here("node", "r1") as mine:
+            assert mine
+        assert "not a folder of this user's that only it can write" in caplog.text
+        os.chmod(tmp_path / "rows", 0o700)
+        with tasks.generating_here("node", "r1") as mine:
+            assert not mine  # (an own folder: the lock is honoured)
+    finally:
+        os.close(held)
