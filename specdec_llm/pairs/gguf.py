@@ -8,12 +8,14 @@ import copy
 import hashlib
 import importlib.metadata
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors import SafetensorError
 
 from ..engine import hf
@@ -21,6 +23,8 @@ from ..engine.mapped import complete, remove_stale, save_tensors
 from ..settings import get_settings
 from . import files
 from .spec import PairError
+
+UNUSED_DAYS = 30  # a converted model no load used for this long is deleted (a 1.5B's is 7 GB)
 
 
 def _package_file(ref: str) -> Path:
@@ -72,10 +76,13 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
         head = f.read(1 << 20)
         f.seek(max(0, size - (1 << 20)))
         tail = f.read()
-    key = hashlib.sha256(head + tail + str(size).encode()).hexdigest()[:12]
+    # and by the converter: another transformers release may name or convert tensors otherwise
+    converter = ".".join(transformers.__version__.split(".")[:2])
+    key = hashlib.sha256(head + tail + str(size).encode() + converter.encode()).hexdigest()[:12]
     out = get_settings().cache_dir / "models" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
         if all(complete(f) for f in out.glob("model*.safetensors")):
+            os.utime(out)  # (its last use: conversions no load used for 30 days are deleted)
             return out
         logging.getLogger("specdec_llm.load").warning(f"{out} holds a weights file cut short: converting again")
         shutil.rmtree(out, ignore_errors=True)
@@ -97,6 +104,7 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
     # test processes) never write into one folder, and the first rename wins
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(out.parent, ".*.tmp")  # (of converters killed mid-write: a 1.5B's is 7 GB)
+    remove_stale(out.parent, f"{gguf.stem}-*", UNUSED_DAYS * 86400)  # (older transformers' conversions)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
         plain.save_pretrained(tmp)

@@ -454,3 +454,29 @@ def test_a_converted_model_cut_short_is_converted_again(tmp_path, monkeypatch):
     finally:
         monkeypatch.delenv("SPECDEC_CACHE_DIR")
         reload_settings()
+
+
+def test_a_conversion_is_named_by_its_converter_and_old_ones_unused_are_deleted(tmp_path, monkeypatch):
+    """Another transformers release may convert a GGUF otherwise: it converts once more into a
+    folder of its own, and deletes the conversions no load used for 30 days (7 GB at 1.5B)."""
+    import os
+    import time
+
+    from specdec_llm.pairs import get_spec, gguf
+    from specdec_llm.pairs.gguf import resolve
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    reload_settings()
+    try:
+        first = Path(resolve(get_spec("smollm2-135m").target))
+        month_ago = time.time() - 31 * 86400
+        os.utime(first, (month_ago, month_ago))
+        assert Path(resolve(get_spec("smollm2-135m").target)) == first  # (a use marks it)
+        assert first.stat().st_mtime > month_ago
+        os.utime(first, (month_ago, month_ago))
+        monkeypatch.setattr(gguf.transformers, "__version__", "9.99.0")
+        second = Path(resolve(get_spec("smollm2-135m").target))
+        assert second != first and (second / "config.json").is_file() and not first.exists()
+    finally:
+        monkeypatch.delenv("SPECDEC_CACHE_DIR")
+        reload_settings()
