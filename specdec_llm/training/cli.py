@@ -281,6 +281,7 @@ def eval_pair(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Greedy acceptance rate, mean accepted length and per-position acceptance of a pair's drafter."""
+    from ..engine import GenerationRequest
     from ..pairs import get_spec, load_pair, use_threads
     from .evaluate import evaluate
 
@@ -288,8 +289,8 @@ def eval_pair(
         fail(f"k: {k} is below 1; eval-pair measures drafts, use k >= 1")
     if limit is not None and limit < 1:
         fail(f"limit: {limit} is below 1; use --limit N >= 1 prompts per category, or leave it out for all")
-    if max_new_tokens < 1:
-        fail(f"max-new-tokens: {max_new_tokens} is below 1; use an integer >= 1")
+    with user_errors():  # (what every row would be refused for: before the load, not after it)
+        GenerationRequest("x", max_new_tokens=max_new_tokens, k=k).validate()
     rows = read_prompt_file("prompts", prompts, "data/spec_bench_dev.jsonl", limit)
     with user_errors():
         spec = get_spec(pair or get_settings().default_pair)

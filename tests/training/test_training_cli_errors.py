@@ -47,6 +47,8 @@ CASES = [
     ("prompts", [*EVAL, "--prompts", "empty.jsonl"]),
     ("limit", [*EVAL, "--prompts", "seeds.jsonl", "--limit", "0"]),
     ("limit", [*EVAL, "--prompts", "seeds.jsonl", "--limit", "-1"]),
+    ("k", [*EVAL, "--prompts", "seeds.jsonl", "--k", "100"]),  # (every row's refusal, after a load)
+    ("max_new_tokens", [*EVAL, "--prompts", "seeds.jsonl", "--max-new-tokens", "0"]),
 ]
 
 
