@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import costcache, hf
+from . import costcache, hf, jsoncache
 from .costs import BatchCosts, calibrate
 from .plan import best_batch
 from .ragged import RaggedCache
@@ -46,7 +46,7 @@ class Calibration:
         cost = self.costs[rows]
         if cost.calibrated:
             return
-        entry = costcache.load(self.cache).get(self.key(rows)) if self.cache else None
+        entry = jsoncache.load(self.cache).get(self.key(rows)) if self.cache else None
         if entry:
             try:
                 cost.load(entry)

@@ -57,10 +57,6 @@ def decoder_key(target: PreTrainedModel, drafters: list[Drafter], vocab_size: in
     return "|".join(parts)
 
 
-def load(path: Path | None) -> dict[str, Any]:
-    return jsoncache.load(path)
-
-
 def save(path: Path | None, entries: dict[str, dict[str, Any]]) -> None:
     """Merge ``entries`` into the file (another process's entries are kept)."""
     if path is None or not entries:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec_llm.engine import costcache
+from specdec_llm.engine import costcache, jsoncache
 from specdec_llm.engine.accounting import Ledger
 from specdec_llm.engine.costs import CostModel, interpolate
 from specdec_llm.engine.drafting.acceptance import CAP, Acceptance
@@ -87,10 +87,10 @@ def test_the_cost_cache_merges_entries_and_survives_damage(tmp_path):
     path = tmp_path / costcache.FILE
     costcache.save(path, {"a": {"verify_s": {"0": 1.0}}})
     costcache.save(path, {"b": {"verify_s": {"0": 2.0}}})  # another process's entry is kept
-    data = costcache.load(path)
+    data = jsoncache.load(path)
     assert set(data) == {"a", "b"} and data["a"]["verify_s"] == {"0": 1.0} and "updated_at" in data["b"]
     path.write_text("{not json")
-    assert costcache.load(path) == {}
+    assert jsoncache.load(path) == {}
     cost = CostModel(max_k=2)
     cost.load({"verify_s": {"0": 1.0, "1": 1.5, "5": 9.0}})  # widths past max_k are dropped
     assert cost.calibrated and cost.verify_s == {0: 1.0, 1: 1.5}
