@@ -1,9 +1,7 @@
 """Request checks made outside the engine, for every path into it (CLI ``generate``, job
-rows, the worker, LangChain): a seed torch can take, and text that every store keeps the
-same. (Candidates for ``GenerationRequest.validate``.)
+rows, the worker, LangChain), on parameters before a request is made of them:
 
-- ``seed`` above 2**64 - 1: torch cannot seed with it (a raw ``ValueError: Overflow when
-  unpacking long long`` deep in generation otherwise).
+- ``seed`` above 2**64 - 1 (``check_seed``, which the request's own validation runs too).
 - Text with a NUL character: PostgreSQL text cannot hold NUL, so a stored prompt would
   become U+FFFD there while SQLite keeps it, and the same job would generate different
   text on the two stores. Refused, naming where it is.
@@ -12,16 +10,9 @@ same. (Candidates for ``GenerationRequest.validate``.)
 
 from __future__ import annotations
 
-from .engine.types import RequestError, check_unicode
+from .engine.types import RequestError, check_seed, check_unicode
 
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0 .. 2**64 - 1
-
-
-def check_seed(seed, field: str = "seed") -> None:
-    if isinstance(seed, int) and not isinstance(seed, bool) and seed > MAX_SEED:
-        raise RequestError(
-            field, f"{seed} is above {MAX_SEED} (2**64 - 1, the largest seed there is); use a smaller one"
-        )
+__all__ = ["check_messages", "check_seed", "check_text"]
 
 
 def check_text(text, field: str) -> None:

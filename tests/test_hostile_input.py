@@ -328,6 +328,16 @@ def test_csv_quirks(tmp_path):
     assert [r.prompt for r in R.read_rows(tmp_path / "bom.csv")] == ["hello"]
 
 
+def test_a_csv_keeps_a_fields_own_line_breaks_and_counts_lines_past_a_broken_record(tmp_path):
+    """A Windows file (CRLF) with a line break inside a quoted field: the field's CRLF is its
+    text, as the csv module reads it; the rows after a broken record name their own lines."""
+    path = tmp_path / "win.csv"
+    path.write_bytes(b'id,prompt\r\na,"one"\r\nb,"bad"x"\r\nc,"three"\r\nd,"two\r\nlines"\r\ne,five')
+    rows = R.read_rows(path)
+    assert [(r.line, r.prompt) for r in rows] == [(2, "one"), (3, ""), (4, "three"), (5, "two\r\nlines"), (7, "five")]
+    assert "bad CSV" in rows[1].error and all(r.error is None for r in rows if r.index != 1)
+
+
 SUBMIT_BIG = """
 import json, resource, sys
 from specdec_llm import client

@@ -91,7 +91,7 @@ def read_rows(path: Path) -> list[Row]:
             if suffix in (".jsonl", ".ndjson", ".json"):
                 rows = _jsonl(_lines(f), path)
             elif suffix == ".csv":
-                rows = _csv(_lines(f), path)
+                rows = _csv(_lines(f, keep_ends=True), path)
             else:
                 rows = []
                 for n, line in _lines(f):
@@ -132,10 +132,11 @@ class _Bad:
     preview: str
 
 
-def _lines(f: BinaryIO) -> Iterator[tuple[int, str | _Bad]]:
-    """``(line number, text)`` for each line of binary file ``f`` (line ending dropped), never
-    holding more than ``MAX_LINE_BYTES`` of one line: an over-long line, or one that is
-    not UTF-8, comes as a ``_Bad`` instead of its text."""
+def _lines(f: BinaryIO, keep_ends: bool = False) -> Iterator[tuple[int, str | _Bad]]:
+    """``(line number, text)`` for each line of binary file ``f`` (line ending dropped unless
+    ``keep_ends``: a CSV field's own line breaks are its text), never holding more than
+    ``MAX_LINE_BYTES`` of one line: an over-long line, or one that is not UTF-8, comes as a
+    ``_Bad`` instead of its text."""
     n = 0
     while True:
         raw = f.readline(MAX_LINE_BYTES + 1)
@@ -155,7 +156,8 @@ def _lines(f: BinaryIO) -> Iterator[tuple[int, str | _Bad]]:
                 ),
             )
             continue
-        raw = raw.rstrip(b"\r\n")
+        if not keep_ends:
+            raw = raw.rstrip(b"\r\n")
         if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
             raw = raw[3:]
         try:
@@ -350,7 +352,7 @@ def _csv(lines: Iterable[tuple[int, str | _Bad]], path: Path) -> list[Row]:
                 bad_lines[n] = line
                 yield CSV_BAD_LINE + "\n"
             else:
-                yield line + "\n"
+                yield line
 
     csv.field_size_limit(MAX_LINE_BYTES)  # (the default, 131,072 characters, would refuse long prompts)
     reader = csv.DictReader(text(), strict=True)  # strict: a quote never closed is an error, not the rest of the file
@@ -361,7 +363,8 @@ def _csv(lines: Iterable[tuple[int, str | _Bad]], path: Path) -> list[Row]:
     if not fieldnames or "prompt" not in fieldnames:
         raise InputError(f"{path}: a CSV file needs a header with a 'prompt' column (found: {fieldnames})")
     rows: list[Row] = []
-    start = reader.line_num + 1
+    lines_read = reader.reader  # (its count is current after an error too; the DictReader's is not)
+    start = lines_read.line_num + 1
     while True:
         try:
             record = next(reader)
@@ -380,9 +383,9 @@ def _csv(lines: Iterable[tuple[int, str | _Bad]], path: Path) -> list[Row]:
                     "than one row may hold, and the lines after it cannot be told apart from it; shorten it"
                 ) from None
             rows.append(Row(len(rows), start, "", prompt="", error=f"bad CSV ({e})"))
-            start = reader.line_num + 1
+            start = lines_read.line_num + 1
             continue
-        line, start = start, reader.line_num + 1
+        line, start = start, lines_read.line_num + 1
         bad = [bad_lines[n] for n in range(line, start) if n in bad_lines]
         row = _csv_row(record, len(rows), line, len(fieldnames), bad)
         rows.append(row)

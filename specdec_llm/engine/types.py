@@ -74,6 +74,7 @@ class GenerationRequest:
         _int(self.top_k, "top_k", lo=0, hint="use 0 to turn top-k off")
         if self.seed is not None:
             _int(self.seed, "seed", lo=0, hint="use a non-negative integer or leave it unset")
+            check_seed(self.seed)
         if self.k != "auto":
             _int(self.k, "k", lo=0, hint='use 0 (target only), a positive draft length, or "auto"')
             if self.k > 64:
@@ -171,6 +172,18 @@ def check_unicode(text: str, name: str) -> None:
             f"is not valid Unicode: an unpaired surrogate (\\u{ord(text[e.start]):04x}) at "
             f"character {e.start}; remove it",
         ) from None
+
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0 .. 2**64 - 1
+
+
+def check_seed(seed: object, field: str = "seed") -> None:
+    """A seed torch can take (else a raw ``ValueError: Overflow when unpacking long long`` deep
+    in generation); checked where a request is made, and where only its parameters are."""
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed > MAX_SEED:
+        raise RequestError(
+            field, f"{seed} is above {MAX_SEED} (2**64 - 1, the largest seed there is); use a smaller one"
+        )
 
 
 def _int(value: object, name: str, lo: int, hint: str) -> None:
