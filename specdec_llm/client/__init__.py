@@ -54,7 +54,7 @@ from .jobs import (
 from .local import log_tail, start_local_worker, stop_local_worker
 from .protocol import FINISHED, MAX_ATTEMPTS, TASK, queue_name, task_message
 from .rows import InputError, build_request
-from .streams import StreamWriter, follow_stream
+from .streams import StreamDiverged, StreamWriter, follow_stream
 
 __all__ = [
     "FINISHED",
@@ -66,6 +66,7 @@ __all__ = [
     "TASK",
     "InputError",
     "QueueError",
+    "StreamDiverged",
     "StreamWriter",
     "broker_display",
     "build_request",

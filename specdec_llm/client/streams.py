@@ -9,7 +9,8 @@ broker (one machine), JSON lines appended to ``<data_dir>/streams/<request id>.j
 ``follow_stream`` (the client) reads either and deletes what it read. Each entry carries its
 row's attempt: a row requeued to another worker (its first one lost) publishes its text from
 the start again, and the reader yields only what goes past what it has already given (a greedy
-row's text is the same each time). Streaming is best
+row's text is the same each time; a sampled row's that is not ends the stream with
+``StreamDiverged``). Streaming is best
 effort: a failing write stops the stream, never the generation (the client still gets the
 whole result from the task). Both ends import this module; it imports neither.
 """
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from specdec_llm.errors import SpecDecError
 from specdec_llm.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -93,12 +95,21 @@ class StreamWriter:
         self._put({"end": 1, "a": self.attempt})
 
 
+class StreamDiverged(SpecDecError, RuntimeError):
+    """A requeued row's new attempt wrote text other than what its stream already gave."""
+
+
 class _Attempts:
     """What a reader has given of a row's text, across its attempts: a later attempt starts
-    over, and only its text past what was given is new; an earlier one's entries are stale."""
+    over, and only its text past what was given is new; an earlier one's entries are stale.
+    A later attempt whose text differs from what was given (a sampled row) ends the stream
+    with ``StreamDiverged``: the text streamed so far is not the row's, and no splice of two
+    attempts is passed off as one."""
 
-    def __init__(self) -> None:
-        self.attempt, self.given, self.read = 0, 0, 0  # attempt followed; characters yielded; of it read
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.attempt, self.read = 0, 0  # attempt followed; characters of it read
+        self.given = ""  # what was yielded
 
     def current(self, entry: dict[str, Any]) -> bool:
         """Whether ``entry`` is of the attempt followed (a later one starts being followed)."""
@@ -112,10 +123,16 @@ class _Attempts:
             return ""
         text, start = str(entry["t"]), self.read
         self.read += len(text)
-        if self.read <= self.given:
-            return ""  # (a requeued row catching up with what was given)
-        text = text[max(0, self.given - start) :]
-        self.given = self.read
+        seen = self.given[start : self.read]  # (a requeued row catching up with what was given)
+        if not text.startswith(seen):
+            parted = start + next(i for i, (a, b) in enumerate(zip(seen, text)) if a != b)
+            raise StreamDiverged(
+                f"request {self.request_id}: its worker was lost and the row started over with other "
+                f"text (attempt {self.attempt}, at character {parted}); the text "
+                "streamed so far is not the row's: read its result, or ask again"
+            )
+        text = text[len(seen) :]
+        self.given += text
         return text
 
 
@@ -130,7 +147,7 @@ def follow_stream(
     key, path = stream_key(request_id), _stream_file(request_id)
     last_id, offset, partial = "0-0", 0, b""
     finished = False
-    reading = _Attempts()
+    reading = _Attempts(request_id)
     try:
         while True:
             entries = []

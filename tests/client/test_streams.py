@@ -38,3 +38,23 @@ def test_a_requeued_row_streams_only_the_text_past_what_was_given(streams):
     second.close()
     got = list(follow_stream("row-1", lambda: False, timeout_s=10))
     assert got == ["Hel", "lo w", "or", "ld"] and "".join(got) == "Hello world"
+
+
+def test_a_requeued_row_with_other_text_ends_its_stream_instead_of_splicing(streams):
+    """A sampled row started over writes other text: the reader has given "Hel", "lo w" of the
+    first attempt and must not go on with the second's "...ld!" as if one text: it raises,
+    naming the row and where the texts part."""
+    from specdec_llm.client import StreamDiverged
+
+    first = StreamWriter("row-2", 1)
+    first("Hel")
+    first("lo w")
+    second = StreamWriter("row-2", 2)
+    second("Hel")  # (agrees so far)
+    second("p, world!")
+    second.close()
+    got = []
+    with pytest.raises(StreamDiverged, match=r"^request row-2: .*\(attempt 2, at character 3\)"):
+        for text in follow_stream("row-2", lambda: False, timeout_s=10):
+            got.append(text)
+    assert got == ["Hel", "lo w"]
