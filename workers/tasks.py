@@ -205,7 +205,6 @@ def _run(
         if ended is not None:
             return ended
         result["queue_wait_s"] = started - enqueued_at if enqueued_at else None
-        metrics.record(pair, result["stats"], result["queue_wait_s"])
     rt = runtime.get(pair)
     try:
         wrote = store.record_result(
@@ -223,8 +222,9 @@ def _run(
         countdown = get_exponential_backoff_interval(1, self.request.retries, BACKOFF_MAX, full_jitter=True)
         log.warning("request %s: cannot write its result yet (%s); retrying in %s s", request_id, e, countdown)
         raise self.retry(exc=e, countdown=countdown, kwargs={"enqueued_at": enqueued_at, "result": result}) from e
-    if wrote:
+    if wrote:  # (not a row another worker finished first: counted once, as the store holds it)
         heartbeat.meter.add(int(result["stats"].get("output_tokens") or 0))
+        metrics.record(pair, result["stats"], result.get("queue_wait_s"))
     return {
         "request_id": request_id,
         "status": "ok",

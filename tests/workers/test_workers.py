@@ -388,3 +388,38 @@ def test_a_failed_result_write_retries_the_write_not_the_generation(pairs_file, 
     assert store.get_request("r1")["status"] == "ok"
     again = tasks.generate.apply(args=["r1", "tiny"]).get()  # a redelivery
     assert again["duplicate"] and again["text"] == out["text"] and len(generated) == 1
+
+
+def test_a_row_another_worker_finished_first_is_not_counted_again(pairs_file, tmp_path, monkeypatch, request):
+    """Two workers decoded one row (a lease taken over from a slow worker): the store keeps the
+    first result, and the metrics count the row once, as the store does (not once per decode)."""
+    from workers import metrics, runtime, tasks
+
+    monkeypatch.setenv("SPECDEC_DATABASE_URL", sqlite_url(tmp_path))
+    reload_settings()
+    monkeypatch.setattr(runtime, "_runtime", None)
+    monkeypatch.setattr(metrics, "_enabled", True)  # (in this process, as in a worker's decoding one)
+    store.create_job(
+        [{"id": f"r{i}", "prompt": "The quick brown fox", "params": {"max_new_tokens": 4}} for i in (1, 2)],
+        pair="tiny",
+        job_id="j1",
+    )
+    server = runtime.get("tiny").server
+    request.addfinalizer(server.close)
+    real_submit = server.submit
+
+    def other_worker_finishes_first(req, **kw):  # (while this one decodes r2)
+        if "other" not in req.prompt:
+            other = {"text": "other", "token_ids": [5], "finish_reason": "length", "stats": {"output_tokens": 1}}
+            store.record_result(
+                "r2", other, worker=None, device="cpu", queue_wait_s=None, pair="tiny", job_id="j1", price_per_hour=None
+            )
+        return real_submit(req, **kw)
+
+    finished = metrics._get()["success"].labels("tiny", "length")
+    before = finished._value.get()
+    assert tasks.generate.apply(args=["r1", "tiny"]).get()["status"] == "ok"
+    assert finished._value.get() == before + 1
+    monkeypatch.setattr(server, "submit", other_worker_finishes_first)
+    tasks.generate.apply(args=["r2", "tiny"]).get()
+    assert store.get_request("r2")["output"]["text"] == "other" and finished._value.get() == before + 1
