@@ -147,6 +147,10 @@ def test_suffix_index_stays_under_its_bound_and_forgets_the_oldest():
     assert index.counts == fresh.counts  # evicted sequences left nothing behind
     index.add("other", list(range(200)))  # one sequence longer than the bound keeps its tail
     assert index.tokens == 100 and list(index.counts) == ["other"]
+    index.add("short", list(range(40)))
+    index.add("short", [5, 6])  # (a 1-token prompt and its token: no context of order 2)
+    index.add("later", list(range(300, 399)))  # forgets both of "short"'s, the last after its counts went
+    assert index.tokens <= 100 and list(index.counts) == ["later"]
 
 
 def test_suffix_drafter_never_reads_another_scope(target):

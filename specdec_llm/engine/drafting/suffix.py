@@ -43,9 +43,11 @@ class SuffixIndex:
         while self.tokens > self.max_tokens:
             (old_scope, _), old = self.docs.popitem(last=False)
             self.tokens -= len(old)
-            self._count(self.counts[old_scope], old, -1)
-            if not self.counts[old_scope]:
-                del self.counts[old_scope]
+            table = self.counts.get(old_scope)  # (gone where the scope's sequences left were too short to count)
+            if table is not None:
+                self._count(table, old, -1)
+                if not table:
+                    del self.counts[old_scope]
 
     def _count(self, table: _Counts, tokens: list[int], sign: int) -> None:
         for n in self.orders:
