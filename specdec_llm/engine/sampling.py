@@ -12,8 +12,10 @@ import torch
 def probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Rows of ``logits`` [n, V] -> processed probabilities [n, V] (float32). temperature > 0."""
     x = logits.float()
-    # shifted first and the temperature kept a float32 number: a tiny one gives -inf, never 0 / 0 or inf - inf
-    x = (x - x.amax(-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
+    # shifted first and the temperature kept a finite float32 number: a tiny one gives -inf, never
+    # 0 / 0 or inf - inf; a huge one nearly uniform odds, never -inf / inf (a masked token's NaN)
+    f32 = torch.finfo(torch.float32)
+    x = (x - x.amax(-1, keepdim=True)) / min(max(temperature, f32.tiny), f32.max)
     vocab = x.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]

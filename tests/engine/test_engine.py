@@ -123,6 +123,17 @@ def test_a_top_p_below_float32s_least_number_keeps_the_top_token_and_its_batch(t
     assert b.token_ids == a.token_ids == dec.generate(greedy).token_ids  # the top token: greedy's
 
 
+def test_a_temperature_past_float32s_largest_number_samples_nearly_uniformly_among_the_allowed():
+    """temperature = 1e39 is valid (finite, >= 0) but inf in float32: a masked token's -inf / inf
+    was NaN, and multinomial failed every row of the batch (a grammar's mask, a subset head)."""
+    import torch
+
+    from specdec_llm.engine.sampling import probs
+
+    p = probs(torch.tensor([[1.0, 2.0, float("-inf")]]), 1e39, 0, 1.0)
+    assert torch.allclose(p, torch.tensor([[0.5, 0.5, 0.0]]))
+
+
 class CheckedBatch(decoder_mod.Batch):
     def step(self):
         done = super().step()
