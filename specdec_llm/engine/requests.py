@@ -39,6 +39,8 @@ def prepare(
     if request.drafter != "auto" and request.drafter not in drafters:
         known = ", ".join(["auto", *drafters])
         raise RequestError("drafter", f"unknown drafter {request.drafter!r} for this pair; use one of: {known}")
+    if request.stop and tokenizer is None:  # (stop strings are found in the decoded text)
+        raise RequestError("stop", "this decoder has no tokenizer to find stop strings with; leave stop unset")
     prompt = encode(tokenizer, request)
     if len(prompt) >= context_length:
         raise RequestError(

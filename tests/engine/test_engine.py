@@ -134,6 +134,14 @@ def test_a_temperature_past_float32s_largest_number_samples_nearly_uniformly_amo
     assert torch.allclose(p, torch.tensor([[0.5, 0.5, 0.0]]))
 
 
+def test_stop_strings_on_a_decoder_without_a_tokenizer_are_refused(target):
+    """A decoder of token ids alone cannot find a stop string in text it never decodes: it was
+    accepted and ignored (finish reason "length")."""
+    dec = SpeculativeDecoder(target, perturbed(target, 0.5, seed=1))
+    with pytest.raises(RequestError, match="^stop: this decoder has no tokenizer"):
+        dec.generate(GenerationRequest(prompt=[3, 4, 5], max_new_tokens=4, stop=["a"]))
+
+
 class CheckedBatch(decoder_mod.Batch):
     def step(self):
         done = super().step()
