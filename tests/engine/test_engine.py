@@ -138,8 +138,29 @@ def test_stop_strings_on_a_decoder_without_a_tokenizer_are_refused(target):
     """A decoder of token ids alone cannot find a stop string in text it never decodes: it was
     accepted and ignored (finish reason "length")."""
     dec = SpeculativeDecoder(target, perturbed(target, 0.5, seed=1))
-    with pytest.raises(RequestError, match="^stop: this decoder has no tokenizer"):
+    with pytest.raises(RequestError, match=r"^stop: this decoder has no tokenizer"):
         dec.generate(GenerationRequest(prompt=[3, 4, 5], max_new_tokens=4, stop=["a"]))
+
+
+def test_a_draft_with_fewer_positions_than_the_target_drafts_only_where_it_reaches():
+    """A GPT-2 draft of 128 learned positions for a target of 512: a row past 128 tokens is
+    decoded by the target alone (exact), not an IndexError that failed its batch."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def gpt2(positions: int, seed: int) -> GPT2LMHeadModel:
+        torch.manual_seed(seed)
+        config = GPT2Config(vocab_size=256, n_embd=64, n_layer=1, n_head=4, n_positions=positions, eos_token_id=None)
+        return GPT2LMHeadModel(config).eval()
+
+    dec = SpeculativeDecoder(gpt2(512, 0), gpt2(128, 1), drafters=["model"])
+    rows = [
+        GenerationRequest(prompt=p, max_new_tokens=10, k=4) for p in ([5, 6, 7], list(range(120)), list(range(200)))
+    ]
+    out = dec.generate_many(rows, max_batch=3)
+    for r, o in zip(rows, out):
+        assert o.token_ids == dec.generate(GenerationRequest(r.prompt, max_new_tokens=10, mode="baseline")).token_ids
+    assert out[0].stats.draft_tokens_proposed > 0 and out[2].stats.draft_tokens_proposed == 0
 
 
 class CheckedBatch(decoder_mod.Batch):

@@ -162,6 +162,11 @@ class RaggedBackend(Backend):
         # (a sliding window reads key positions off the valid columns, which a branch's would skew)
         self.branching = type(self).branching and not self.cache.attention.window
         self.joining: list[RaggedCache] = []
+        # its own positions (a draft of learned absolute positions may hold fewer than the target)
+        self.positions: int | None = getattr(model.config, "max_position_embeddings", None)
+
+    def fits(self, row: RowView, k: int) -> bool:
+        return self.positions is None or len(row.tokens) + k <= self.positions
 
     def join(self, b: int, row: RowView, features: torch.Tensor | None) -> None:
         self.joining.append(RaggedCache(self.model, 1, self.features))  # filled the first time it drafts
