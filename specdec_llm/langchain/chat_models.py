@@ -105,10 +105,11 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
         """The model with ``tools`` (LangChain tools, functions, pydantic models, TypedDicts or
         OpenAI schemas) shown to it through its chat template. ``tool_choice``: "auto" (or
         None: the model decides), "none" (tools not shown, no calls read), "any" or "required"
-        (a call must be made), or a tool's name (that tool must be called). A forced call is
-        asked for by starting the answer with ``<tool_call>``; nothing yet makes the model's
-        JSON valid (that comes with constrained decoding: a malformed call is in
-        ``invalid_tool_calls``)."""
+        (a call must be made), or a tool's name (that tool must be called). A forced call starts
+        the answer with ``<tool_call>`` and its JSON is constrained to the tools' schemas; with
+        a ``response_format`` too (an agent's structured answer), each reply is calls or that
+        answer. Under "auto" alone the model's calls are read as written: a malformed one is
+        in ``invalid_tool_calls``."""
         schemas = [convert_to_openai_tool(t, strict=strict) for t in tools]
         plan(schemas, tool_choice, None)  # a bad tool_choice fails here, not at the first call
         return self.bind(tools=schemas, tool_choice=tool_choice, **kwargs)
@@ -127,7 +128,7 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
         "function_calling" (a forced call of a tool named after the schema), "json_mode" (a JSON
         reply; the schema only parses it). With ``include_raw`` a dict of ``raw`` (the
         AIMessage), ``parsed`` and ``parsing_error``, instead of raising on a reply that does
-        not parse. Until constrained decoding lands, the reply is asked for, not enforced."""
+        not parse. json_schema and function_calling constrain the reply to the schema."""
         if kwargs:
             raise RequestError(sorted(kwargs)[0], "unknown argument of with_structured_output")
         pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)

@@ -23,10 +23,10 @@ once no ``<tool_call>`` can start in it, a call once its closing tag has come, a
 the stream settles the rest, so a stream gives the same content and calls however its text
 was split.
 
-Until the engine can constrain decoding, ``tool_choice="any"`` or a named tool is asked for by
-prefilling ``<tool_call>\\n`` and rendering only the named tool, and structured output by a
-system instruction; ``Reply.response_format`` is the JSON schema the text after the prefill
-must satisfy, for the engine to enforce once it can (see ``ChatSpecDec``).
+``tool_choice="any"`` or a named tool prefills ``<tool_call>\\n`` (rendering only the named
+tool), and ``Reply.response_format`` is the JSON schema the text after the prefill satisfies,
+enforced by the engine; structured output adds a system instruction and its schema. Tools
+and a structured answer under "auto" (an agent's) constrain the reply to calls or the answer.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FENCE = "```json"
 PREFILL = OPEN + "\n"  # the forced start of a reply that must call a tool
 JSON_ONLY = "Reply with a single JSON {} and nothing else (no code fence, no explanation)"  # {}: object, array...
+CALL_OR_ANSWER = "To call a tool, reply with the call and nothing else; to give your answer, "
 JSON_TYPES = ("object", "array", "string", "number", "integer")  # a schema's type, named in the instruction
 _FENCED = re.compile(r"\A```json\s*(.*?)\s*```\Z", re.S)
 _DECODER = json.JSONDecoder()
@@ -105,6 +106,10 @@ def plan(tools: list[dict[str, Any]] | None, tool_choice: Any, response_format: 
         return reply
     reply.names = tuple(tool_name(t) for t in tools)
     reply.tools = tools if choice in ("auto", "any") else [t for t in tools if tool_name(t) == choice]
+    if choice == "auto" and response_format is not None:  # (an agent's tools and its structured answer)
+        reply.response_format = calls_or_answer(tools, response_format)
+        answer = format_instruction(response_format)
+        reply.instruction = f"{CALL_OR_ANSWER}{answer[0].lower()}{answer[1:]}"
     if choice != "auto":
         if response_format is not None:
             raise RequestError(
@@ -149,6 +154,27 @@ def call_format(tools: list[dict[str, Any]]) -> dict[str, Any]:
     ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": schema}}
+
+
+def calls_or_answer(tools: list[dict[str, Any]], response_format: dict[str, Any]) -> dict[str, Any]:
+    """The grammar of a reply that is either calls of ``tools`` (in their tags, one or more)
+    or the answer ``response_format`` asks for: what an agent with tools and a structured
+    answer needs (a Lark grammar with llguidance's JSON schemas in it)."""
+    from specdec_llm.engine.types import JSON_STYLE, response_schema
+
+    def json_rule(schema: dict[str, Any]) -> str:
+        return f"%json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}"
+
+    answer = response_schema(response_format) if response_format.get("type") == "json_schema" else {"type": "object"}
+    call = call_format(tools)["json_schema"]["schema"]
+    lark = (
+        "start: calls | answer\n"
+        'calls: call ("\\n" call)*\n'
+        f'call: "{OPEN}\\n" call_json "\\n{CLOSE}"\n'
+        f"call_json: {json_rule(call)}\n"
+        f"answer: {json_rule(answer)}\n"
+    )
+    return {"type": "grammar", "grammar": lark}
 
 
 def closed(parameters: dict[str, Any]) -> dict[str, Any]:

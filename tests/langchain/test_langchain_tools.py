@@ -370,6 +370,24 @@ def test_structured_output_all_three_methods(closing_local):
         tools_local.with_structured_output(None, method="function_calling")
 
 
+def test_tools_and_a_structured_answer_under_auto_give_a_call_or_the_answer(closing_local):
+    """An agent's model with tools and a structured answer (``create_agent``'s ProviderStrategy
+    binds both): each reply is valid calls or the answer, never neither. The whole reply was
+    constrained to the answer's schema, so no tool could ever be called."""
+    fmt = closing_local.with_structured_output(Sum).first.kwargs["response_format"]
+    bound = closing_local.bind_tools([add, lookup], response_format=fmt)
+    assert bound.kwargs["tool_choice"] is None
+    for question in ("What is 1 + 2?", "Look up 'fox'.", "Sum 3 and 4", "Add", "Give data", "Total?"):
+        msg = bound.invoke([HumanMessage(question)])
+        if msg.tool_calls:
+            assert not msg.invalid_tool_calls and not msg.content.strip(), msg
+            assert {c["name"] for c in msg.tool_calls} <= {"add", "lookup"}
+        else:
+            assert type(Sum.model_validate_json(msg.content).total) is int, msg
+    turns = closing_local._prepare([HumanMessage("x")], None, {**bound.kwargs}).item.messages
+    assert turns[0]["content"].startswith("To call a tool, reply with the call and nothing else; to give your answer")
+
+
 def test_structured_output_keeps_a_dict_json_schema_as_it_is(closing_local):
     """A dict is a JSON schema already: a top-level array, enum or map (no ``properties``)
     is enforced as it is, not reduced to its title (which let any JSON through)."""
