@@ -4,6 +4,8 @@ tokenizer's chat template)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import threading
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -12,7 +14,15 @@ from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, ToolMessage
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    InvalidToolCall,
+    ToolMessage,
+    message_chunk_to_message,
+)
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
@@ -27,7 +37,7 @@ from specdec_llm.engine import RequestError
 
 from .backend import Call, Item
 from .base import ENGINE_FIELDS, PROVIDER, SpecDecBase, aiter_in_thread, info, usage
-from .tools import CallStream, Reply, chunk_calls, message_calls, parse, plan
+from .tools import CLOSE, OPEN, CallStream, Reply, chunk_calls, message_calls, parse, plan
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 _CALL_BLOCKS = ("tool_use", "tool_call", "function_call")  # content blocks that repeat an AIMessage's tool_calls
@@ -40,7 +50,7 @@ def to_turns(messages: list[BaseMessage]) -> list[dict[str, Any]]:
     {"name", "arguments": object}}``, as chat templates read them); a ToolMessage is a
     ``tool`` turn with its ``tool_call_id`` and ``name``."""
     turns = []
-    for m in messages:
+    for m in map(message_chunk_to_message, messages):  # (a streamed reply, summed, is a message too)
         if isinstance(m, ChatMessage):
             role = m.role
         elif m.type in _ROLES:
@@ -48,7 +58,10 @@ def to_turns(messages: list[BaseMessage]) -> list[dict[str, Any]]:
         else:
             raise RequestError("messages", f"message type {m.type!r} is not supported; use system, human, ai or tool")
         calls = m.tool_calls if isinstance(m, AIMessage) else []
-        turn: dict[str, Any] = {"role": role, "content": _text(m.content, skip=_CALL_BLOCKS if calls else ())}
+        content = _text(m.content, skip=_CALL_BLOCKS if calls else ())
+        if isinstance(m, AIMessage) and m.invalid_tool_calls:  # what the model wrote, back in its place
+            content = "\n".join([content, *map(written_call, m.invalid_tool_calls)]).lstrip("\n")
+        turn: dict[str, Any] = {"role": role, "content": content}
         if calls:
             turn["tool_calls"] = [
                 {"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["args"]}}
@@ -60,6 +73,16 @@ def to_turns(messages: list[BaseMessage]) -> list[dict[str, Any]]:
                 turn["name"] = m.name
         turns.append(turn)
     return turns
+
+
+def written_call(call: InvalidToolCall) -> str:
+    """An invalid call as the model wrote it, in its tags (a streamed one's text came as a
+    JSON string: ``tools.chunk_calls``)."""
+    raw = call.get("args") or ""
+    with contextlib.suppress(ValueError):
+        if isinstance(decoded := json.loads(raw), str):
+            raw = decoded
+    return f"{OPEN}\n{raw}\n{CLOSE}"
 
 
 def _text(content: str | list[str | dict[str, Any]], skip: tuple[str, ...]) -> str:

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from specdec_llm.engine import RequestError
 from specdec_llm.langchain import ChatSpecDec, to_turns
 from specdec_llm.langchain.base import ENGINE_FIELDS, GENERATION_FIELDS
-from specdec_llm.langchain.tools import PREFILL, CallStream, format_instruction, parse, plan
+from specdec_llm.langchain.tools import PREFILL, CallStream, format_instruction, message_calls, parse, plan
 from specdec_llm.settings import reload_settings
 
 NAMES = ("add", "lookup")
@@ -274,6 +274,33 @@ def test_a_tool_conversation_is_rendered_as_the_templates_tool_turns(tools_local
         tool_calls=HISTORY[2].tool_calls,
     )
     assert to_turns([blocks]) == to_turns([HISTORY[2]])
+
+
+def test_a_streamed_reply_summed_goes_back_into_the_conversation(tools_local):
+    """``full += chunk`` over a stream is LangChain's way to keep a streamed call: the summed
+    AIMessageChunk (and any other message chunk) is a turn like its message, not an error."""
+    from langchain_core.messages import AIMessageChunk, HumanMessageChunk
+
+    full = None
+    for chunk in tools_local.bind_tools([add, lookup], tool_choice="any").stream(HISTORY[:2]):
+        full = chunk if full is None else full + chunk
+    assert isinstance(full, AIMessageChunk) and full.tool_calls
+    turns = to_turns([HumanMessageChunk("What is 1 + 2?"), full])
+    assert turns == to_turns([HISTORY[1], AIMessage(full.content, tool_calls=full.tool_calls)])
+    answer = ToolMessage("3", tool_call_id=full.tool_calls[0]["id"], name=full.tool_calls[0]["name"])
+    assert tools_local.invoke([*HISTORY[:2], full, answer]).usage_metadata["input_tokens"] > 0
+
+
+def test_a_malformed_call_goes_back_as_the_model_wrote_it():
+    """The model's own malformed call (its AIMessage's ``invalid_tool_calls``, content "") sent
+    back with the tool's error: the turn shows the call, or the error answers nothing seen."""
+    written = '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>'
+    _, invalid = message_calls(parse(written, NAMES).calls)
+    streamed = [{**invalid[0], "args": json.dumps(invalid[0]["args"])}]  # (a stream's: a JSON string)
+    for calls in (invalid, streamed):
+        assert to_turns([AIMessage("", invalid_tool_calls=calls)]) == [{"role": "assistant", "content": written}]
+    said = to_turns([AIMessage("Adding.", invalid_tool_calls=invalid)])[0]["content"]
+    assert said == "Adding.\n" + written
 
 
 def tools_local_ids(chat, messages, tools, prefill) -> list[int]:
