@@ -137,6 +137,22 @@ class SpecDecBase(BaseModel):
                     values.setdefault(name, value)
         return values
 
+    def get_token_ids(self, text: str) -> list[int]:
+        """``text``'s token ids by the pair's own tokenizer, as its prompts are encoded
+        (``get_num_tokens``, ``trim_messages``). LangChain's default is GPT-2's tokenizer, from
+        the Hub: other counts, and a hang where the Hub cannot be reached. Local mode reads the
+        loaded pair's; remote mode the target's tokenizer alone (the weights are the workers')."""
+        from specdec_llm.pairs import get_spec, tokenizer_only
+
+        if self.effective_backend() == "local":
+            from specdec_llm import loaded
+
+            tokenizer = loaded.get(self.pair).tokenizer
+        else:
+            spec = get_spec(self.pair)
+            tokenizer = tokenizer_only(spec.target, spec.trust_remote_code)
+        return list(tokenizer(text)["input_ids"])
+
     # -- LangChain plumbing ---------------------------------------------------------------------
     def _spec_fields(self) -> dict[str, Any]:
         try:

@@ -31,7 +31,7 @@ from .drafts import (
     vocab_subset,
 )
 from .eagle_draft import KIND, OWN_PREFIXES, EagleDraft, build_eagle, default_feature_layers, load_eagle_dir
-from .gguf import GGUF_INT4, cached_gguf_blocks, gguf_blocks, local_ref, resolve
+from .gguf import GGUF_INT4, cached_gguf_blocks, gguf_blocks, local_ref, resolve, tokenizer_only
 from .loading import (
     DTYPES,
     Pair,
@@ -104,6 +104,7 @@ __all__ = [
     "remote_code_refused",
     "resolve",
     "shared_draft",
+    "tokenizer_only",
     "use_threads",
     "vocab_subset",
 ]

@@ -5,6 +5,7 @@ into a safetensors cache, and a GGUF's own int4 blocks (kept beside that cache).
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import importlib.metadata
 import logging
@@ -13,6 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -67,10 +69,8 @@ def _assembled(dist: importlib.metadata.Distribution, rel: str) -> Path | None:
         ) from None
 
 
-def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
-    """Dequantize a GGUF once into a safetensors model dir; return the dir."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _converted(gguf: Path) -> Path:
+    """Where a GGUF's conversion is kept (whether it is there or not)."""
     size = gguf.stat().st_size
     with gguf.open("rb") as f:  # identity by content (head and tail), not by path: one cache for every venv
         head = f.read(1 << 20)
@@ -79,7 +79,14 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
     # and by the converter: another transformers release may name or convert tensors otherwise
     converter = ".".join(transformers.__version__.split(".")[:2])
     key = hashlib.sha256(head + tail + str(size).encode() + converter.encode()).hexdigest()[:12]
-    out = get_settings().cache_dir / "models" / f"{gguf.stem}-{key}"
+    return get_settings().cache_dir / "models" / f"{gguf.stem}-{key}"
+
+
+def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
+    """Dequantize a GGUF once into a safetensors model dir; return the dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = _converted(gguf)
     if (out / "config.json").exists():
         if all(complete(f) for f in out.glob("model*.safetensors")):
             os.utime(out)  # (its last use: conversions no load used for 30 days are deleted)
@@ -136,6 +143,22 @@ def resolve(ref: str, trust_remote_code: bool = False) -> str:
         return str(_gguf_cache(path, trust_remote_code))
     path = Path(ref).expanduser()
     return str(path) if path.exists() else ref
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_only(ref: str, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of model ``ref`` without its weights (a machine that counts tokens and
+    submits, while workers generate): a GGUF not converted yet gives it from its metadata
+    (~16 s for a 151k-token vocabulary), not from a conversion of the whole model."""
+    from transformers import AutoTokenizer
+
+    path = Path(local_ref(ref)).expanduser()
+    if path.suffix == ".gguf" and path.is_file() and not (_converted(path) / "tokenizer_config.json").exists():
+        with hf.gguf_parsed_once():
+            return AutoTokenizer.from_pretrained(
+                str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
+            )
+    return AutoTokenizer.from_pretrained(resolve(ref, trust_remote_code), trust_remote_code=trust_remote_code)
 
 
 GGUF_INT4 = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}  # block bytes (32 weights each; Q4_K: 256)

@@ -303,6 +303,18 @@ def test_a_malformed_call_goes_back_as_the_model_wrote_it():
     assert said == "Adding.\n" + written
 
 
+def test_tokens_are_counted_by_the_pairs_own_tokenizer(tools_local):
+    """``get_num_tokens`` (and ``trim_messages(token_counter=chat)``) read the pair's tokenizer,
+    in both modes: LangChain's default fetched GPT-2's from the Hub (0 tokens offline)."""
+    from specdec_llm import loaded
+
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    ids = loaded.get(tools_local.pair).tokenizer(text)["input_ids"]
+    assert tools_local.get_token_ids(text) == ids and tools_local.get_num_tokens(text) == len(ids) > 100
+    remote = tools_local.model_copy(update={"backend": "remote"})  # (the tokenizer alone: nothing sent)
+    assert remote.get_token_ids(text) == ids
+
+
 def tools_local_ids(chat, messages, tools, prefill) -> list[int]:
     from specdec_llm import loaded
     from specdec_llm.engine.chat import render_chat

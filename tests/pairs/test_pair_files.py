@@ -480,3 +480,21 @@ def test_a_conversion_is_named_by_its_converter_and_old_ones_unused_are_deleted(
     finally:
         monkeypatch.delenv("SPECDEC_CACHE_DIR")
         reload_settings()
+
+
+def test_a_ggufs_tokenizer_alone_is_read_from_its_metadata_without_converting_it(tmp_path, monkeypatch):
+    """A machine that counts tokens and submits (LangChain's remote mode) needs the tokenizer,
+    not a conversion of the whole model (7 GB and ~100 s at 1.5B): the GGUF's metadata gives
+    the same tokenizer."""
+    from specdec_llm.pairs import get_spec, load_tokenizer, tokenizer_only
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    reload_settings()
+    try:
+        text = "Speculative decoding, verified: def f(x): return x ** 2  # done"
+        alone = tokenizer_only(get_spec("smollm2-135m").target)
+        assert not (tmp_path / "models").exists()  # nothing converted
+        assert alone(text)["input_ids"] == load_tokenizer(get_spec("smollm2-135m").target)(text)["input_ids"]
+    finally:
+        monkeypatch.delenv("SPECDEC_CACHE_DIR")
+        reload_settings()
