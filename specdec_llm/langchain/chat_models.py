@@ -172,13 +172,8 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
                 else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
             )
         elif method == "json_schema":
-            # a dict is a JSON schema already, used as it is (an array, enum or map has no
-            # properties for convert_to_json_schema to keep); a class or function is converted
-            json_schema = schema if isinstance(schema, dict) else convert_to_json_schema(schema, strict=strict)
-            fmt = {"name": json_schema.get("title", "response"), "schema": json_schema, "strict": bool(strict)}
-            llm = self.bind(
-                response_format={"type": "json_schema", "json_schema": fmt}, ls_structured_output_format=traced
-            )
+            fmt = {"type": "json_schema", "json_schema": _json_schema(schema, strict)}
+            llm = self.bind(response_format=fmt, ls_structured_output_format=traced)
             parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()  # type: ignore[arg-type]
         else:
             raise RequestError("method", f"{method!r}: use 'json_schema', 'function_calling' or 'json_mode'")
@@ -290,6 +285,20 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
         prepared = self._prepare(messages, stop, kwargs)
         async for chunk in aiter_in_thread(lambda cancel: self._chunks(prepared, cancel)):
             yield chunk
+
+
+def _json_schema(schema: dict[str, Any] | type, strict: bool | None) -> dict[str, Any]:
+    """OpenAI's ``json_schema`` entry for a structured-output schema. A dict is a JSON schema
+    already, used as it is (an array, enum or map has no properties for convert_to_json_schema
+    to keep), unless it is an OpenAI function (``{"name", "parameters"}``) or tool (``{"type":
+    "function", "function": ...}``): its parameters are the schema. A class or function is converted."""
+    if isinstance(schema, dict) and ({"name", "parameters"} <= set(schema) or schema.get("type") == "function"):
+        function = convert_to_openai_tool(schema, strict=strict)["function"]
+        json_schema, name = function.get("parameters") or {"type": "object"}, function["name"]
+    else:
+        json_schema = schema if isinstance(schema, dict) else convert_to_json_schema(schema, strict=strict)
+        name = json_schema.get("title", "response")
+    return {"name": name, "schema": json_schema, "strict": bool(strict)}
 
 
 @dataclass

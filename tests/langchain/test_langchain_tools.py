@@ -447,6 +447,19 @@ def test_structured_output_keeps_a_dict_json_schema_as_it_is(closing_local):
             assert isinstance(out, dict) and all(type(v) is int for v in out.values()), out
 
 
+def test_structured_output_reads_an_openai_function_or_tool_as_its_parameters(closing_local):
+    """LangChain takes an OpenAI function or tool as a schema: its parameters are enforced and
+    its name is the format's (the dict as a JSON schema constrained nothing, or failed)."""
+    from langchain_core.utils.function_calling import convert_to_openai_function, convert_to_openai_tool
+
+    for schema in (convert_to_openai_function(Sum), convert_to_openai_tool(Sum)):
+        structured = closing_local.with_structured_output(schema)
+        fmt = structured.first.kwargs["response_format"]["json_schema"]
+        assert fmt["name"] == "Sum" and fmt["schema"]["properties"] == {"total": {"type": "integer"}}
+        out = structured.invoke([HumanMessage("What is 1 + 2?")])
+        assert set(out) == {"total"} and type(out["total"]) is int, out
+
+
 @pytest.mark.parametrize("drafter", ["auto", "model", "lookup", "suffix", "grammar"])
 def test_tool_calls_with_speculation_equal_k0_streamed_or_not(closing_local, drafter):
     """The tool-calling regression suite: with every drafter of the tiny pair (and all of them,
