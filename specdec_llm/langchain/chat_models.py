@@ -134,6 +134,9 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
         answer. Under "auto" alone the model's calls are read as written: a malformed one is
         in ``invalid_tool_calls``."""
         schemas = [convert_to_openai_tool(t, strict=strict) for t in tools]
+        for t in schemas:
+            if "function" not in t:  # (a provider's own tool: {"type": "web_search_preview"})
+                raise RequestError("tools", f"{t!r} is not a function; this model calls functions only")
         plan(schemas, tool_choice, None)  # a bad tool_choice fails here, not at the first call
         return self.bind(tools=schemas, tool_choice=tool_choice, **kwargs)
 

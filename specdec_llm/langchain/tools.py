@@ -74,13 +74,15 @@ def choose(tool_choice: Any, tools: Sequence[dict[str, Any]]) -> str:
     """``tool_choice`` in one spelling: "auto", "none", "any", or a bound tool's name (OpenAI's
     "required" and ``True`` are "any"; ``{"type": "function", "function": {"name": ...}}`` a name)."""
     names = [tool_name(t) for t in tools]
+    if isinstance(tool_choice, dict) and tool_choice.get("type") in ("auto", "any", "none", "required"):
+        tool_choice = tool_choice["type"]  # (Anthropic's spelling)
     if tool_choice is None or tool_choice == "auto":
         return "auto"
     if tool_choice in ("any", "required", True):
         return "any"
     if tool_choice == "none" or tool_choice is False:
         return "none"
-    if isinstance(tool_choice, dict):
+    if isinstance(tool_choice, dict):  # (OpenAI's {"type": "function", "function": {"name"}}, Anthropic's {"name"})
         tool_choice = (tool_choice.get("function") or {}).get("name", tool_choice.get("name"))
     if isinstance(tool_choice, str) and tool_choice in names:
         return tool_choice
@@ -98,7 +100,9 @@ def plan(tools: list[dict[str, Any]] | None, tool_choice: Any, response_format: 
         reply.response_format = response_format
         reply.instruction = format_instruction(response_format)
     if not tools:
-        if tool_choice not in (None, "auto", "none"):
+        if tool_choice not in (None, "auto", "none", False) and not (
+            isinstance(tool_choice, dict) and tool_choice.get("type") in ("auto", "none")
+        ):
             raise RequestError("tool_choice", f"{tool_choice!r} needs tools; bind some with bind_tools(tools)")
         return reply
     choice = choose(tool_choice, tools)

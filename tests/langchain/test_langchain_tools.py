@@ -178,12 +178,20 @@ def test_tool_choice_decides_what_is_rendered_prefilled_and_enforced():
         named = plan([ADD, LOOKUP], choice, None)
         assert named.tools == [LOOKUP] and named.names == NAMES and named.prefill == PREFILL
         assert named.response_format["json_schema"]["schema"]["properties"]["name"] == {"const": "lookup"}
+    for spelling in ("any", "auto", "none"):  # (Anthropic's: {"type": ...})
+        assert plan([ADD, LOOKUP], {"type": spelling}, None) == plan([ADD, LOOKUP], spelling, None)
+    assert plan(None, False, None) == plan(None, {"type": "none"}, None) == plan(None, None, None)
     with pytest.raises(RequestError, match="tool_choice: 'weather' is not one of the bound tools"):
         plan([ADD], "weather", None)
     with pytest.raises(RequestError, match="tool_choice: 'any' needs tools"):
         plan(None, "any", None)
     with pytest.raises(RequestError, match="response_format"):
         plan(None, None, {"type": "text"})
+
+
+def test_a_providers_own_tool_is_refused_naming_it(closing_local):
+    with pytest.raises(RequestError, match=r"^tools: \{'type': 'web_search_preview'\} is not a function"):
+        closing_local.bind_tools([{"type": "web_search_preview"}])
 
 
 def test_generation_parameters_are_the_engine_requests_fields():
