@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specdec_llm.engine import RequestError
@@ -25,6 +25,11 @@ from specdec_llm.errors import SpecDecError
 
 class GenerationTimeout(SpecDecError, TimeoutError):
     """A call not finished within its ``timeout``."""
+
+
+class CallAbandoned(GenerationTimeout):
+    """The caller stopped waiting (an async call's task cancelled): the call ends as at its
+    deadline, its rows cancelled."""
 
 
 class BrokerUnavailable(SpecDecError, ConnectionError):
@@ -37,6 +42,7 @@ class GenerationFailed(SpecDecError, RuntimeError):
 
 # the errors of one prompt alone: a call's other prompts still run
 PROMPT_ERRORS = (RequestError, GenerationFailed)
+POLL_S = 0.25  # a waiting call looks at its deadline and its caller this often
 
 
 @dataclass
@@ -106,6 +112,7 @@ class Call:
     record: bool  # local mode: record in the store (remote always does)
     max_retries: int  # remote mode: submissions retried after a broker fault
     started: float
+    abandoned: threading.Event = field(default_factory=threading.Event)  # set: the caller went away
 
     @property
     def deadline(self) -> float | None:
@@ -113,11 +120,18 @@ class Call:
 
     def remaining(self) -> float | None:
         deadline = self.deadline
+        if self.abandoned.is_set():
+            return 0.0
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def expired(self) -> bool:
         deadline = self.deadline
-        return deadline is not None and time.monotonic() > deadline
+        return self.abandoned.is_set() or (deadline is not None and time.monotonic() > deadline)
+
+    def poll(self) -> float:
+        """How long one wait may block before looking at the deadline and the caller again."""
+        remaining = self.remaining()
+        return POLL_S if remaining is None else max(0.01, min(POLL_S, remaining))
 
     @property
     def job_id(self) -> str:
@@ -150,7 +164,15 @@ class Call:
 
         store.create_job(rows, name=self.job_name, pair=self.pair, params={"source": "langchain"}, job_id=self.job_id)
 
+    def ending(self) -> str:
+        """Why the rows of a call that ended early are cancelled."""
+        return "cancelled: " + (
+            "the caller stopped waiting" if self.abandoned.is_set() else "the LangChain call timed out"
+        )
+
     def timeout_error(self, what: str) -> GenerationTimeout:
+        if self.abandoned.is_set():
+            return CallAbandoned(f"{what} cancelled: the caller stopped waiting for it")
         return GenerationTimeout(
             f"{what} not finished within timeout={self.timeout} s ({self.backend} mode, pair {self.pair}); "
             + (

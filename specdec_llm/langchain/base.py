@@ -10,7 +10,7 @@ import contextvars
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import fields
 from typing import Any, Literal, TypeVar
 
@@ -302,6 +302,17 @@ CALL_OPTIONS = (
     "job_metadata",
     "category",
 )
+
+
+async def abandoned_if_cancelled(call: Call, work: Awaitable[T]) -> T:
+    """``await work`` (a call run in a thread); a cancelled caller (``asyncio.wait_for``, a
+    client gone) marks the call abandoned, so the thread stops waiting and cancels its rows
+    (a thread cannot be cancelled: it decoded on to the end)."""
+    try:
+        return await work
+    except asyncio.CancelledError:
+        call.abandoned.set()
+        raise
 
 
 async def aiter_in_thread(make: Callable[[threading.Event], Generator[T, None, None]]) -> AsyncIterator[T]:

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict
 from specdec_llm.engine import RequestError
 
 from .backend import Call, Item
-from .base import ENGINE_FIELDS, PROVIDER, SpecDecBase, aiter_in_thread, info, usage
+from .base import ENGINE_FIELDS, PROVIDER, SpecDecBase, abandoned_if_cancelled, aiter_in_thread, info, usage
 from .tools import CLOSE, OPEN, CallStream, Reply, chunk_calls, message_calls, parse, plan
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
@@ -227,7 +227,9 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         prepared = self._prepare(messages, stop, kwargs)
-        result = await asyncio.to_thread(self._run_one, prepared.item, prepared.call)
+        result = await abandoned_if_cancelled(
+            prepared.call, asyncio.to_thread(self._run_one, prepared.item, prepared.call)
+        )
         return self._chat_result(result, prepared.reply)
 
     def _chat_result(self, result: dict[str, Any], reply: Reply) -> ChatResult:

@@ -17,7 +17,7 @@ from pydantic import ConfigDict
 from specdec_llm.engine import RequestError
 
 from .backend import Call, Item
-from .base import SpecDecBase, aiter_in_thread, info, usage
+from .base import SpecDecBase, abandoned_if_cancelled, aiter_in_thread, info, usage
 
 
 class SpecDecLLM(SpecDecBase, BaseLLM):
@@ -77,7 +77,7 @@ class SpecDecLLM(SpecDecBase, BaseLLM):
             return self._streamed_result(final)
         call = self._resolve(stop, kwargs, messages=False)
         items = [Item(prompt=p) for p in prompts]
-        return self._result(prompts, await asyncio.to_thread(self._run, items, call))
+        return self._result(prompts, await abandoned_if_cancelled(call, asyncio.to_thread(self._run, items, call)))
 
     def _streamed_result(self, final: GenerationChunk) -> LLMResult:
         """The LLMResult of one streamed prompt (its chunks added up)."""

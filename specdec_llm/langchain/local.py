@@ -92,14 +92,21 @@ class LocalBackend:
         """The Future's result, recorded; or the row failed (timed out...) and the error raised."""
         rid = row["id"]
         try:
-            res = fut.result(timeout=call.remaining())
+            while True:  # (the caller may go away: looked at between waits)
+                try:
+                    res = fut.result(timeout=call.poll())
+                    break
+                except TimeoutError:
+                    if call.expired():
+                        raise
             if why := res.incomplete():  # a forced call or structured answer out of tokens (as a worker says)
                 raise RequestError("response_format", why)
             result: dict[str, Any] = res.to_dict()
         except TimeoutError:  # still waiting for the server, or dropped by it at the deadline
             pair.server.cancel(fut)
             error = call.timeout_error(f"request {rid}")
-            self._failed(row, call, error)
+            if call.record:
+                mark(rid, "cancelled", call.ending())
             raise error from None
         except BaseException as e:
             self._failed(row, call, e)

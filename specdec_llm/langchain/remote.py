@@ -18,6 +18,8 @@ from specdec_llm import client, store
 
 from .backend import PROMPT_ERRORS, BrokerUnavailable, Call, GenerationFailed, GenerationTimeout, Item, clean
 
+STORE_LOOK_S = 5.0  # a call waiting on a task's result looks at its row in the store this often
+
 
 class RemoteBackend:
     def generate(self, items: list[Item], call: Call) -> list[dict[str, Any] | Exception]:
@@ -32,7 +34,7 @@ class RemoteBackend:
                 except PROMPT_ERRORS as e:  # this prompt alone: the others' results still count
                     out.append(e)
         except GenerationTimeout:
-            self._cancel([rid for rid, _ in sent], "cancelled: the LangChain call timed out")
+            self._cancel([rid for rid, _ in sent], call.ending())
             raise
         return out
 
@@ -96,19 +98,20 @@ class RemoteBackend:
     def _wait(self, rid: str, result: Any, call: Call) -> dict[str, Any]:
         from celery.exceptions import TimeoutError as CeleryTimeout
 
+        looked = time.monotonic()
         while True:  # the task's result; or the row finished by another delivery (its first worker was lost)
-            remaining = call.remaining()
             try:
-                out = result.get(
-                    timeout=5.0 if remaining is None else max(0.01, min(5.0, remaining)), propagate=False, interval=0.05
-                )
+                out = result.get(timeout=call.poll(), propagate=False, interval=0.05)
                 break
             except CeleryTimeout:
+                if call.expired():
+                    raise call.timeout_error(f"request {rid}") from None
+                if time.monotonic() - looked < STORE_LOOK_S:
+                    continue
+                looked = time.monotonic()
                 row = store.get_request(rid)
                 if row and row["status"] in ("ok", "failed", "cancelled"):
                     return self._from_store(rid, call)
-                if call.expired():
-                    raise call.timeout_error(f"request {rid}") from None
         if result.failed():
             raise GenerationFailed(f"request {rid} failed in the worker: {out!r}")
         try:

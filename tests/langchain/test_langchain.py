@@ -7,6 +7,7 @@ stop strings, callbacks, generation_info against the store's telemetry rows, and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -208,6 +209,29 @@ def run_counting_loop_ticks(coro):
             await task
 
     return asyncio.run(main())
+
+
+def test_a_cancelled_async_call_stops_its_generation(local):
+    """``asyncio.wait_for(llm.ainvoke(...), 0.3)``, or a client gone: the thread that ran the call
+    could not be cancelled, so the engine decoded on to the end. The call is abandoned now: its
+    row is cancelled at the engine's next step, and the server is idle."""
+    from specdec_llm import loaded
+
+    for model in (SpecDecLLM, ChatSpecDec):
+        llm = model(pair="tiny", max_new_tokens=480, k=0, job_name=f"lc-gone-{model.__name__}")
+        llm.invoke(PROMPTS[2], max_new_tokens=1)  # (loaded)
+        asyncio.run(leave(llm))
+        jid = job_id(llm.job_name, "tiny")
+        statuses = lambda: sorted((r["status"], r["error"] or "") for r in client.job_requests(jid, outputs=False))  # noqa: B023, E731
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: statuses()[0][0] == "cancelled", timeout=5)  # noqa: B023
+        assert [s for s, _ in statuses()] == ["cancelled", "ok"] and "the caller stopped waiting" in statuses()[0][1]
+        wait_for(lambda: not loaded.get("tiny").server.rows, timeout=2)
+
+
+async def leave(llm: SpecDecLLM | ChatSpecDec) -> None:
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(llm.ainvoke(PROMPTS[2]), timeout=0.3)
 
 
 def test_local_async_does_not_block_the_loop(local):
