@@ -286,7 +286,9 @@ def _generate_row(
         with metrics.running(pair):
             future = rt.server.submit(req, on_text=stream, deadline=clock + limit if limit else None, stop=stop)
             res = future.result()
-            if why := res.incomplete():  # a constrained row out of tokens: it fails alone, saying so
+            # a constrained row out of tokens fails alone, saying so; a LangChain call's reply is
+            # returned as it is (its parsers report it, and include_raw keeps the reply)
+            if (why := res.incomplete()) and (row.get("params") or {}).get("_source") != "langchain":
                 raise RequestError("response_format", why)
             result = res.to_dict()
     except RequestError as e:

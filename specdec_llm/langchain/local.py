@@ -99,8 +99,8 @@ class LocalBackend:
                 except TimeoutError:
                     if call.expired():
                         raise
-            if why := res.incomplete():  # a forced call or structured answer out of tokens (as a worker says)
-                raise RequestError("response_format", why)
+            # (a forced call or a structured answer out of tokens is returned as it is: LangChain's
+            # parsers report it, and include_raw keeps the reply; a job's row fails instead)
             result: dict[str, Any] = res.to_dict()
         except TimeoutError:  # still waiting for the server, or dropped by it at the deadline
             pair.server.cancel(fut)

@@ -448,6 +448,19 @@ def test_an_async_stream_abandoned_before_its_first_text_cancels_its_row(remote)
     wait_for(lambda: not any(t.name == "specdec-async" for t in threading.enumerate()), timeout=10)
 
 
+def test_a_remote_reply_cut_short_is_returned_for_langchain_to_report(remote):
+    """A structured answer out of tokens, in the worker: the row is a LangChain call's, so its
+    reply comes back (``parsing_error`` says why), where a job's row would fail."""
+    from pydantic import BaseModel
+
+    class Sum(BaseModel):
+        total: int
+
+    chat = ChatSpecDec(pair="tiny", max_new_tokens=2, timeout=120)
+    out = chat.with_structured_output(Sum, include_raw=True).invoke("What is 1 + 2?")
+    assert out["parsing_error"] is not None and out["raw"].response_metadata["finish_reason"] == "length", out
+
+
 def test_remote_stop_strings_every_path(remote):
     llm = SpecDecLLM(pair="tiny", max_new_tokens=40)
     full = llm.invoke(PROMPTS[3])

@@ -218,7 +218,7 @@ def lookup(key: str) -> str:
 @pytest.fixture
 def tools_local(closing_local):
     """The tiny tools pair in local mode: models that close what they open (conftest's
-    ``closing``), and room for a whole call, which a forced call needs (an incomplete one fails)."""
+    ``closing``), and room for a whole call, which a forced call needs (an incomplete one is invalid)."""
     return closing_local
 
 
@@ -433,6 +433,18 @@ def test_tools_and_a_structured_answer_under_auto_give_a_call_or_the_answer(clos
             assert type(Sum.model_validate_json(msg.content).total) is int, msg
     turns = closing_local._prepare([HumanMessage("x")], None, {**bound.kwargs}).item.messages
     assert turns[0]["content"].startswith("To call a tool, reply with the call and nothing else; to give your answer")
+
+
+def test_a_reply_cut_short_by_max_new_tokens_is_returned_for_langchain_to_report(closing_local):
+    """Out of tokens, a structured answer or a forced call is LangChain's to report: include_raw
+    keeps the reply and says why in ``parsing_error``, a call cut short is an invalid call. It
+    was a RequestError (as for bad parameters) that lost the reply."""
+    short = closing_local.model_copy(update={"max_new_tokens": 3})
+    out = short.with_structured_output(Sum, include_raw=True).invoke([HumanMessage("What is 1 + 2?")])
+    assert out["parsed"] is None and out["parsing_error"] is not None
+    assert out["raw"].response_metadata["finish_reason"] == "length" and out["raw"].usage_metadata["output_tokens"] == 3
+    msg = short.bind_tools([add], tool_choice="any").invoke([HumanMessage("What is 1 + 2?")])
+    assert not msg.tool_calls and len(msg.invalid_tool_calls) == 1, msg
 
 
 def test_structured_output_keeps_a_dict_json_schema_as_it_is(closing_local):
