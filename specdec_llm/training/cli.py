@@ -289,10 +289,9 @@ def eval_pair(
         fail(f"k: {k} is below 1; eval-pair measures drafts, use k >= 1")
     if limit is not None and limit < 1:
         fail(f"limit: {limit} is below 1; use --limit N >= 1 prompts per category, or leave it out for all")
-    with user_errors():  # (what every row would be refused for: before the load, not after it)
-        GenerationRequest("x", max_new_tokens=max_new_tokens, k=k).validate()
     rows = read_prompt_file("prompts", prompts, "data/spec_bench_dev.jsonl", limit)
     with user_errors():
+        GenerationRequest("x", max_new_tokens=max_new_tokens, k=k).validate()  # (before the load, not after)
         spec = get_spec(pair or get_settings().default_pair)
         drafter = drafter or next((d for d in spec.drafter_names() if d in ("model", "quantized")), "auto")
         spec.check_drafter(drafter)
