@@ -71,6 +71,12 @@ MAX_LINE_BYTES = 8 * 2**20  # a longer line fails its row unread (memory stays b
 PREVIEW_CHARS = 200  # what a bad row keeps of its line, to show in results
 
 
+def reader_of(path: Path) -> str:
+    """How a file's rows are read, by its suffix: "jsonl", "csv" or "text" (a prompt a line)."""
+    suffix = Path(path).suffix.lower()
+    return "jsonl" if suffix in (".jsonl", ".ndjson", ".json") else "csv" if suffix == ".csv" else "text"
+
+
 def read_rows(path: Path) -> list[Row]:
     """Rows of ``path``, read line by line in bounded memory. Only a file that cannot be
     opened, has no rows at all, is UTF-16 or (JSON Lines) a JSON array fails as a whole
@@ -83,14 +89,14 @@ def read_rows(path: Path) -> list[Row]:
         raise InputError(f"{path}: no such file") from None
     except OSError as e:
         raise InputError(f"{path}: cannot open it ({e.strerror})") from None
-    suffix = path.suffix.lower()
+    reader = reader_of(path)
     with f:
         try:
             if f.peek(2)[:2] in (b"\xff\xfe", b"\xfe\xff"):  # (a UTF-16 byte order mark)
                 raise InputError(f"{path}: the file is UTF-16 text; save it as UTF-8 (without a byte order mark)")
-            if suffix in (".jsonl", ".ndjson", ".json"):
+            if reader == "jsonl":
                 rows = _jsonl(_lines(f), path)
-            elif suffix == ".csv":
+            elif reader == "csv":
                 rows = _csv(_lines(f, keep_ends=True), path)
             else:
                 rows = []
@@ -449,12 +455,19 @@ def check_rows(rows: list[Row], job_params: dict[str, Any]) -> None:
 
 
 def job_id_for(path: Path, pair: str, params: dict[str, Any]) -> str:
-    """Same file content, pair and parameters -> same job: running it again resumes it."""
+    """Same file content read the same way, pair and parameters -> same job: running it again
+    resumes it. (The same bytes as CSV and as text are other rows: other jobs. JSON Lines, the
+    first reader, adds nothing to the hash: its jobs keep their ids.)"""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(2**20), b""):
             h.update(chunk)
-    h.update(json.dumps({"pair": pair, "params": params}, sort_keys=True).encode())
+    reader = reader_of(path)
+    h.update(
+        json.dumps(
+            {"pair": pair, "params": params, **({"reader": reader} if reader != "jsonl" else {})}, sort_keys=True
+        ).encode()
+    )
     return h.hexdigest()[:16]
 
 

@@ -4,6 +4,7 @@ worker subprocess that `run` starts and stops)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -94,6 +95,17 @@ def test_job_id_is_content_pair_and_params(tmp_path):
     assert job_id_for(a, "tiny", {"max_new_tokens": 4}) == job_id_for(b, "tiny", {"max_new_tokens": 4})
     assert job_id_for(a, "tiny", {"max_new_tokens": 4}) != job_id_for(a, "tiny", {"max_new_tokens": 5})
     assert job_id_for(a, "tiny", {}) != job_id_for(a, "tiny-shared", {})
+    # the same bytes read otherwise are other rows: a CSV's first line is its header, a text
+    # file's a prompt (one job id put the CSV's stored rows under the text file's lines)
+    body = "prompt\nhello there\nthe quick brown fox\n"
+    ids = {
+        job_id_for(p, "tiny", {})
+        for p in (tmp_path / "p.csv", tmp_path / "p.txt", tmp_path / "p.jsonl")
+        if p.write_text(body)
+    }
+    assert len(ids) == 3
+    old = hashlib.sha256(a.read_bytes() + json.dumps({"pair": "tiny", "params": {}}, sort_keys=True).encode())
+    assert job_id_for(a, "tiny", {}) == old.hexdigest()[:16]  # (JSON Lines jobs keep the ids they had)
 
 
 def test_a_default_spelled_out_is_the_same_job(embedded, tmp_path):
