@@ -254,6 +254,8 @@ def results(job_id: str, *, failed_only: bool = False) -> list[dict[str, Any]]:
         item["id"] = params.get("_id", r["id"])
         item["parsed"] = parsed(item.get("text"), params.get("response_format")) if r["status"] == "ok" else None
         item["metadata"] = params.get("_metadata")
+        if not item.get("draft_tokens_proposed"):  # nothing drafted: no rate (as status and report say), not 0%
+            item["acceptance_rate"] = None
         item.update(
             request_id=r["id"],
             pair=r["pair"],

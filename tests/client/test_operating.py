@@ -486,3 +486,26 @@ def test_rows_refused_at_submit_neither_start_the_job_nor_count_in_its_eta(url, 
     only_bad.write_text(json.dumps({"prompt": ""}) + "\n")
     bad_job = client.submit(only_bad, "tiny")["job_id"]
     assert (store.get_job(bad_job)["status"], store.get_job(bad_job)["started_at"]) == ("done", None)
+
+
+def test_results_give_no_acceptance_rate_to_rows_that_never_drafted(url):
+    """A row decoded plain (nothing proposed) had `acceptance_rate: 0.0` in `results`, the
+    figure of "every draft rejected", while `status` and `report` say none."""
+    make_job(url, "plain", ok=2)
+    drafted = {**RESULT, "stats": {**RESULT["stats"], "draft_tokens_proposed": 4, "draft_tokens_accepted": 2}}
+    drafted["stats"]["acceptance_rate"] = 0.5
+    store.create_job(
+        [{"id": "plain-2", "prompt": "p2", "params": {"_row": 2, "_id": "2"}}], pair="tiny", job_id="plain", url=url
+    )
+    store.record_result(
+        "plain-2",
+        drafted,
+        worker=None,
+        device="cpu",
+        queue_wait_s=None,
+        pair="tiny",
+        job_id="plain",
+        price_per_hour=None,
+    )
+    rates = [(r["draft_tokens_proposed"], r["acceptance_rate"]) for r in client.results("plain")]
+    assert rates == [(0, None), (0, None), (4, 0.5)], rates
