@@ -46,6 +46,7 @@ PARAMS = {
 # no effect on the text we generate (parallel_tool_calls: a row with tools fails on `tools` itself)
 IGNORED = ("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls")
 # fields we do not support, accepted at the value that asks for nothing (null is always accepted)
+PLAIN_TEXT = {"type": "text"}  # a response_format that asks for no constraint (OpenAI's default)
 NEUTRAL = {
     "n": 1,
     "best_of": 1,
@@ -55,7 +56,7 @@ NEUTRAL = {
     "echo": False,
     "presence_penalty": 0,
     "frequency_penalty": 0,
-    "response_format": {"type": "text"},
+    "response_format": PLAIN_TEXT,
     "tools": [],
     "tool_choice": "none",
     "logit_bias": {},
@@ -122,6 +123,8 @@ def fill(row: Row, obj: dict[str, Any]) -> str | None:
     for name in PARAMS:  # (max_tokens, then max_completion_tokens: the newer name wins where both are given)
         if body.get(name) is not None and body[name] != NEUTRAL.get(name):
             params[PARAMS[name]], source[PARAMS[name]] = body[name], name
+    if body.get("response_format") == PLAIN_TEXT:  # asked for plain text: over the job's --json-schema too
+        params["response_format"] = None
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
     if url == COMPLETIONS:

@@ -330,6 +330,8 @@ def _fill(row: Row, obj: dict[str, Any]) -> str | None:
     if not isinstance(params, dict):
         return '"params" must be an object of generation parameters'
     row.params = {**{k: obj[k] for k in PARAMS if k in obj}, **params}
+    if row.params.get("response_format") == openai_batch.PLAIN_TEXT:  # (OpenAI's "no constraint": over the job's too)
+        row.params["response_format"] = None
     return _category_problem(row.category)
 
 

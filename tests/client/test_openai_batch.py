@@ -288,3 +288,23 @@ def test_a_messages_row_of_a_jsonl_job_is_a_chat_completion(embedded, tmp_path):
     m, p = (json.loads(line) for line in out.read_text().splitlines())
     assert m["response"]["body"]["object"] == "chat.completion" and "message" in m["response"]["body"]["choices"][0]
     assert p["response"]["body"]["object"] == "text_completion"
+
+
+def test_a_row_asking_for_plain_text_is_not_held_to_the_jobs_schema(tmp_path):
+    """`response_format: {"type": "text"}` is OpenAI's "no constraint": a Batch line or one of
+    our rows asking for it is decoded free, over the job's `--json-schema` (the Batch line got
+    the job's schema; our row was refused as an unknown type)."""
+    text = {"type": "text"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "response_format": text}
+    path = jsonl(
+        tmp_path / "b.jsonl",
+        {"custom_id": "batch", "method": "POST", "url": CHAT, "body": body},
+        {"id": "ours", "prompt": "hi", "response_format": text},
+        {"id": "plain", "prompt": "hi"},
+    )
+    schema = {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}
+    rows = read_rows(path)
+    check_rows(rows, {"response_format": schema})
+    assert [r.error for r in rows] == [None, None, None]
+    formats = [to_request("j", r, {"response_format": schema})["params"]["response_format"] for r in rows]
+    assert formats == [None, None, schema]
