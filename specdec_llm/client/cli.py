@@ -150,7 +150,8 @@ def submit(
         sub = client.submit(file, pair, params, name=name)
     print(
         f"job {sub['job_id']}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} enqueued for "
-        f"pair {pair} via {client.broker_display()}{_cancelled_note(sub['job_id'], sub['cancelled'])}",
+        f"pair {pair} via {client.broker_display()}{_cancelled_note(sub['job_id'], sub['cancelled'])}"
+        f"{_name_note(sub, name)}",
         file=sys.stderr,
     )
     print(sub["job_id"])
@@ -306,6 +307,8 @@ def run(
     with user_errors():  # held from its submission until its results file is written: no prune takes it meanwhile
         sub = client.submit(file, pair, params, name=name, hold_s=client.JOB_HOLD_S)
         job = sub["job_id"]
+        if note := _name_note(sub, name):
+            print(f"job {job}{note}", file=sys.stderr)
         with client.holding(job):
             _run_to_the_end(sub, pair, device=device, concurrency=concurrency, max_batch=batching)
             _export(client.results(job), fmt, out, job=job)
@@ -405,6 +408,16 @@ def register(app: typer.Typer) -> None:
     for command in COMMANDS:
         app.command(cls=DrafterHelp)(command)  # (the help of a --drafter names the registered drafters)
     ops_cli.register(app)
+
+
+def _name_note(sub: dict[str, Any], name: str | None) -> str:
+    """What a command says when the job it named existed already under another name ("" else)."""
+    if name is None or sub["name"] == name:
+        return ""
+    return (
+        f"; the job exists already as {sub['name']!r} (the same file, pair and parameters), its rows "
+        f"reused and its name kept, not {name!r}"
+    )
 
 
 def _cancelled_note(job: str, cancelled: int) -> str:

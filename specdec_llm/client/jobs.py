@@ -61,7 +61,7 @@ def submit(
 
     Raises ``InputError`` (unreadable file), ``RequestError`` (unknown pair, bad job-level
     parameters) or ``StoreError``; bad rows fail alone. Returns ``{"job_id", "rows",
-    "created", "bad", "enqueued", "done", "cancelled"}`` (cancelled rows count as done and
+    "created", "bad", "enqueued", "done", "cancelled", "name"}`` (cancelled rows count as done and
     are not run again: ``retry(job_id, cancelled=True)`` runs them).
     """
     from specdec_llm.pairs import get_spec  # (torch: not for commands that only read)
@@ -102,6 +102,7 @@ def submit(
         "enqueued": len(todo),
         "done": len(rows) - len(todo) - bad,
         "cancelled": sum(st == "cancelled" for st in status.values()),  # of "done": they stay cancelled
+        "name": (store.get_job(job_id) or {}).get("name", name),  # (a job that existed keeps its name)
     }
 
 

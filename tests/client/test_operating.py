@@ -467,6 +467,18 @@ def test_a_job_name_too_long_to_store_is_refused_or_cut(url, pairs_file, tmp_pat
             store.create_job([{"prompt": "p", "category": "c" * 101}], url=url)
 
 
+def test_a_name_given_to_a_job_that_exists_is_said_to_be_dropped(url, pairs_file, tmp_path):
+    """The same bytes, pair and parameters under another file and --name are the existing job
+    (its rows reused): the command says the job keeps its first name, not silently."""
+    for day in ("monday", "tuesday"):
+        (tmp_path / f"{day}.txt").write_text("a prompt\n")
+    first = cli("submit", tmp_path / "monday.txt", "--pair", "tiny", "--name", "nightly-monday")
+    again = cli("submit", tmp_path / "tuesday.txt", "--pair", "tiny", "--name", "nightly-tuesday")
+    assert first.exit_code == again.exit_code == 0 and first.stdout == again.stdout, again.output
+    assert "exists already" not in first.stderr
+    assert "the job exists already as 'nightly-monday'" in again.stderr and "not 'nightly-tuesday'" in again.stderr
+
+
 def test_rows_refused_at_submit_neither_start_the_job_nor_count_in_its_eta(url, pairs_file, tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ({"prompt": "a"}, {"prompt": "b"}, {"prompt": ""})))
