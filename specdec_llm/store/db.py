@@ -88,14 +88,15 @@ def mask_userinfo(text: str) -> str:
     may be a password pasted in)."""
     if "://" not in text:
         return "(not a URL)"
-    return mask_query(re.sub(r"(//[^/:@]*:)[^@]*@", r"\1***@", text))
+    # to the last "@" before the query: a password may hold "@" (kombu and urlsplit read it so)
+    return mask_query(re.sub(r"(//[^/:@]*:)[^?#]*@", r"\1***@", text))
 
 
 def mask_url(url: str) -> str:
     """The URL with its password hidden (``user:pass@`` and ``?password=...``), fit for logs
     and error messages."""
     try:
-        return mask_query(make_url(url).render_as_string(hide_password=True))
+        return mask_userinfo(make_url(url).render_as_string(hide_password=True))  # (an "@" in it: all of it)
     except (exc.ArgumentError, ValueError):
         return "<unreadable database URL>"
 

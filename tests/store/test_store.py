@@ -311,6 +311,10 @@ def test_bad_database_urls_are_one_line(bad):
 def test_mask_url():
     assert db.mask_url("postgresql+psycopg://u:pw@h:5432/d") == "postgresql+psycopg://u:***@h:5432/d"
     assert db.mask_url("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
+    # a password holding "@" (kombu reads it to the last "@"): none of it shown
+    assert db.mask_userinfo("redis://:hunter2@topsecret@127.0.0.1:1/0") == "redis://:***@127.0.0.1:1/0"
+    assert db.mask_url("postgresql://u:p@ss@db/x") == "postgresql://u:***@db/x"
+    assert db.mask_userinfo("redis://h:6379/0?password=a@b") == "redis://h:6379/0?password=***"
 
 
 def test_timestamps_are_naive_utc(url):
