@@ -88,10 +88,11 @@ def _gguf_cache(gguf: Path, trust_remote_code: bool) -> Path:
 
     out = _converted(gguf)
     if (out / "config.json").exists():
-        if all(complete(f) for f in out.glob("model*.safetensors")):
+        weights = list(out.glob("model*.safetensors"))
+        if weights and all(complete(f) for f in weights):  # (none at all: a folder half deleted)
             os.utime(out)  # (its last use: conversions no load used for 30 days are deleted)
             return out
-        logging.getLogger("specdec_llm.load").warning(f"{out} holds a weights file cut short: converting again")
+        logging.getLogger("specdec_llm.load").warning(f"{out} holds weights cut short or none: converting again")
         shutil.rmtree(out, ignore_errors=True)
     logging.getLogger("specdec_llm.load").info(f"converting {gguf.name} once into {out} (dequantized to float32)")
     kw = {"gguf_file": gguf.name, "trust_remote_code": trust_remote_code}

@@ -451,6 +451,9 @@ def test_a_converted_model_cut_short_is_converted_again(tmp_path, monkeypatch):
             f.truncate(whole // 2)
         assert Path(resolve(get_spec("smollm2-135m").target)) == out
         assert complete(weights) and weights.stat().st_size == whole
+        weights.unlink()  # (a folder half deleted: its config left, its weights gone)
+        assert Path(resolve(get_spec("smollm2-135m").target)) == out
+        assert complete(weights) and weights.stat().st_size == whole
     finally:
         monkeypatch.delenv("SPECDEC_CACHE_DIR")
         reload_settings()
