@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import platformdirs
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import SpecDecError
@@ -48,11 +48,22 @@ class Settings(BaseSettings):
     # time, prefork pool; "auto" = the size with the most tokens/s on this machine, from its
     # measured costs); an idle worker waits max_wait_ms for a burst to start together.
     max_batch: int | str = "auto"
-    max_wait_ms: float = Field(20.0, ge=0)
+    max_wait_ms: float = Field(20.0, ge=0, allow_inf_nan=False)
     # Leases: a worker renews the heartbeat of each row it runs every lease_heartbeat_s; a
     # running row without a heartbeat for lease_timeout_s lost its worker and is requeued.
-    lease_heartbeat_s: float = Field(10.0, gt=0)
-    lease_timeout_s: float = Field(60.0, gt=0)
+    lease_heartbeat_s: float = Field(10.0, gt=0, allow_inf_nan=False)
+    lease_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
+
+    @field_validator("lease_timeout_s")
+    @classmethod
+    def _two_beats(cls, value: float, info: ValidationInfo) -> float:
+        """At least two heartbeats: a shorter lease requeued a live worker's rows between its beats."""
+        beat = info.data.get("lease_heartbeat_s")
+        if beat is not None and value < 2 * beat:
+            raise ValueError(
+                f"a lease shorter than two heartbeats (SPECDEC_LEASE_HEARTBEAT_S={beat:g}) is lost between them"
+            )
+        return value
 
     @field_validator("device", "dtype", mode="before")
     @classmethod
@@ -82,9 +93,9 @@ TAKES = {
     "dtype": "float32, bfloat16 or float16, or unset it for each pair's own dtype",
     "max_batch": "an integer >= 1, or auto (the size with the most tokens/s, from measured costs)",
     "threads": "a whole number >= 1 (torch's CPU threads), or unset it for torch's default",
-    "max_wait_ms": "a number of milliseconds >= 0",
-    "lease_heartbeat_s": "a number of seconds > 0",
-    "lease_timeout_s": "a number of seconds > 0",
+    "max_wait_ms": "a finite number of milliseconds >= 0",
+    "lease_heartbeat_s": "a finite number of seconds > 0",
+    "lease_timeout_s": "a number of seconds, at least twice SPECDEC_LEASE_HEARTBEAT_S",
 }
 
 

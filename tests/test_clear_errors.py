@@ -471,7 +471,14 @@ def settings_env():
         ({"SPECDEC_THREADS": "0"}, "set it to a whole number >= 1 (torch's CPU threads), or unset it"),
         ({"SPECDEC_LEASE_TIMEOUT_S": "abc"}, "SPECDEC_LEASE_TIMEOUT_S='abc': input should be a valid number"),
         ({"SPECDEC_LEASE_HEARTBEAT_S": "0"}, "SPECDEC_LEASE_HEARTBEAT_S='0'"),
-        ({"SPECDEC_MAX_WAIT_MS": "-1"}, "set it to a number of milliseconds >= 0"),
+        ({"SPECDEC_MAX_WAIT_MS": "-1"}, "set it to a finite number of milliseconds >= 0"),
+        ({"SPECDEC_MAX_WAIT_MS": "nan"}, "SPECDEC_MAX_WAIT_MS='nan': input should be a finite number"),
+        ({"SPECDEC_LEASE_HEARTBEAT_S": "inf"}, "SPECDEC_LEASE_HEARTBEAT_S='inf': input should be a finite number"),
+        # a lease shorter than two beats: a live worker's rows were requeued between its beats
+        (
+            {"SPECDEC_LEASE_TIMEOUT_S": "2", "SPECDEC_LEASE_HEARTBEAT_S": "30"},
+            "SPECDEC_LEASE_TIMEOUT_S='2': a lease shorter than two heartbeats (SPECDEC_LEASE_HEARTBEAT_S=30)",
+        ),
         ({"SPECDEC_DTYPE": "fp16"}, "SPECDEC_DTYPE='fp16': input should be 'float32', 'bfloat16' or 'float16'"),
         ({"SPECDEC_DEVICE": "gpu"}, "set it to cpu, cuda, cuda:N or mps, or unset it"),
         ({"SPECDEC_MAX_BATCH": "many"}, "SPECDEC_MAX_BATCH='many': not a batch size; set it to an integer >= 1"),
