@@ -147,10 +147,10 @@ def pairs_show(
             info["vocab_size"] = pair.vocab_size
             info["draft_info"] = pair.draft_info
             info["target_params"] = sum(p.numel() for p in pair.target.parameters())
-            if pair.draft is not None:
-                shared = {p.data_ptr() for p in pair.target.parameters()}
-                own = [p for p in pair.draft.parameters() if p.data_ptr() not in shared]
-                info["draft_own_params"] = sum(p.numel() for p in own)
+            if pair.draft is not None:  # (its packed int4 weights are buffers: bytes, not parameters)
+                from .engine.quant import model_bytes
+
+                info["draft_own_bytes"] = model_bytes(pair.draft, pair.target)
             pair.decoder()  # (prepares the weights for decoding: what a worker holds)
             info["load"] = load_figures(pair, time.perf_counter() - started)
     print(json.dumps(info, indent=2))
@@ -159,7 +159,6 @@ def pairs_show(
 def load_figures(pair, seconds: float) -> dict:
     """What a load took: its time, this process's resident size now and at its peak, and the
     bytes of the weights the pair holds (target, and the draft's own; kernel copies included)."""
-    from .engine.quant import model_bytes
 
     status = {}
     with contextlib.suppress(OSError):  # (Linux: /proc)
@@ -168,7 +167,7 @@ def load_figures(pair, seconds: float) -> dict:
             for k, v in (line.split(":", 1) for line in open("/proc/self/status"))
             if k in ("VmRSS", "VmHWM")
         }
-    held = model_bytes(pair.target) + (model_bytes(pair.draft, pair.target) if pair.draft is not None else 0)
+    held = pair.held_bytes()
     out = {"seconds": round(seconds, 3), "weights_held_bytes": held}
     if status:
         out["resident_bytes"], out["peak_resident_bytes"] = status["VmRSS"], status["VmHWM"]

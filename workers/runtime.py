@@ -197,15 +197,7 @@ def memory_text(rt: Runtime) -> str:
     """Weights held (shared tensors once), process RSS, and CUDA memory when on a GPU."""
     import torch
 
-    seen, weights = set(), 0
-    for model in (rt.loaded.pair.target, rt.loaded.pair.draft):
-        if model is None:
-            continue
-        for t in [*model.parameters(), *model.buffers()]:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                weights += t.numel() * t.element_size()
-    parts = [f"weights {weights / 2**20:.1f} MiB"]
+    parts = [f"weights {rt.loaded.pair.held_bytes() / 2**20:.1f} MiB"]  # (as `pairs show --load` counts them)
     try:
         with open("/proc/self/status") as f:
             rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))

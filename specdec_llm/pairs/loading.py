@@ -121,6 +121,13 @@ class Pair:
     target_fingerprint: str
     draft_info: dict = field(default_factory=dict)
 
+    def held_bytes(self) -> int:
+        """The bytes of the weights this pair holds: the target's, and the draft's own (a
+        tensor shared with the target once; packed kernel weights included)."""
+        from ..engine.quant import model_bytes
+
+        return model_bytes(self.target) + (model_bytes(self.draft, self.target) if self.draft is not None else 0)
+
     def decoder(self) -> SpeculativeDecoder:
         try:
             return SpeculativeDecoder(

@@ -287,7 +287,7 @@ def test_cli_pairs_list_and_show(pairs_file):
     assert info["drafters"] == ["lookup", "suffix", "model"]
     r = runner.invoke(app, ["pairs", "show", "tiny-shared", "--load"])
     info = json.loads(r.stdout)
-    assert info["draft_info"]["kind"] == "placeholder" and info["draft_own_params"] > 0
+    assert info["draft_info"]["kind"] == "placeholder" and info["draft_own_bytes"] > 0
     assert "PLACEHOLDER" in info["draft_note"]
     r = runner.invoke(app, ["pairs", "show", "nope"])
     assert r.exit_code == 2
