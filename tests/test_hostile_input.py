@@ -451,6 +451,15 @@ def test_repository_code_is_never_run_by_default(tmp_path):
     pair = load_pair(PairSpec(name="known", target=str(known)))
     assert type(pair.target).__name__ == "LlamaForCausalLM" and not marker.exists()
     assert not math.isnan(float(pair.target.lm_head.weight.detach().sum()))
+    # a tokenizer that needs its repository's code: the same refusal, naming the key (a traceback was)
+    tok_config = json.loads((known / "tokenizer_config.json").read_text())
+    tok_config.update(auto_map={"AutoTokenizer": [None, "evil.EvilTokenizer"]}, tokenizer_class="EvilTokenizer")
+    (known / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    with pytest.raises(
+        PairError, match=r"trust_remote_code = true.*\[pairs\.known\]|\[pairs\.known\].*trust_remote_code"
+    ):
+        load_pair(PairSpec(name="known", target=str(known)))
+    assert not marker.exists()
 
 
 def test_engine_chat_prompt_refuses_special_tokens(tiny_decoder):

@@ -105,10 +105,17 @@ def remote_code_refused(ref: str, pair: str = "NAME") -> str:
     )
 
 
-def load_tokenizer(ref: str, trust_remote_code: bool = False):
+def load_tokenizer(ref: str, trust_remote_code: bool = False, pair: str = "NAME"):
+    """The tokenizer of model ``ref``; one that needs its repository's code, not allowed, is
+    the same PairError as such a model (transformers' ValueError otherwise)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve(ref, trust_remote_code), trust_remote_code=trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(resolve(ref, trust_remote_code), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise PairError(remote_code_refused(ref, pair)) from None
 
 
 @dataclass
@@ -198,7 +205,7 @@ def _load_pair(name_or_spec: str | PairSpec) -> Pair:
         raise PairError(f"pair {spec.name}: dtype {spec.dtype!r} unknown; use one of {', '.join(DTYPES)}")
     target = load_model(spec.target, spec.dtype, spec.device, spec.trust_remote_code, pair=spec.name)
     target.__dict__[REFERENCE] = spec.target
-    tokenizer = load_tokenizer(spec.target, spec.trust_remote_code)
+    tokenizer = load_tokenizer(spec.target, spec.trust_remote_code, pair=spec.name)
     if spec.chat_template and not tokenizer.chat_template:
         tokenizer.chat_template = CHAT_TEMPLATES.get(spec.chat_template, spec.chat_template)
         _stop_at_turn_end(target, tokenizer, CHAT_TURN_ENDS.get(spec.chat_template))
