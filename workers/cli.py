@@ -65,6 +65,9 @@ EventsOpt = Annotated[
 ]
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def worker(
     pair: PairOpt = None,
     device: DeviceOpt = None,
@@ -95,6 +98,8 @@ def worker(
         fail("max-wait-ms: use 0 or more")
     if metrics_port is not None and not 0 < metrics_port < 65536:
         fail(f"metrics-port: {metrics_port} is not a TCP port; use 1-65535")
+    if loglevel.upper() not in LOG_LEVELS:  # (Celery's own refusal came after the start-up line, as two tracebacks)
+        fail(f"loglevel: {loglevel!r} is not a log level; use one of {', '.join(LOG_LEVELS)}")
     if device is None:  # the pair's (or SPECDEC_DEVICE's): this machine must have it too
         with user_errors():
             check_pair_device(spec)

@@ -175,3 +175,5 @@ def test_bad_metrics_port_is_a_clear_error(env):
 
     r = CliRunner().invoke(app, ["worker", "--pair", "tiny", "--metrics-port", "70000"])
     assert r.exit_code == 2 and "metrics-port: 70000 is not a TCP port" in r.output
+    r = CliRunner().invoke(app, ["worker", "--pair", "tiny", "--loglevel", "banana"])  # (Celery's two tracebacks)
+    assert r.exit_code == 2 and "loglevel: 'banana' is not a log level; use one of DEBUG" in r.output
