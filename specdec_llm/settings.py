@@ -11,6 +11,7 @@ from typing import Literal, get_args
 
 import platformdirs
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticUseDefault
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import SpecDecError
@@ -63,6 +64,13 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"a lease shorter than two heartbeats (SPECDEC_LEASE_HEARTBEAT_S={beat:g}) is lost between them"
             )
+        return value
+
+    @field_validator("cache_dir", "data_dir", mode="before")
+    @classmethod
+    def _empty_is_default(cls, value: object) -> object:
+        if value == "":  # SPECDEC_CACHE_DIR= : the default folder, not the current one (Path(""))
+            raise PydanticUseDefault()
         return value
 
     @field_validator("device", "dtype", mode="before")

@@ -498,6 +498,11 @@ def test_an_empty_device_or_dtype_variable_means_each_pairs_own(settings_env):
 
     fresh_settings(settings_env, SPECDEC_DEVICE="", SPECDEC_DTYPE="")
     assert (get_settings().device, get_settings().dtype) == (None, None)
+    # an empty folder variable is its default folder, not the current one (the cache in the cwd)
+    fresh_settings(settings_env, SPECDEC_CACHE_DIR="", SPECDEC_DATA_DIR="")
+    defaults = type(get_settings()).model_fields
+    assert get_settings().cache_dir == defaults["cache_dir"].default and str(get_settings().cache_dir) != "."
+    assert get_settings().data_dir == defaults["data_dir"].default
 
 
 def test_a_setting_that_cannot_be_read_is_a_spec_dec_error_in_python(settings_env):
