@@ -67,6 +67,7 @@ def test_bad_user_file_names_the_key(tmp_path, monkeypatch):
         ('[pairs.x]\ntarget = "a"\ndraft = "layers:a,b"\n', "draft 'layers:a,b': name the target's layers"),
         ('[pairs.x]\ntarget = "a"\nchat_template = "chatml_tools"\n', "chat_template 'chatml_tools' is no built-in"),
         ('files = "x"\n', "'files' must be a table of files"),
+        ('[pairs.x]\ntarget = "a"\ndrafters = ["lookup", "lookup"]\n', "name 'lookup' twice; list each once"),
         (
             '[files."m.gguf"]\npackage = "p{n}"\nparts = 1000000000\nversion = "1"\nsize = 1\nsha256 = "'
             + "0" * 64

@@ -93,9 +93,11 @@ def defaults(draft_kind: str) -> list[str]:
 def check(names: list[str], draft_kind: str) -> str | None:
     """Why a pair with a draft of ``draft_kind`` cannot list ``names`` (None: it can)."""
     table = registered()
-    for name in names:
+    for i, name in enumerate(names):
         if name not in table:
             return f"unknown drafter {name!r}; known drafters: {', '.join(table)}"
+        if name in names[:i]:  # (refused when read: build refused it after the load)
+            return f"drafters {names} name {name!r} twice; list each once"
         r = table[name]
         if r.draft_kinds and draft_kind not in r.draft_kinds:
             why = f"drafter {name!r} needs {r.needs or 'a draft of kind ' + ' or '.join(r.draft_kinds)}"
