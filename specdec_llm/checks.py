@@ -1,7 +1,6 @@
 """Request checks made outside the engine, for every path into it (CLI ``generate``, job
 rows, the worker, LangChain), on parameters before a request is made of them:
 
-- ``seed`` above 2**64 - 1 (``check_seed``, which the request's own validation runs too).
 - Text with a NUL character: PostgreSQL text cannot hold NUL, so a stored prompt would
   become U+FFFD there while SQLite keeps it, and the same job would generate different
   text on the two stores. Refused, naming where it is.
@@ -10,9 +9,9 @@ rows, the worker, LangChain), on parameters before a request is made of them:
 
 from __future__ import annotations
 
-from .engine.types import RequestError, check_seed, check_unicode
+from .engine.types import RequestError, check_unicode
 
-__all__ = ["check_messages", "check_seed", "check_text"]
+__all__ = ["check_messages", "check_text"]
 
 
 def check_text(text, field: str) -> None:

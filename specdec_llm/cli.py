@@ -19,7 +19,6 @@ import typer
 from rich.console import Console
 from rich.table import Column, Table
 
-from .checks import check_seed
 from .cli_common import DrafterHelp, DrafterOpt, parse_k, request_options, show_load_stages, user_errors
 from .engine import SPEEDUP_BASIS, GenerationRequest
 from .settings import get_settings
@@ -72,8 +71,7 @@ def generate(
     from .pairs import get_spec, load_pair, use_threads
 
     with user_errors():
-        request.validate()  # fail fast, before loading models
-        check_seed(seed)
+        request.validate()  # fail fast, before loading models (the seed torch takes included)
         spec = get_spec(pair or get_settings().default_pair)
         spec.check_drafter(request.drafter)
         use_threads()

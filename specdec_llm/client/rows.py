@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from specdec_llm.checks import check_messages, check_seed, check_text
+from specdec_llm.checks import check_messages, check_text
 from specdec_llm.engine import GenerationRequest, RequestError
 from specdec_llm.errors import SpecDecError
 from specdec_llm.store import MAX_CATEGORY_CHARS
@@ -440,7 +440,6 @@ def check_params(params: dict[str, Any], *, messages: bool = False) -> None:
         raise RequestError(unknown[0], f"unknown parameter; known: {', '.join(PARAMS)}")
     gen = {**params, "chat": False} if messages else params
     GenerationRequest(prompt="x", **gen).validate()
-    check_seed(params.get("seed"))
 
 
 def check_rows(rows: list[Row], job_params: dict[str, Any]) -> None:
@@ -526,7 +525,6 @@ def build_request(row: dict[str, Any], tokenizer: Any) -> GenerationRequest:
     if params.get("_input_error"):
         raise RequestError("input", params["_input_error"])
     gen = generation_params(params)
-    check_seed(gen.get("seed"))
     prompt = row["prompt"]
     if row.get("messages") is not None:  # with the tools and prefill of a LangChain chat call
         prompt = render_chat(tokenizer, row["messages"], tools=params.get("_tools"), prefill=params.get("_prefill"))
@@ -537,6 +535,8 @@ def build_request(row: dict[str, Any], tokenizer: Any) -> GenerationRequest:
     if row.get("job_id") and "scope" not in gen:  # the suffix drafter learns within the job's rows
         gen["scope"] = row["job_id"]
     try:
-        return GenerationRequest(prompt=prompt, **gen)
+        request = GenerationRequest(prompt=prompt, **gen)
     except TypeError as e:  # an unknown parameter name
         raise RequestError("params", str(e)) from None
+    request.validate()  # (a row stored by another path: its error is the row's, before it decodes)
+    return request

@@ -17,7 +17,6 @@ from typing import Any, Literal, TypeVar
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 
-from specdec_llm.checks import check_seed
 from specdec_llm.engine import SPEEDUP_BASIS, GenerationRequest, RequestError
 from specdec_llm.settings import get_settings
 
@@ -55,11 +54,10 @@ def get_backend(name: str) -> Backend:
 
 def check_generation(gen: dict[str, Any]) -> None:
     """``RequestError`` naming the first bad generation parameter in ``gen`` (the engine's
-    names, any subset): ``GenerationRequest.validate``'s rules and the seed torch takes.
+    names, any subset): ``GenerationRequest.validate``'s rules (the seed torch takes included).
     The LangChain field ``decoding`` is named as such, not as the engine's ``mode``."""
     try:
         GenerationRequest(prompt="x", **gen).validate()
-        check_seed(gen.get("seed"))
     except RequestError as e:
         if e.field != "mode":
             raise

@@ -78,17 +78,19 @@ def choose(tool_choice: Any, tools: Sequence[dict[str, Any]]) -> str:
         tool_choice = tool_choice["type"]  # (Anthropic's spelling)
     if tool_choice is None or tool_choice == "auto":
         return "auto"
-    if tool_choice in ("any", "required", True):
-        return "any"
     if tool_choice == "none" or tool_choice is False:
         return "none"
+    if not names:
+        raise RequestError("tool_choice", f"{tool_choice!r} needs tools; bind some with bind_tools(tools)")
+    if tool_choice in ("any", "required", True):
+        return "any"
     if isinstance(tool_choice, dict):  # (OpenAI's {"type": "function", "function": {"name"}}, Anthropic's {"name"})
         tool_choice = (tool_choice.get("function") or {}).get("name", tool_choice.get("name"))
     if isinstance(tool_choice, str) and tool_choice in names:
         return tool_choice
     raise RequestError(
         "tool_choice",
-        f"{tool_choice!r} is not one of the bound tools ({', '.join(names) or 'none bound'}); use "
+        f"{tool_choice!r} is not one of the bound tools ({', '.join(names)}); use "
         '"auto", "none", "any" (or "required") or a bound tool\'s name',
     )
 
@@ -99,14 +101,8 @@ def plan(tools: list[dict[str, Any]] | None, tool_choice: Any, response_format: 
     if response_format is not None:
         reply.response_format = response_format
         reply.instruction = format_instruction(response_format)
-    if not tools:
-        if tool_choice not in (None, "auto", "none", False) and not (
-            isinstance(tool_choice, dict) and tool_choice.get("type") in ("auto", "none")
-        ):
-            raise RequestError("tool_choice", f"{tool_choice!r} needs tools; bind some with bind_tools(tools)")
-        return reply
-    choice = choose(tool_choice, tools)
-    if choice == "none":  # not shown, not read: the model answers in text
+    choice = choose(tool_choice, tools or [])
+    if not tools or choice == "none":  # not shown, not read: the model answers in text
         return reply
     reply.names = tuple(tool_name(t) for t in tools)
     reply.tools = tools if choice in ("auto", "any") else [t for t in tools if tool_name(t) == choice]
