@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,31 @@ CHAT_TEMPLATE = (
 # conftest's module fixtures below: a private redis-server (each test its own database number),
 # a pairs file, an upgraded SQLite file copied per test, a PostgreSQL database emptied per test
 SHARED_CHEAPLY = {"redis_url", "pairs_toml", "sqlite_template", "postgres_db"}
+
+
+class _DrafterFaults(logging.Handler):
+    """What the loop logs when a drafter raises (decoder.Guarded): the rows go on without it,
+    so a drafter's bug would pass every exactness test unseen. Each test fails on one unless
+    it is marked ``drafter_fails`` (it makes a drafter raise on purpose)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append(record.getMessage())
+
+
+DRAFTER_FAULTS = _DrafterFaults()
+logging.getLogger("specdec_llm.engine.decoder").addHandler(DRAFTER_FAULTS)
+
+
+@pytest.fixture(autouse=True)
+def no_drafter_raises(request):
+    DRAFTER_FAULTS.seen.clear()
+    yield
+    if not request.node.get_closest_marker("drafter_fails"):
+        assert not DRAFTER_FAULTS.seen, f"a drafter raised: {DRAFTER_FAULTS.seen}"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks

@@ -21,9 +21,10 @@ and k each row uses is chosen per iteration from measured costs and live accepta
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,19 @@ from .accounting import PlainClock
 from .calibration import Calibration
 from .costs import CostModel
 from .drafting import registry
-from .drafting.base import Accepted, DraftContext, Drafter, Drafts, Event, Joined, Left, Moved, Proposal, RowView
+from .drafting.base import (
+    Accepted,
+    DraftContext,
+    Drafter,
+    Drafts,
+    Event,
+    Joined,
+    Left,
+    Moved,
+    Proposal,
+    RowView,
+    Session,
+)
 from .drafting.free import FreeDrafter
 from .plan import Choice
 from .ragged import RaggedCache, prefill
@@ -47,6 +60,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["Batch", "Row", "SpeculativeDecoder", "TextCallback"]
+
+log = logging.getLogger(__name__)
 
 
 def end_tokens(target: PreTrainedModel, tokenizer: Any) -> list[int]:
@@ -280,7 +295,8 @@ class Batch:
         self.dec = dec
         self.rows: list[Row] = []
         self.tcache = RaggedCache(dec.target, 0, dec.feature_layers)
-        self.sessions = {d.name: d.open(self.tcache) for d in dec.drafters}
+        self.failed: set[str] = set()  # drafters that raised: the batch goes on without them
+        self.sessions = {d.name: Guarded(d, self.tcache, self.fail) for d in dec.drafters}
         self.free = {d.name: self.sessions[d.name] for d in dec.drafters if d.free}
         self.chooser = schedule.Chooser({d.name: d for d in dec.drafters}, dec.plain)
         self.clock = PlainClock()
@@ -304,6 +320,8 @@ class Batch:
         features = own.last_features[0] if own.last_features is not None else None
         self.tell([Joined(len(self.rows), row.view, features)])
         self.rows.append(row)
+        for name in self.failed:
+            row.forget(name)
         return row
 
     def merge(self) -> None:
@@ -484,3 +502,36 @@ class Batch:
     def tell(self, events: list[Event]) -> None:
         for session in self.sessions.values():
             session.update(events)
+
+    def fail(self, name: str, error: Exception) -> None:
+        """Drafter ``name`` raised: it drafts no more for this batch's rows, which go on without
+        it (drafts are only proposals: no output changes). Logged with its traceback."""
+        log.error("drafter %r raised; this batch goes on without it: %r", name, error, exc_info=error)
+        self.failed.add(name)
+        for r in self.rows:
+            r.forget(name)
+
+
+class Guarded:
+    """A drafter's session for a batch, as the loop holds it: a drafter that raises (opening,
+    proposing or hearing events) is reported to ``fail`` once and is silent from then on, so
+    one drafter's fault does not fail every row of its batch."""
+
+    def __init__(self, drafter: Drafter, target: RaggedCache, fail: Callable[[str, Exception], None]) -> None:
+        self.name, self.fail = drafter.name, fail
+        self.session: Session | None = self.guard(drafter.open, target)
+
+    def propose(self, rows: Any, ks: dict[int, int]) -> Drafts:
+        return (self.guard(self.session.propose, rows, ks) if self.session else None) or Drafts()
+
+    def update(self, events: list[Event]) -> None:
+        if self.session is not None:
+            self.guard(self.session.update, events)
+
+    def guard(self, call: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return call(*args)
+        except Exception as e:  # noqa: BLE001 - whatever a drafter's fault, its rows go on without it
+            self.session = None
+            self.fail(self.name, e)
+            return None

@@ -55,6 +55,11 @@ class Row:
     def text(self) -> str:
         return self.text_stream.text
 
+    def forget(self, drafter: str) -> None:
+        """The row drafts no more with ``drafter`` (it raised: decoder.Guarded)."""
+        self.drafters = [d for d in self.drafters if d != drafter]
+        self.view.drafters = tuple(self.drafters)
+
     def room(self) -> int:
         return min(self.req.max_new_tokens - len(self.out), self.context_length - len(self.seq))
 

@@ -65,6 +65,67 @@ def test_each_drafter_alone_and_mixed_in_one_batch_is_greedy_identical(target):
     assert all(used.values()), used  # every drafter's tokens were accepted somewhere
 
 
+class Faulty:
+    """A drafter that raises at its ``at``-th call of ``where`` ("open", "propose", "update"),
+    otherwise the drafter it wraps."""
+
+    def __init__(self, drafter, where: str, at: int):
+        self.drafter, self.where, self.left = drafter, where, at
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def fault(self, where: str) -> None:
+        if where == self.where:
+            self.left -= 1
+            if self.left == 0:
+                raise RuntimeError(f"a bug in {self.drafter.name}'s {where}")
+
+    def open(self, target):
+        self.fault("open")
+        session, fault = self.drafter.open(target), self.fault
+
+        class Session:
+            def propose(self, rows, ks):
+                fault("propose")
+                return session.propose(rows, ks)
+
+            def update(self, events):
+                fault("update")
+                session.update(events)
+
+        return Session()
+
+
+@pytest.mark.drafter_fails
+@pytest.mark.parametrize("name", ["lookup", "model"])
+@pytest.mark.parametrize("where, at", [("open", 1), ("propose", 3), ("update", 5)])
+def test_a_drafter_that_raises_fails_no_row(target, name, where, at, caplog):
+    """A drafter's fault (opening its session, proposing, hearing events) is logged once and
+    its batch goes on without it: every row finishes, greedy identical, caches exact; the
+    other drafters keep drafting, and the next batch tries it again."""
+    dec = decoder(target)
+    i = dec.drafter_names.index(name)
+    dec.drafters[i] = Faulty(dec.drafters[i], where, at)
+    for attempt in range(2):
+        batch = Batch(dec)
+        rows = [batch.add(GenerationRequest(prompt=p, max_new_tokens=16, k=3)) for p in PROMPTS[:3]]
+        rows.append(batch.add(GenerationRequest(prompt=PROMPTS[3], max_new_tokens=16, k=3, drafter=name)))
+        for _ in range(40):
+            if batch.rows:
+                batch.step()
+                check_caches(batch)
+        for r in rows:
+            assert r.result.token_ids == greedy_reference(target, r.prompt, 16)
+        if attempt == 0:
+            assert sum(r.result.stats.draft_tokens_accepted for r in rows) > 0
+            assert batch.failed == {name}
+            faults = [rec for rec in caplog.records if rec.levelname == "ERROR"]
+            assert len(faults) == 1 and f"drafter '{name}' raised" in faults[0].getMessage()
+            assert faults[0].exc_info[1].args == (f"a bug in {name}'s {where}",)
+    assert not batch.failed  # (its fault was once: the next batch drafts with it)
+
+
 def test_a_free_proposal_not_verified_still_teaches_its_drafter(target):
     """Counterfactual learning on greedy rows: the lookup proposals a fixed-k row made but
     did not verify (the draft model comes first) are scored against the target's tokens."""
