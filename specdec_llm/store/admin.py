@@ -206,11 +206,12 @@ def _last_active() -> ColumnElement[Any]:
 
 
 def _prunable(cutoff: datetime, job_id: str | None) -> list[Any]:
-    """Finished, last in use before ``cutoff`` (only ``job_id`` if given), and held by no
-    command now (``record.hold_job``: a ``run`` still exporting it). Evaluated at each use: a
-    hold written meanwhile counts."""
+    """Claimed by a prune already (``jobs.pruning_at``: one cut short, or this one's earlier
+    transactions), or finished, last in use before ``cutoff`` and held by no command now
+    (``record.hold_job``: a ``run`` still exporting it); only ``job_id`` if given. Evaluated at
+    each use: a hold written meanwhile counts."""
     unheld = or_(Job.held_until.is_(None), Job.held_until <= utcnow())
-    where = [Job.status == "done", _last_active() < cutoff, unheld]
+    where = [or_(Job.pruning_at.is_not(None), and_(Job.status == "done", _last_active() < cutoff, unheld))]
     return [*where, Job.id == job_id] if job_id is not None else where
 
 
@@ -226,8 +227,9 @@ def prune_plan(cutoff: datetime, *, job_id: str | None = None, url: str | None =
         for chunk in chunks(list(ids)):
             rows += s.scalar(select(func.count()).where(Request.job_id.in_(chunk))) or 0
         older = [_last_active() < cutoff] + ([Job.id == job_id] if job_id else [])
-        unfinished = s.scalar(select(func.count()).select_from(Job).where(*older, Job.status != "done")) or 0
-        in_use = [*older, Job.status == "done", Job.held_until > utcnow()]
+        unclaimed = [*older, Job.pruning_at.is_(None)]
+        unfinished = s.scalar(select(func.count()).select_from(Job).where(*unclaimed, Job.status != "done")) or 0
+        in_use = [*unclaimed, Job.status == "done", Job.held_until > utcnow()]
         held = s.scalar(select(func.count()).select_from(Job).where(*in_use))
     return {"jobs": len(ids), "rows": rows, "unfinished": unfinished, "held": held or 0}
 
@@ -243,8 +245,10 @@ def prune(
     """Delete finished jobs last in use before ``cutoff`` (only ``job_id`` if given) with their
     rows, outputs and telemetry: at most ``batch_rows`` rows per transaction (default
     ``PRUNE_BATCH``), a job once its rows are gone. Returns what it freed: ``{"jobs", "rows", "outputs", "telemetry"}``
-    (``on_batch(freed so far)`` after each transaction). A job that gets new rows meanwhile
-    (submitted again) is no longer finished, and is left alone from then on."""
+    (``on_batch(freed so far)`` after each transaction). A job is claimed in the transaction
+    that deletes its first rows (``jobs.pruning_at``) and is deleted whole from then on: a
+    ``retry`` or new rows for it are refused meanwhile, and a prune cut short is finished by
+    the next one."""
     batch_rows = PRUNE_BATCH if batch_rows is None else batch_rows
     if batch_rows < 1:
         raise ValueError("batch_rows: use at least 1")
@@ -272,15 +276,17 @@ def prune(
 
 
 def _claim(session: Session, job_ids: list[str], where: list[Any]) -> list[str]:
-    """Of ``job_ids``, those still prunable (``where``: finished, no hold) when this
-    transaction writes, locked until it ends: the first write of the transaction (SQLite: its
-    write lock from here on; PostgreSQL: these rows' locks, and a row whose hold was written
-    meanwhile is read again and left out). A ``run`` holding one of them meanwhile waits for
-    this transaction, or this transaction leaves its job alone."""
+    """Of ``job_ids``, those still prunable (``where``: claimed, or finished with no hold) when
+    this transaction writes, claimed (``pruning_at``) and locked until it ends: the first write
+    of the transaction (SQLite: its write lock from here on; PostgreSQL: these rows' locks, and
+    a row whose hold or retry was written meanwhile is read again and left out). A ``run``
+    holding one of them, or a ``retry``, meanwhile waits for this transaction, or this
+    transaction leaves its job alone; once it commits they refuse the job
+    (``record.refuse_pruned``)."""
     claimed = session.execute(
         update(Job)
         .where(Job.id.in_(job_ids), *where)
-        .values(held_until=None)  # (an ended hold: nothing else changes)
+        .values(held_until=None, pruning_at=func.coalesce(Job.pruning_at, utcnow()))
         .returning(Job.id)
         .execution_options(synchronize_session=False)
     )

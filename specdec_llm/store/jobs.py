@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session
 
 from .db import check_schema, session_scope
 from .models import Job, Output, Pair, Request, Telemetry, utcnow
-from .record import output_insert, refresh_job, row_changed, worker_row_id
+from .record import output_insert, refresh_job, refuse_pruned, row_changed, worker_row_id
 from .sql import chunks, writing
 
 PENDING = ("queued", "running")
@@ -341,6 +341,7 @@ def requeue(
     rows run again are dropped (their new result is recorded in their place). Returns them
     as ``[{"id", "pair"}]`` (the caller enqueues them)."""
     with writing(url) as s:
+        refuse_pruned(s, job_id)
         cutoff = utcnow() - timedelta(seconds=lease_timeout_s)
         s.execute(update(Job).where(Job.id == job_id).values(cancel_requested_at=None))
         if cancelled:

@@ -171,6 +171,9 @@ class Job(Base):
     # a command still using the job (`run`, until its results file is written) holds it until
     # then, renewing the hold while it runs (0007): `prune` leaves a held job alone
     held_until: Mapped[datetime | None]
+    # `prune` claimed the job (0010): it deletes the job whole, a batch of rows per transaction;
+    # `retry` and new rows refuse a claimed job
+    pruning_at: Mapped[datetime | None]
 
 
 class Request(Base):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import ColumnElement, case, func, select, update
 from sqlalchemy.orm import Session
 
-from .db import check_schema, session_scope
+from .db import StoreError, check_schema, session_scope
 from .models import (
     BASELINE_SOURCES,
     STATS_FIELDS,
@@ -224,13 +224,14 @@ def _status_counts(session: Session, job_id: str) -> dict[str, int]:
 
 
 def _job_state(counts: dict[str, int], *, started: bool) -> tuple[int, str]:
-    """A job's rows by status -> (rows, job status: queued, running or done). ``started``: a
+    """A job's rows by status -> (rows, job status: queued, running or done: nothing queued or
+    running, a job left with no rows included). ``started``: a
     row of the job left the queue to run (as a running or ok row did; a row refused at submit,
     or cancelled before it ran, did not)."""
     total = sum(counts.values())
     pending = counts.get("queued", 0) + counts.get("running", 0)
     started = started or bool(counts.get("running") or counts.get("ok"))
-    return total, "done" if total and not pending else ("running" if started else "queued")
+    return total, "done" if not pending else ("running" if started else "queued")
 
 
 def refresh_job(session: Session, job_id: str) -> None:
@@ -279,11 +280,31 @@ def row_changed(session: Session, job_id: str, *, started: bool = True) -> None:
         )
 
 
+class JobBeingPruned(StoreError):
+    """A job ``prune`` has claimed (``jobs.pruning_at``) takes no new rows and no retry."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(
+            f"job {job_id} is being deleted by `specdec-llm prune`; it takes no new rows and no retry: "
+            "submit its input again once the prune has finished (a new job, the same id)"
+        )
+
+
+def refuse_pruned(session: Session, job_id: str) -> None:
+    """``JobBeingPruned`` if ``prune`` has claimed ``job_id``; else its row is locked for this
+    transaction (PostgreSQL), so no prune claims it before this transaction's rows count."""
+    claimed = session.scalar(select(Job.pruning_at).where(Job.id == job_id).with_for_update())
+    if claimed is not None:
+        raise JobBeingPruned(job_id)
+
+
 def _ensure_job(session: Session, job_id: str, *, hold_s: float | None = None, **values: Any) -> None:
     """The job's row, created if missing; ``hold_s``: held for that long from now (``hold_job``),
-    in this transaction: no ``prune`` deletes it between its submission and its hold."""
+    in this transaction: no ``prune`` deletes it between its submission and its hold. A job
+    ``prune`` has claimed is refused (``JobBeingPruned``)."""
     stmt = dialect_insert(session, Job).values(id=job_id, created_at=utcnow(), status="queued", **values)
     session.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
+    refuse_pruned(session, job_id)
     if hold_s is None:
         return
     held = session.execute(

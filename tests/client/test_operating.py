@@ -201,6 +201,34 @@ def test_prune_deletes_old_finished_jobs_in_batches_and_keeps_the_rest(url, monk
     assert {j["id"] for j in admin.list_jobs(limit=10)} == {"oldrun", "lc-reused"}
 
 
+def test_a_job_prune_has_claimed_is_deleted_whole_whatever_comes_meanwhile(url):
+    """A retry, a resubmission or new rows between two of prune's transactions are refused (the
+    retry used to requeue what was left, a job keeping 7 of its 12 rows); a prune cut short
+    is finished by the next one; a job left with no rows is done, not queued forever."""
+    make_job(url, "old", ok=4, failed=8, age=timedelta(days=40))
+    seen = []
+
+    def meanwhile(freed):
+        seen.append(freed["rows"])
+        if len(seen) == 1:
+            with pytest.raises(store.StoreError, match="job old is being deleted by `specdec-llm prune`"):
+                client.retry("old")
+            with pytest.raises(store.StoreError, match="being deleted"):
+                store.create_job(["again"], job_id="old")
+            raise KeyboardInterrupt  # the prune is cut short here
+
+    with pytest.raises(KeyboardInterrupt):
+        admin.prune(utcnow() - timedelta(days=2), batch_rows=5, on_batch=meanwhile)
+    assert seen == [5] and _count(url, Request) == 7  # its first transaction's rows went
+    assert store.get_job("old")["status"] == "done"
+    assert admin.prune_plan(utcnow() - timedelta(days=400))["jobs"] == 1  # claimed: whatever its age
+    assert admin.prune(utcnow() - timedelta(days=400))["jobs"] == 1
+    assert _count(url, Request) == 0 and _count(url, Job) == 0
+    assert store.create_job(["a new job of the same id"], job_id="old")["created"] == 1  # once gone
+    empty = store.create_job([], job_id="empty")
+    assert store.get_job(empty["job_id"])["status"] == "done"
+
+
 # -- results --failed-only ------------------------------------------------------------------------
 def test_results_failed_only_exports_the_failed_rows_in_input_order(url):
     make_job(url, "mixed", ok=2, failed=2)
