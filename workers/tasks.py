@@ -222,9 +222,12 @@ def _run(
         countdown = get_exponential_backoff_interval(1, self.request.retries, BACKOFF_MAX, full_jitter=True)
         log.warning("request %s: cannot write its result yet (%s); retrying in %s s", request_id, e, countdown)
         raise self.retry(exc=e, countdown=countdown, kwargs={"enqueued_at": enqueued_at, "result": result}) from e
-    if wrote:  # (not a row another worker finished first: counted once, as the store holds it)
-        heartbeat.meter.add(int(result["stats"].get("output_tokens") or 0))
-        metrics.record(pair, result["stats"], result.get("queue_wait_s"))
+    if not wrote:  # another worker finished the row first (this one's lease was taken over):
+        # the row's result is the store's, which a sampled row's second generation is not
+        row = store.get_request(request_id)
+        return _finished(row) if row else {"request_id": request_id, "status": "missing"}
+    heartbeat.meter.add(int(result["stats"].get("output_tokens") or 0))  # (counted once, as stored)
+    metrics.record(pair, result["stats"], result.get("queue_wait_s"))
     return {
         "request_id": request_id,
         "status": "ok",

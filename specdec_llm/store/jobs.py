@@ -232,7 +232,8 @@ def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str
         requeued = s.execute(
             update(Request)
             .where(_lost(cutoff))
-            .values(status="queued", lease_owner=None, heartbeat_at=None, requeues=Request.requeues + 1)
+            # (heartbeat_at: a queued row's last sending, which the caller does now: not sent twice by `unsent`)
+            .values(status="queued", lease_owner=None, heartbeat_at=now, requeues=Request.requeues + 1)
             .returning(Request.id, Request.job_id, Request.pair_id)
         ).all()
         jobs.update(r.job_id for r in requeued if r.job_id)

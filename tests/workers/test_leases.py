@@ -44,6 +44,9 @@ def test_a_live_lease_is_kept_an_expired_one_is_requeued_exactly_once(url):
     assert jobs.reclaim(60, url=url) == []  # exactly once, whoever asks next
     row = store.get_request("r0", url=url)
     assert (row["status"], row["requeues"], row["lease_owner"]) == ("queued", 1, None)
+    with store.session_scope(url) as s:  # an old row: its message was just sent again by reclaim's caller...
+        s.execute(update(Request).where(Request.id == "r0").values(created_at=utcnow() - timedelta(seconds=120)))
+    assert jobs.unsent("tiny", 60, url=url) == []  # ...so it is not sent a second time at once
     c = jobs.counts("job", lease_timeout_s=60, url=url)
     assert (c["queued"], c["running"], c["lost"], c["requeued"]) == (4, 0, 0, 1)
     assert jobs.take("r0", "w2@h", lease_timeout_s=60, url=url)  # another worker runs it now

@@ -392,7 +392,8 @@ def test_a_failed_result_write_retries_the_write_not_the_generation(pairs_file, 
 
 def test_a_row_another_worker_finished_first_is_not_counted_again(pairs_file, tmp_path, monkeypatch, request):
     """Two workers decoded one row (a lease taken over from a slow worker): the store keeps the
-    first result, and the metrics count the row once, as the store does (not once per decode)."""
+    first result, the metrics count the row once, as the store does (not once per decode), and
+    the second worker's task returns the store's result, not its own generation."""
     from workers import metrics, runtime, tasks
 
     monkeypatch.setenv("SPECDEC_DATABASE_URL", sqlite_url(tmp_path))
@@ -421,5 +422,7 @@ def test_a_row_another_worker_finished_first_is_not_counted_again(pairs_file, tm
     assert tasks.generate.apply(args=["r1", "tiny"]).get()["status"] == "ok"
     assert finished._value.get() == before + 1
     monkeypatch.setattr(server, "submit", other_worker_finishes_first)
-    tasks.generate.apply(args=["r2", "tiny"]).get()
+    out = tasks.generate.apply(args=["r2", "tiny"]).get()
     assert store.get_request("r2")["output"]["text"] == "other" and finished._value.get() == before + 1
+    # the caller (LangChain's remote mode reads the task's result) gets the text the store holds
+    assert (out["status"], out["text"], out["duplicate"]) == ("ok", "other", True)
