@@ -66,7 +66,7 @@ class StreamWriter:
 
     def __init__(self, request_id: str, attempt: int = 1):
         self.request_id, self.url, self.broken = request_id, _stream_redis_url(), False
-        self.attempt = attempt
+        self.attempt, self.started = attempt, False
 
     def _put(self, entry: dict[str, Any]) -> None:
         if self.broken:
@@ -80,19 +80,40 @@ class StreamWriter:
                 pipe.expire(key, STREAM_TTL_S)
                 pipe.execute()
             else:
-                path = _stream_file(self.request_id)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(path, "a", encoding="utf-8") as f:
-                    f.write(data + "\n")
+                self._append(data)
+        except FileNotFoundError:  # the reader read its end and deleted the file: no one reads on
+            self.broken = True
         except Exception as e:  # noqa: BLE001 - never fail a generation over its stream
             self.broken = True
             log.warning("request %s: streaming stopped: %s", self.request_id, e)
+
+    def _append(self, data: str) -> None:
+        """One line, after a line break (a line a killed worker left cut short stays a line of
+        its own); the file is created by the first write only, so a reader gone (it deletes the
+        file) leaves none behind."""
+        path = _stream_file(self.request_id)
+        if not self.started:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | (0 if self.started else os.O_CREAT), 0o600)
+        self.started = True
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("\n" + data + "\n")
 
     def __call__(self, text: str) -> None:
         self._put({"t": text, "a": self.attempt})
 
     def close(self) -> None:
         self._put({"end": 1, "a": self.attempt})
+
+
+def _entry(line: bytes) -> dict[str, Any] | None:
+    """A stream file's line, or None for one a killed worker left cut short."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        log.debug("a stream line cut short, skipped: %r", line[:80])
+        return None
+    return entry if isinstance(entry, dict) else None
 
 
 class StreamDiverged(SpecDecError, RuntimeError):
@@ -117,6 +138,19 @@ class _Attempts:
         if attempt > self.attempt:
             self.attempt, self.read = attempt, 0
         return attempt == self.attempt
+
+    def ended(self, entry: dict[str, Any]) -> bool:
+        """Whether ``entry`` ends the attempt followed; ``StreamDiverged`` if that attempt
+        ended before the text already given (a requeued sampled row that ended sooner)."""
+        if "end" not in entry or not self.current(entry):
+            return False
+        if self.read < len(self.given):
+            raise StreamDiverged(
+                f"request {self.request_id}: its worker was lost and the row started over, ending at "
+                f"character {self.read} (attempt {self.attempt}) where the stream had given "
+                f"{len(self.given)}; the text streamed so far is not the row's: read its result, or ask again"
+            )
+        return True
 
     def new_text(self, entry: dict[str, Any]) -> str:
         if "end" in entry or not self.current(entry):
@@ -166,11 +200,11 @@ def follow_stream(
                     data = b""
                 offset += len(data)
                 *lines, partial = (partial + data).split(b"\n")
-                entries = [json.loads(line) for line in lines if line.strip()]
+                entries = [e for line in lines if line.strip() and (e := _entry(line)) is not None]
                 if not entries:
                     time.sleep(poll_s)
             for entry in entries:
-                if "end" in entry and reading.current(entry):
+                if reading.ended(entry):
                     return
                 if text := reading.new_text(entry):
                     yield text

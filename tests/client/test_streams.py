@@ -58,3 +58,32 @@ def test_a_requeued_row_with_other_text_ends_its_stream_instead_of_splicing(stre
         for text in follow_stream("row-2", lambda: False, timeout_s=10):
             got.append(text)
     assert got == ["Hel", "lo w"]
+
+
+def test_a_requeued_row_that_ends_sooner_ends_its_stream_with_stream_diverged(streams):
+    """A sampled row started over and ended before the text already given ("ab" of "abcdef"):
+    the stream said "abcdef", the row's text is "ab"; once the reader returned as if complete."""
+    from specdec_llm.client import StreamDiverged
+
+    first = StreamWriter("row-3", 1)
+    first("abc")
+    first("def")
+    second = StreamWriter("row-3", 2)
+    second("ab")
+    second.close()
+    with pytest.raises(StreamDiverged, match=r"^request row-3: .*ending at character 2 \(attempt 2\)"):
+        list(follow_stream("row-3", lambda: False, timeout_s=10))
+
+
+def test_a_line_cut_short_by_a_killed_worker_is_skipped_and_a_gone_reader_leaves_no_file(streams, tmp_path):
+    first = StreamWriter("row-4", 1)
+    first("Hel")
+    if streams == "files":  # the worker killed mid-write: half a line, no line break
+        with open(tmp_path / "data" / "streams" / "row-4.jsonl", "a") as f:
+            f.write('{"t": "lo wo')
+    second = StreamWriter("row-4", 2)
+    second("Hello")
+    second.close()
+    assert "".join(follow_stream("row-4", lambda: False, timeout_s=10)) == "Hello"
+    second("late")  # the reader read the end and deleted the file: nothing is written again
+    assert not (tmp_path / "data" / "streams" / "row-4.jsonl").exists()
