@@ -79,8 +79,8 @@ def reader_of(path: Path) -> str:
 
 def read_rows(path: Path) -> list[Row]:
     """Rows of ``path``, read line by line in bounded memory. Only a file that cannot be
-    opened, has no rows at all, is UTF-16 or (JSON Lines) a JSON array fails as a whole
-    (InputError); a line that is not valid UTF-8, not valid JSON or longer than
+    opened, has no rows at all, is UTF-16, (JSON Lines) a JSON array, or OpenAI Batch lines
+    sharing a ``custom_id`` fails as a whole (InputError); a line that is not valid UTF-8, not valid JSON or longer than
     ``MAX_LINE_BYTES`` fails alone."""
     path = Path(path)
     try:
@@ -113,6 +113,11 @@ def read_rows(path: Path) -> list[Row]:
     seen: dict[str, int] = {}
     for r in rows:
         r.id = r.id or _auto_id(r.index + 1, given)
+        if r.id in seen and r.error is None and r.endpoint is not None:  # (results keyed by custom_id)
+            raise InputError(
+                f"{path}: custom_id {r.id!r} is on lines {seen[r.id]} and {r.line}; give each request its "
+                "own custom_id (OpenAI's Batch API refuses such a file too: its results are found by it)"
+            )
         if r.id in seen and r.error is None:
             r.error = f"duplicate id {r.id!r}: line {seen[r.id]} already uses it"
         seen.setdefault(r.id, r.line)
@@ -330,6 +335,8 @@ def _fill(row: Row, obj: dict[str, Any]) -> str | None:
     if not isinstance(params, dict):
         return '"params" must be an object of generation parameters'
     row.params = {**{k: obj[k] for k in PARAMS if k in obj}, **params}
+    if isinstance(row.params.get("stop"), str):  # (one stop string, as OpenAI's lines may give it)
+        row.params["stop"] = [row.params["stop"]]
     if row.params.get("response_format") == openai_batch.PLAIN_TEXT:  # (OpenAI's "no constraint": over the job's too)
         row.params["response_format"] = None
     return _category_problem(row.category)

@@ -13,7 +13,7 @@ from helpers import invoke, jsonl
 
 from specdec_llm import client
 from specdec_llm.client.openai_batch import CHAT, COMPLETIONS, output_line
-from specdec_llm.client.rows import check_rows, read_rows, to_request
+from specdec_llm.client.rows import InputError, check_rows, read_rows, to_request
 
 openai_types = pytest.importorskip("openai.types", reason="the openai package checks the output lines")
 from openai.types import BatchError, Completion  # noqa: E402
@@ -147,6 +147,20 @@ def test_a_bad_line_fails_its_row_naming_the_field(tmp_path, line, error):
     check_rows(rows, {})
     assert [r.error for r in rows[::2]] == [None, None]
     assert rows[1].error.startswith(error), rows[1].error
+
+
+def test_a_custom_id_used_twice_refuses_the_file_naming_both_lines(tmp_path):
+    """As OpenAI's Batch API does: its results are found by custom_id, and two output lines of
+    one id (an answer and the duplicate's error) let a consumer's dict keep the error alone."""
+    lines = [chat_line("q1"), chat_line("q2"), completion_line("q1")]
+    with pytest.raises(InputError, match=r"batch.jsonl: custom_id 'q1' is on lines 1 and 3; give each request"):
+        read_rows(jsonl(tmp_path / "batch.jsonl", *lines))
+
+
+def test_one_stop_string_is_a_stop_in_our_own_rows_as_in_openai_lines(tmp_path):
+    rows = read_rows(jsonl(tmp_path / "in.jsonl", {"prompt": "x", "stop": "o"}, {"prompt": "y", "params": {"stop": "."}}))
+    check_rows(rows, {})
+    assert [(r.error, r.params["stop"]) for r in rows] == [(None, ["o"]), (None, ["."])]
 
 
 def test_fields_at_the_value_that_asks_for_nothing_are_accepted(tmp_path):
