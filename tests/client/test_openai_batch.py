@@ -158,7 +158,9 @@ def test_a_custom_id_used_twice_refuses_the_file_naming_both_lines(tmp_path):
 
 
 def test_one_stop_string_is_a_stop_in_our_own_rows_as_in_openai_lines(tmp_path):
-    rows = read_rows(jsonl(tmp_path / "in.jsonl", {"prompt": "x", "stop": "o"}, {"prompt": "y", "params": {"stop": "."}}))
+    rows = read_rows(
+        jsonl(tmp_path / "in.jsonl", {"prompt": "x", "stop": "o"}, {"prompt": "y", "params": {"stop": "."}})
+    )
     check_rows(rows, {})
     assert [(r.error, r.params["stop"]) for r in rows] == [(None, ["o"]), (None, ["."])]
 
