@@ -92,10 +92,12 @@ class GenerateTask(Task):
     def on_failure(
         self, exc: BaseException, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], einfo: Any
     ) -> None:
-        """Out of retries or an unexpected error: the row fails with it (if the store lets us)."""
+        """Out of retries or an unexpected error: the row fails with it (if the store lets us),
+        unless it is no longer this worker's (cancelled, finished, or run by another meanwhile)."""
         request_id = str(args[0] if args else kwargs.get("request_id"))
         try:
-            store.mark_request(request_id, "failed", error=f"{type(exc).__name__}: {exc}")
+            error = f"{type(exc).__name__}: {exc}"
+            store.mark_request(request_id, "failed", error=error, held_by=self.request.hostname)
         except Exception as e:  # noqa: BLE001 - the store is what failed; `retry JOB` recovers the row
             log.error("could not mark request %s failed: %s", request_id, e)
 

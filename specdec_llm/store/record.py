@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, case, func, select, update
+from sqlalchemy import ColumnElement, and_, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from .db import StoreError, check_schema, session_scope
@@ -417,6 +417,7 @@ def mark_request(
     *,
     error: str | None = None,
     worker: dict[str, Any] | None = None,
+    held_by: str | None = None,
     url: str | None = None,
 ) -> bool:
     """Move a request to ``status`` ("queued", "running", "failed" or "cancelled").
@@ -425,7 +426,10 @@ def mark_request(
     "failed"/"cancelled" stamp ``finished_at``; ``error`` is stored as given (None clears
     it). A request already recorded as "ok" is never changed (a late duplicate delivery
     can't undo a result), and only a queued or running request starts "running" (a
-    cancelled one stays cancelled). Returns whether a row changed. Results go through ``record_result``.
+    cancelled one stays cancelled). ``held_by``: only a queued row, or a running one under no
+    lease or that lease owner's (a worker failing the row it ran: not one cancelled, finished,
+    or run by another worker meanwhile). Returns whether a row changed. Results go through
+    ``record_result``.
     """
     if status not in ("queued", "running", "failed", "cancelled"):
         raise ValueError(f"status must be queued, running, failed or cancelled, not {status!r}")
@@ -442,6 +446,9 @@ def mark_request(
             values["worker_id"] = worker_row_id(s, worker)
         # "ok" is final; a row only starts running from queued/running (never over a cancel)
         allowed = Request.status.in_(("queued", "running")) if status == "running" else Request.status != "ok"
+        if held_by is not None:
+            mine = or_(Request.lease_owner.is_(None), Request.lease_owner == held_by)
+            allowed = and_(Request.status.in_(("queued", "running")), mine)
         changed = s.execute(
             update(Request)
             .where(Request.id == request_id, allowed)

@@ -72,6 +72,21 @@ def test_an_expired_lease_can_be_taken_over(url):
     assert store.get_request("r1", url=url)["lease_owner"] == "w2@h"
 
 
+def test_a_worker_out_of_retries_fails_only_a_row_that_is_still_its_own(url):
+    """`GenerateTask.on_failure` (``held_by``): a row another worker took over, or one cancelled
+    meanwhile, is not failed by the first worker giving up; its own running row and a queued
+    one (it failed before taking it) are."""
+    assert jobs.take("r0", "w1@h", lease_timeout_s=60, url=url)
+    age(url, "r0", 61)
+    assert jobs.take("r0", "w2@h", lease_timeout_s=60, url=url)  # taken over, running there
+    assert jobs.take("r1", "w1@h", lease_timeout_s=60, url=url)
+    store.mark_request("r2", "cancelled", error="cancelled", url=url)
+    for rid in ("r0", "r1", "r2", "r3"):
+        store.mark_request(rid, "failed", error="RuntimeError: out of retries", held_by="w1@h", url=url)
+    states = [store.get_request(rid, url=url)["status"] for rid in ("r0", "r1", "r2", "r3")]
+    assert states == ["running", "failed", "cancelled", "failed"]
+
+
 def test_a_row_whose_workers_keep_dying_fails(url):
     for n in range(3):
         assert jobs.take("r2", f"w{n}@h", lease_timeout_s=60, url=url)
