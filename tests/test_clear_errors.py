@@ -115,6 +115,26 @@ def test_a_failed_write_after_the_job_says_how_to_get_the_results(tmp_path, caps
     assert "`specdec-llm results 0123456789abcdef --out FILE`" in capsys.readouterr().err
 
 
+def test_an_export_that_fails_midway_leaves_the_file_there_as_it_was(tmp_path, monkeypatch, capsys):
+    from specdec_llm import client
+    from specdec_llm.client.cli import _export
+
+    out = tmp_path / "results.jsonl"
+    out.write_text("yesterday's results\n")
+
+    def disk_full(items, fmt, f):
+        f.write('{"id": "1"}\n')
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(client, "write_results", disk_full)
+    with pytest.raises(typer.Exit):
+        _export([{}], "jsonl", out, job="0123456789abcdef")
+    assert "No space left on device" in capsys.readouterr().err
+    assert out.read_text() == "yesterday's results\n" and [p.name for p in tmp_path.iterdir()] == ["results.jsonl"]
+    folder = CliRunner().invoke(main_cli(), ["results", "0123456789abcdef", "--out", str(tmp_path)])
+    one_line_exit_2(folder, f"out: {tmp_path} is a folder; give a file name, e.g. --out")
+
+
 # -- 5. one line, exit 2 ----------------------------------------------------------------------------
 def test_a_seed_above_what_torch_takes_is_a_clear_error(tmp_path, pairs_file):
     from specdec_llm.client.rows import build_request

@@ -11,6 +11,7 @@ failure a person can fix prints one line (``error: ...``) on stderr and exits 2
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -209,6 +210,8 @@ def results(
     (--format openai: OpenAI Batch output lines, telemetry under response.body.specdec)."""
     from specdec_llm import client
 
+    if out is not None:
+        _check_output(fmt, out)  # (a folder given: a file name to give instead)
     with user_errors():
         items = client.results(job, failed_only=failed_only)
     _export(items, fmt, out)
@@ -474,10 +477,18 @@ def _export(items: list[dict[str, Any]], fmt: str, out: Path | None, job: str | 
     if out is None:
         client.write_results(items, fmt, sys.stdout)
         return
+    # a file is written whole, then renamed: a failed export clobbers nothing (a pipe or a device: as it is)
+    regular = not out.exists() or (out.is_file() and not out.is_symlink())
+    part = out.with_name(f".{out.name}.part") if regular else out
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w", encoding="utf-8", newline="") as f:
+        with open(part, "w", encoding="utf-8", newline="") as f:
             client.write_results(items, fmt, f)
+        if part != out:
+            part.replace(out)
     except OSError as e:
+        if part != out:
+            with contextlib.suppress(OSError):
+                part.unlink()
         again = f"; the results are in the store: `specdec-llm results {job} --out FILE` writes them" if job else ""
         fail(f"cannot write {out}: {e.strerror}{again}")
