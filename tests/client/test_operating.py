@@ -261,6 +261,24 @@ def test_cancel_now_flags_the_job_keeps_partial_text_and_retry_runs_the_rows_aga
     assert _count(url, Output) == 0  # the partial text goes: the new result takes its place
 
 
+def test_rows_added_after_a_cancel_now_has_ended_are_not_stopped_by_it(url):
+    """A LangChain job_name's job is used again by each call: a `cancel --now` of one call's rows
+    left the job's flag set, and every later call's row stopped at its first step. Rows added
+    while the cancel is still stopping rows are cancelled with them."""
+    make_job(url, "agent", queued=1)
+    assert jobs.take("agent-0", "w1@h", lease_timeout_s=60, url=url)
+    jobs.cancel("agent", now=True, url=url)
+    store.create_job([{"id": "during", "prompt": "p"}], job_id="agent", url=url)  # still stopping agent-0
+    assert jobs.start("during", "w1@h", lease_timeout_s=60, max_attempts=3, url=url)["cancel_requested_at"]
+    partial = {"text": "", "token_ids": [], "finish_reason": "cancelled", "stats": {"output_tokens": 0}}
+    for rid in ("agent-0", "during"):
+        assert jobs.end_cancelled(rid, partial, url=url)
+    store.create_job([{"id": "later", "prompt": "p"}], job_id="agent", url=url)  # the next call
+    row = jobs.start("later", "w1@h", lease_timeout_s=60, max_attempts=3, url=url)
+    assert row["taken"] and row["cancel_requested_at"] is None
+    assert jobs.cancels_requested(["agent"], url=url) == set()
+
+
 def test_a_lost_row_of_a_job_cancelled_now_is_cancelled_not_requeued(url):
     make_job(url, "lostcn", queued=2)
     assert jobs.take("lostcn-0", "w1@h", lease_timeout_s=60, url=url)
