@@ -207,18 +207,22 @@ def _run(
         if ended is not None:
             return ended
         result["queue_wait_s"] = started - enqueued_at if enqueued_at else None
-    rt = runtime.get(pair)
+    if "by" not in result:  # who generated it: a retried write, which any worker may take, records them
+        rt = runtime.get(pair)
+        result["by"] = {
+            "worker": rt.worker,
+            "device": rt.device,
+            "price_per_hour": rt.price_per_hour,
+            "dtype": rt.dtype,
+        }
     try:
         wrote = store.record_result(
             request_id,
             result,
-            worker=rt.worker,
-            device=rt.device,
             queue_wait_s=result.get("queue_wait_s"),
             pair=pair,
             job_id=result.get("job_id"),
-            price_per_hour=rt.price_per_hour,
-            dtype=rt.dtype,
+            **result["by"],
         )
     except TRANSIENT as e:
         countdown = get_exponential_backoff_interval(1, self.request.retries, BACKOFF_MAX, full_jitter=True)

@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 
 from specdec_llm import client, store
 from specdec_llm.settings import reload_settings
-from specdec_llm.store.models import Baseline
+from specdec_llm.store.models import Baseline, Telemetry
 from specdec_llm.store.testing import postgres_available, sqlite_url, temporary_postgres
 from workers.app import TASK, get_app, queue_name
 
@@ -379,6 +379,7 @@ def test_a_failed_result_write_retries_the_write_not_the_generation(pairs_file, 
 
     def flaky_record(*args, **kwargs):
         if outage:
+            monkeypatch.setattr(runtime.get("tiny"), "device", "cuda:7")  # (the retry: on another worker)
             raise outage.pop()
         return real_record(*args, **kwargs)
 
@@ -386,6 +387,8 @@ def test_a_failed_result_write_retries_the_write_not_the_generation(pairs_file, 
     out = tasks.generate.apply(args=["r1", "tiny"]).get()
     assert out["status"] == "ok" and len(generated) == 1  # the write was retried, carrying the result
     assert store.get_request("r1")["status"] == "ok"
+    with store.session_scope() as s:  # ...and who generated it, whoever wrote it
+        assert s.scalar(select(Telemetry.device).where(Telemetry.request_id == "r1")) == "cpu"
     again = tasks.generate.apply(args=["r1", "tiny"]).get()  # a redelivery
     assert again["duplicate"] and again["text"] == out["text"] and len(generated) == 1
 
