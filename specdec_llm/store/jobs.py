@@ -362,7 +362,10 @@ def requeue(
         rows = s.execute(
             update(Request)
             .where(Request.job_id == job_id, or_(*again))
-            .values(status="queued", error=None, lease_owner=None, heartbeat_at=None, cancel_requested_at=None)
+            # (attempts from 0: each row gets its MAX_ATTEMPTS again, or one lost worker would fail it at once)
+            .values(
+                status="queued", error=None, lease_owner=None, heartbeat_at=None, cancel_requested_at=None, attempts=0
+            )
             .returning(Request.id, Request.pair_id)
             .execution_options(synchronize_session=False)
         ).all()

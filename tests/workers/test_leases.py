@@ -94,6 +94,10 @@ def test_a_row_whose_workers_keep_dying_fails(url):
         assert [r["id"] for r in jobs.reclaim(60, max_attempts=3, url=url)] == ([] if n == 2 else ["r2"])
     row = store.get_request("r2", url=url)
     assert row["status"] == "failed" and "gave up after 3 attempts" in row["error"]
+    assert [r["id"] for r in jobs.requeue("job", lease_timeout_s=60, url=url)] == ["r0", "r1", "r2", "r3"]
+    assert jobs.take("r2", "w9@h", lease_timeout_s=60, url=url)  # a retry: its 3 attempts again, not 1
+    age(url, "r2", 61)
+    assert [r["id"] for r in jobs.reclaim(60, max_attempts=3, url=url)] == ["r2"]
 
 
 def test_requeue_and_cancel_are_one_statement_each(url):
