@@ -219,9 +219,11 @@ def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str
             jobs.update(r.job_id for r in failed if r.job_id)
         stopping = or_(
             Request.cancel_requested_at.is_not(None),
-            Request.job_id.in_(select(Job.id).where(Job.cancel_requested_at.is_not(None))),
+            Request.job_id.in_(
+                select(Job.id).where(or_(Job.cancel_requested_at.is_not(None), Job.cancelled_at.is_not(None)))
+            ),
         )
-        cancelled = s.execute(  # lost rows of a job cancelled --now, or cancelled alone: not run again
+        cancelled = s.execute(  # lost rows of a cancelled job, or cancelled alone: not run again
             update(Request)
             .where(_lost(cutoff), stopping)
             .values(status="cancelled", error="cancelled", finished_at=now, lease_owner=None, heartbeat_at=None)
@@ -344,7 +346,7 @@ def requeue(
     with writing(url) as s:
         refuse_pruned(s, job_id)
         cutoff = utcnow() - timedelta(seconds=lease_timeout_s)
-        s.execute(update(Job).where(Job.id == job_id).values(cancel_requested_at=None))
+        s.execute(update(Job).where(Job.id == job_id).values(cancel_requested_at=None, cancelled_at=None))
         if cancelled:
             mine = select(Request.id).where(Request.job_id == job_id, Request.status == "cancelled")
             s.execute(
@@ -387,12 +389,15 @@ def cancel(job_id: str, *, now: bool = False, at: datetime | None = None, url: s
     ``now``: also set the job's cancel flag (the time ``at``, naive UTC; default now), in the
     same transaction, so workers end its running rows at their next iteration (their partial
     text kept: ``end_cancelled``); a finished job (no row queued or running) gets no flag:
-    nothing of it runs."""
+    nothing of it runs. Either way a running row whose worker is lost is then cancelled, not
+    run again (``jobs.cancelled_at``: ``reclaim``)."""
     with writing(url) as s:
-        if now:  # first: whether any row is left to run, before the queued ones are cancelled
-            pending = select(Request.id).where(Request.job_id == job_id, Request.status.in_(PENDING)).exists()
-            flag = at or utcnow()
-            s.execute(update(Job).where(Job.id == job_id, pending).values(cancel_requested_at=flag))
+        # first: whether any row is left to run, before the queued ones are cancelled
+        pending = select(Request.id).where(Request.job_id == job_id, Request.status.in_(PENDING)).exists()
+        flags: dict[str, datetime] = {"cancelled_at": utcnow()}
+        if now:
+            flags["cancel_requested_at"] = at or utcnow()
+        s.execute(update(Job).where(Job.id == job_id, pending).values(**flags))
         rows = s.execute(
             update(Request)
             .where(Request.job_id == job_id, Request.status == "queued")

@@ -174,6 +174,9 @@ class Job(Base):
     # `prune` claimed the job (0010): it deletes the job whole, a batch of rows per transaction;
     # `retry` and new rows refuse a claimed job
     pruning_at: Mapped[datetime | None]
+    # `cancel JOB` asked while rows of it ran (0010): they finish, but one whose worker is lost
+    # is cancelled by `reclaim`, not run again; retry and rows added once none is left clear it
+    cancelled_at: Mapped[datetime | None]
 
 
 class Request(Base):

@@ -372,7 +372,8 @@ def create_job(
             # a `cancel --now` that has ended (no row left to run) does not stop rows added since (a
             # LangChain job_name's later calls); one still stopping its rows stops these too
             pending = select(Request.id).where(Request.job_id == job_id, Request.status.in_(("queued", "running")))
-            s.execute(update(Job).where(Job.id == job_id, ~pending.exists()).values(cancel_requested_at=None))
+            ended = update(Job).where(Job.id == job_id, ~pending.exists())
+            s.execute(ended.values(cancel_requested_at=None, cancelled_at=None))
             s.execute(dialect_insert(s, Request).on_conflict_do_nothing(), new)
         by_key = _ids_by_key(s, keys)  # again: a concurrent caller may have won a key
         refresh_job(s, job_id)

@@ -279,14 +279,23 @@ def test_rows_added_after_a_cancel_now_has_ended_are_not_stopped_by_it(url):
     assert jobs.cancels_requested(["agent"], url=url) == set()
 
 
-def test_a_lost_row_of_a_job_cancelled_now_is_cancelled_not_requeued(url):
+@pytest.mark.parametrize("now", [True, False])
+def test_a_lost_row_of_a_cancelled_job_is_cancelled_not_requeued(url, now):
+    """Without --now, running rows finish; one whose worker is lost is not run again after the
+    cancel (it was requeued and generated, the job running again). A retry runs it again."""
     make_job(url, "lostcn", queued=2)
     assert jobs.take("lostcn-0", "w1@h", lease_timeout_s=60, url=url)
-    jobs.cancel("lostcn", now=True, url=url)
+    jobs.cancel("lostcn", now=now, url=url)
     with store.session_scope(url) as s:
         s.execute(update(Request).where(Request.id == "lostcn-0").values(heartbeat_at=utcnow() - timedelta(hours=1)))
     assert jobs.reclaim(60, url=url) == []
     assert store.get_request("lostcn-0", url=url)["status"] == "cancelled"
+    assert store.get_job("lostcn")["status"] == "done"
+    assert len(jobs.requeue("lostcn", lease_timeout_s=60, cancelled=True, url=url)) == 2  # `retry --cancelled`
+    assert jobs.take("lostcn-0", "w2@h", lease_timeout_s=60, url=url)
+    with store.session_scope(url) as s:
+        s.execute(update(Request).where(Request.id == "lostcn-0").values(heartbeat_at=utcnow() - timedelta(hours=1)))
+    assert [r["id"] for r in jobs.reclaim(60, url=url)] == ["lostcn-0"]  # retried: requeued as any row
 
 
 # -- status --watch ------------------------------------------------------------------------------
