@@ -166,11 +166,16 @@ def status(
         bool,
         typer.Option("--watch", "-w", help="A live view until the job ends (Ctrl-C stops watching; the job goes on)"),
     ] = False,
-    interval: Annotated[float, typer.Option("--interval", help="Seconds between looks with --watch")] = 2.0,
+    interval: Annotated[float | None, typer.Option("--interval", help="Seconds between looks with --watch")] = None,
 ) -> None:
     """Counts by state, progress, tokens/s, acceptance so far, ETA."""
     from specdec_llm import client
 
+    if interval is not None and not watch:
+        fail(
+            f"interval: {interval:g} s between looks asks for --watch; add it (status JOB --watch --interval {interval:g})"
+        )
+    interval = 2.0 if interval is None else interval
     if watch:
         from .ops_cli import watch_status
 

@@ -58,7 +58,7 @@ def report_cmd(
     since: str | None = typer.Option(None, help="Start: a duration back from now (7d, 12h, 30m) or a UTC date/time."),
     until: str | None = typer.Option(None, help="End (exclusive; a bare date includes that day)."),
     group_by: list[str] = typer.Option(
-        ["pair"], "--group-by", "-g", help="pair, day, hour, job, worker, category (repeat or comma-separate)."
+        ["pair"], "--group-by", "-g", help="pair, day, hour, job, worker, category, drafter (repeat or comma-separate)."
     ),
     pair: str | None = typer.Option(None, help="Only this pair (name)."),
     job: str | None = typer.Option(None, help="Only this job (id)."),

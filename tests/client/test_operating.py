@@ -136,6 +136,7 @@ def test_jobs_lists_newest_first_with_rows_by_state_and_filters(url):
         (["status", "nosuchjob", "--watch"], "no job 'nosuchjob'"),
         (["status", "{job}", "--watch", "--interval", "0"], "interval: 0 s; use a number of seconds above 0"),
         (["status", "{job}", "--watch", "--interval", "inf"], "interval: inf s; use a number of seconds above 0"),
+        (["status", "{job}", "--interval", "0"], "interval: 0 s between looks asks for --watch; add it"),
         (["results", "nosuchjob", "--failed-only"], "no job 'nosuchjob'"),
         (["cancel", "nosuchjob", "--now"], "no job 'nosuchjob'"),
     ],
