@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import json
 import threading
 import time
@@ -138,18 +139,25 @@ class SpecDecBase(BaseModel):
     def get_token_ids(self, text: str) -> list[int]:
         """``text``'s token ids by the pair's own tokenizer, as its prompts are encoded
         (``get_num_tokens``, ``trim_messages``). LangChain's default is GPT-2's tokenizer, from
-        the Hub: other counts, and a hang where the Hub cannot be reached. Local mode reads the
-        loaded pair's; remote mode the target's tokenizer alone (the weights are the workers')."""
-        from specdec_llm.pairs import get_spec, tokenizer_only
+        the Hub: other counts, and a hang where the Hub cannot be reached."""
+        return list(self.tokenizer()(text)["input_ids"])
+
+    def tokenizer(self) -> Any:
+        """The pair's tokenizer, with the chat template its prompts are rendered by. Local mode
+        reads the loaded pair's; remote mode the target's tokenizer alone (the weights are the
+        workers'), with the pair's ``chat_template`` where the model has none (as a load sets it)."""
+        from specdec_llm.pairs import CHAT_TEMPLATES, get_spec, tokenizer_only
 
         if self.effective_backend() == "local":
             from specdec_llm import loaded
 
-            tokenizer = loaded.get(self.pair).tokenizer
-        else:
-            spec = get_spec(self.pair)
-            tokenizer = tokenizer_only(spec.target, spec.trust_remote_code)
-        return list(tokenizer(text)["input_ids"])
+            return loaded.get(self.pair).tokenizer
+        spec = get_spec(self.pair)
+        tokenizer = tokenizer_only(spec.target, spec.trust_remote_code)
+        if spec.chat_template and not tokenizer.chat_template:  # (a copy: the cached one serves other pairs)
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = CHAT_TEMPLATES.get(spec.chat_template, spec.chat_template)
+        return tokenizer
 
     # -- LangChain plumbing ---------------------------------------------------------------------
     def _spec_fields(self) -> dict[str, Any]:

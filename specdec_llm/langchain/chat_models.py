@@ -140,6 +140,20 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
         plan(schemas, tool_choice, None)  # a bad tool_choice fails here, not at the first call
         return self.bind(tools=schemas, tool_choice=tool_choice, **kwargs)
 
+    def get_num_tokens_from_messages(
+        self,
+        messages: list[BaseMessage],
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool] | None = None,
+    ) -> int:
+        """The prompt tokens ``messages`` (with ``tools``' schemas) take as the pair's chat
+        template renders them, the generation prompt included: what a call's prompt costs, and
+        what ``trim_messages(token_counter=chat)`` budgets. LangChain's default counts each
+        message's text alone, by another tokenizer."""
+        from specdec_llm.engine.chat import render_chat
+
+        schemas = [convert_to_openai_tool(t) for t in tools] if tools else None
+        return len(render_chat(self.tokenizer(), to_turns(messages), tools=schemas))
+
     def with_structured_output(
         self,
         schema: dict[str, Any] | type | None = None,

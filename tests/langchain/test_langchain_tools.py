@@ -321,6 +321,14 @@ def test_tokens_are_counted_by_the_pairs_own_tokenizer(tools_local):
     assert tools_local.get_token_ids(text) == ids and tools_local.get_num_tokens(text) == len(ids) > 100
     remote = tools_local.model_copy(update={"backend": "remote"})  # (the tokenizer alone: nothing sent)
     assert remote.get_token_ids(text) == ids
+    # a conversation: as the chat template renders it, with the tools' schemas (LangChain's default
+    # counted each message's text alone)
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    chat = [*HISTORY, HumanMessage(text)]
+    as_rendered = tools_local_ids(tools_local, chat, [convert_to_openai_tool(add)], None)
+    assert tools_local.get_num_tokens_from_messages(chat, tools=[add]) == len(as_rendered) > len(ids) + 20
+    assert remote.get_num_tokens_from_messages(chat, tools=[add]) == len(as_rendered)
 
 
 def tools_local_ids(chat, messages, tools, prefill) -> list[int]:
