@@ -468,8 +468,7 @@ def wait(
         look = time.monotonic()
         try:
             counts = job_counts(job_id)
-            last_read = time.monotonic()
-            looked_s = last_read - look
+            last_read, looked_s = time.monotonic(), time.monotonic() - look
         except store.TRANSIENT_ERRORS as e:  # the database is away (or locked) for a moment: look again
             if time.monotonic() - last_read > STORE_GRACE_S:
                 raise

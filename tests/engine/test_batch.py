@@ -129,7 +129,7 @@ def test_auto_rows_fill_the_draft_lazily_and_catch_up(target, monkeypatch):
     dec = SpeculativeDecoder(target, perturbed(target, 0.2, seed=3))
     batch = Batch(dec)
     monkeypatch.setattr(schedule, "plan", scripted([0, 0, 0, 3] + [0] * 14 + [4, 0, 1, 2]))
-    dcache = batch.sessions["model"].backend.cache
+    dcache = batch.sessions["model"].session.backend.cache
     fills = []  # (row, valid columns it had): a row never drafted has none
     real_fill = dcache.fill_row
     monkeypatch.setattr(

@@ -192,7 +192,7 @@ def test_a_draft_drafts_on_its_branches_as_it_would_on_their_paths(monkeypatch):
     dec = SpeculativeDecoder(target, perturbed(target, 0.3, 3), drafters=[drafter])
     flat(dec, 3)
     model = dec.drafter(drafter).model
-    session_type = type(Batch(dec).sessions[drafter])
+    session_type = type(Batch(dec).sessions[drafter].session)  # (the drafter's own, inside the loop's guard)
     propose, seen = session_type.propose, []
 
     def checking(self, rows, ks):
