@@ -430,13 +430,15 @@ def wait_for_empty_queue(pair: str, *, timeout_s: float, poll_s: float = 0.2) ->
 STORE_GRACE_S = 300  # s: how long `wait` keeps looking while the database cannot be read
 # `wait` spends at most about 1/LOOK_SHARE of the database's time counting a job's rows: a
 # 100,000-row job's count takes 0.03-0.2 s on PostgreSQL, so it is looked at every 0.6-4 s
-# (at a fixed 0.3 s, a third of a database core went on it); a small job's every poll_s
+# (at a fixed 0.3 s, a third of a database core went on it); a small job's every poll_s; and
+# at least every LOOK_MAX_S (one slow count, a pause, does not blind `wait` for a minute)
 LOOK_SHARE = 20
+LOOK_MAX_S = 5.0
 
 
 def next_look_s(poll_s: float, looked_s: float) -> float:
     """Seconds until ``wait``'s next look, its last one having taken ``looked_s``."""
-    return max(poll_s, LOOK_SHARE * looked_s)
+    return max(poll_s, min(LOOK_SHARE * looked_s, LOOK_MAX_S))
 
 
 def wait(
@@ -489,33 +491,38 @@ def wait(
             and not counts["running"]
             and time.monotonic() - progress_at > requeue_lost_after_s
         ):
-            progress_at = time.monotonic()
-            _requeue_lost_quietly(job_id)
+            progress_at = _requeue_lost_quietly(job_id)
         if counts["running"] and time.monotonic() - reclaimed_at > get_settings().lease_heartbeat_s:
-            reclaimed_at = time.monotonic()
-            _reclaim_quietly()
+            reclaimed_at = _reclaim_quietly()
         restarts = _restart_killed(workers, restart, restarts, max_restarts)
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} not finished after {timeout_s} s: {counts}")
-        time.sleep(next_look_s(poll_s, looked_s))
+        pause = next_look_s(poll_s, looked_s)
+        time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - time.monotonic())))
 
 
-def _reclaim_quietly() -> None:
-    """Requeue the rows whose worker's lease expired (as every worker does: whoever comes first)."""
+def _reclaim_quietly() -> float:
+    """Requeue the rows whose worker's lease expired (as every worker does: whoever comes
+    first); when it was asked (``time.monotonic``)."""
+    asked = time.monotonic()
     try:
         reclaim_and_enqueue()
     except Exception as e:  # noqa: BLE001 - the database or broker is away: a worker or the next look does it
         log.debug("requeueing lost rows: %s", e)
+    return asked
 
 
-def _requeue_lost_quietly(job_id: str) -> None:
-    """``requeue_lost``, logged when it sent something; a store or broker away: not now."""
+def _requeue_lost_quietly(job_id: str) -> float:
+    """``requeue_lost``, logged when it sent something; a store or broker away: not now. When
+    it was asked (``time.monotonic``)."""
+    asked = time.monotonic()
     try:
         n = requeue_lost(job_id)
     except store.TRANSIENT_ERRORS + (QueueError,):  # not now; look again later
-        return
+        return asked
     if n:
         log.warning("job %s: %d queued rows had no message (lost with the broker); enqueued again", job_id, n)
+    return asked
 
 
 def _restart_killed(

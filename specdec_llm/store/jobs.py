@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, delete, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, case, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from .db import check_schema, session_scope
@@ -217,11 +217,11 @@ def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str
                 .returning(Request.job_id)
             ).all()
             jobs.update(r.job_id for r in failed if r.job_id)
+        # a row's own flag, its job's `cancel --now`, or a `cancel JOB` made once the row existed
+        cancelled_job = or_(Job.cancel_requested_at.is_not(None), Job.cancelled_at >= Request.created_at)
         stopping = or_(
             Request.cancel_requested_at.is_not(None),
-            Request.job_id.in_(
-                select(Job.id).where(or_(Job.cancel_requested_at.is_not(None), Job.cancelled_at.is_not(None)))
-            ),
+            select(Job.id).where(Job.id == Request.job_id, cancelled_job).exists(),
         )
         cancelled = s.execute(  # lost rows of a cancelled job, or cancelled alone: not run again
             update(Request)
@@ -364,9 +364,15 @@ def requeue(
         rows = s.execute(
             update(Request)
             .where(Request.job_id == job_id, or_(*again))
-            # (attempts from 0: each row gets its MAX_ATTEMPTS again, or one lost worker would fail it at once)
             .values(
-                status="queued", error=None, lease_owner=None, heartbeat_at=None, cancel_requested_at=None, attempts=0
+                status="queued",
+                error=None,
+                lease_owner=None,
+                heartbeat_at=utcnow(),  # (sent now, by the caller: not sent twice by `unsent`)
+                cancel_requested_at=None,
+                # a row that ended (failed, cancelled) gets its attempts again; a queued or lost
+                # one keeps its count, which its stream's readers tell its attempts by
+                attempts=case((Request.status.in_(("failed", "cancelled")), 0), else_=Request.attempts),
             )
             .returning(Request.id, Request.pair_id)
             .execution_options(synchronize_session=False)

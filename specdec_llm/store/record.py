@@ -292,19 +292,25 @@ class JobBeingPruned(StoreError):
 
 def refuse_pruned(session: Session, job_id: str) -> None:
     """``JobBeingPruned`` if ``prune`` has claimed ``job_id``; else its row is locked for this
-    transaction (PostgreSQL), so no prune claims it before this transaction's rows count."""
-    claimed = session.scalar(select(Job.pruning_at).where(Job.id == job_id).with_for_update())
+    transaction (PostgreSQL's FOR NO KEY UPDATE, as prune's claim takes; the foreign-key checks
+    of rows being written are not blocked), so no prune claims it before this transaction's
+    rows count."""
+    claimed = session.scalar(select(Job.pruning_at).where(Job.id == job_id).with_for_update(key_share=True))
     if claimed is not None:
         raise JobBeingPruned(job_id)
 
 
-def _ensure_job(session: Session, job_id: str, *, hold_s: float | None = None, **values: Any) -> None:
+def _ensure_job(
+    session: Session, job_id: str, *, hold_s: float | None = None, refuse: bool = True, **values: Any
+) -> None:
     """The job's row, created if missing; ``hold_s``: held for that long from now (``hold_job``),
     in this transaction: no ``prune`` deletes it between its submission and its hold. A job
-    ``prune`` has claimed is refused (``JobBeingPruned``)."""
+    ``prune`` has claimed is refused (``JobBeingPruned``) unless not ``refuse`` (a result of a
+    row it has: recorded, or found recorded, as any other)."""
     stmt = dialect_insert(session, Job).values(id=job_id, created_at=utcnow(), status="queued", **values)
     session.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
-    refuse_pruned(session, job_id)
+    if refuse:
+        refuse_pruned(session, job_id)
     if hold_s is None:
         return
     held = session.execute(
@@ -431,10 +437,10 @@ def mark_request(
     "failed"/"cancelled" stamp ``finished_at``; ``error`` is stored as given (None clears
     it). A request already recorded as "ok" is never changed (a late duplicate delivery
     can't undo a result), and only a queued or running request starts "running" (a
-    cancelled one stays cancelled). ``held_by``: only a queued row, or a running one under no
-    lease or that lease owner's (a worker failing the row it ran: not one cancelled, finished,
-    or run by another worker meanwhile). Returns whether a row changed. Results go through
-    ``record_result``.
+    cancelled one stays cancelled). ``held_by``: only the row that lease owner runs, or a
+    queued one never taken (a worker failing the row it had: not one cancelled, finished,
+    requeued or run by another worker meanwhile). Returns whether a row changed. Results go
+    through ``record_result``.
     """
     if status not in ("queued", "running", "failed", "cancelled"):
         raise ValueError(f"status must be queued, running, failed or cancelled, not {status!r}")
@@ -452,8 +458,9 @@ def mark_request(
         # "ok" is final; a row only starts running from queued/running (never over a cancel)
         allowed = Request.status.in_(("queued", "running")) if status == "running" else Request.status != "ok"
         if held_by is not None:
-            mine = or_(Request.lease_owner.is_(None), Request.lease_owner == held_by)
-            allowed = and_(Request.status.in_(("queued", "running")), mine)
+            mine = and_(Request.status == "running", Request.lease_owner == held_by)
+            never_taken = and_(Request.status == "queued", Request.attempts == 0)  # (failed before its take)
+            allowed = or_(mine, never_taken)
         changed = s.execute(
             update(Request)
             .where(Request.id == request_id, allowed)
@@ -526,7 +533,7 @@ def _request_row(
     """The request's ``(job_id, category)``; a row never created (direct engine use) is
     created here, running, with its job."""
     if job_id:
-        _ensure_job(session, job_id, pair_id=pair_id)
+        _ensure_job(session, job_id, pair_id=pair_id, refuse=False)
     session.execute(
         dialect_insert(session, Request)
         .values(

@@ -363,3 +363,4 @@ def test_wait_looks_at_a_job_less_often_the_longer_its_count_takes(monkeypatch):
     monkeypatch.setattr(jobs, "job_counts", slow_counts)
     jobs.wait("big", poll_s=0.3)
     assert len(looks) == 3 and min(b - a for a, b in itertools.pairwise(looks)) >= jobs.LOOK_SHARE * 0.05
+    assert jobs.next_look_s(0.3, 3.0) == jobs.LOOK_MAX_S  # (one very slow count: still looked at again soon)

@@ -287,12 +287,18 @@ def test_a_lost_row_of_a_cancelled_job_is_cancelled_not_requeued(url, now):
     make_job(url, "lostcn", queued=2)
     assert jobs.take("lostcn-0", "w1@h", lease_timeout_s=60, url=url)
     jobs.cancel("lostcn", now=now, url=url)
+    store.create_job([{"id": "late", "prompt": "p"}], job_id="lostcn", url=url)  # (a row added since)
+    assert jobs.take("late", "w1@h", lease_timeout_s=60, url=url)
     with store.session_scope(url) as s:
-        s.execute(update(Request).where(Request.id == "lostcn-0").values(heartbeat_at=utcnow() - timedelta(hours=1)))
-    assert jobs.reclaim(60, url=url) == []
+        s.execute(update(Request).where(Request.status == "running").values(heartbeat_at=utcnow() - timedelta(hours=1)))
+    # the row added since runs again unless the cancel stops rows as they come (--now, until it ends)
+    assert [r["id"] for r in jobs.reclaim(60, url=url)] == ([] if now else ["late"])
     assert store.get_request("lostcn-0", url=url)["status"] == "cancelled"
+    if not now:
+        assert jobs.take("late", "w2@h", lease_timeout_s=60, url=url)
+        store.mark_request("late", "failed", error="boom", url=url)
     assert store.get_job("lostcn")["status"] == "done"
-    assert len(jobs.requeue("lostcn", lease_timeout_s=60, cancelled=True, url=url)) == 2  # `retry --cancelled`
+    assert len(jobs.requeue("lostcn", lease_timeout_s=60, cancelled=True, url=url)) == 3  # `retry --cancelled`
     assert jobs.take("lostcn-0", "w2@h", lease_timeout_s=60, url=url)
     with store.session_scope(url) as s:
         s.execute(update(Request).where(Request.id == "lostcn-0").values(heartbeat_at=utcnow() - timedelta(hours=1)))

@@ -81,10 +81,14 @@ def test_a_worker_out_of_retries_fails_only_a_row_that_is_still_its_own(url):
     assert jobs.take("r0", "w2@h", lease_timeout_s=60, url=url)  # taken over, running there
     assert jobs.take("r1", "w1@h", lease_timeout_s=60, url=url)
     store.mark_request("r2", "cancelled", error="cancelled", url=url)
-    for rid in ("r0", "r1", "r2", "r3"):
+    store.create_job([{"id": "r4", "prompt": "p4"}], pair="tiny", job_id="job", url=url)
+    assert jobs.take("r4", "w1@h", lease_timeout_s=60, url=url)
+    age(url, "r4", 61)
+    assert [r["id"] for r in jobs.reclaim(60, url=url)] == ["r4"]  # requeued: its new message will take it
+    for rid in ("r0", "r1", "r2", "r3", "r4"):
         store.mark_request(rid, "failed", error="RuntimeError: out of retries", held_by="w1@h", url=url)
-    states = [store.get_request(rid, url=url)["status"] for rid in ("r0", "r1", "r2", "r3")]
-    assert states == ["running", "failed", "cancelled", "failed"]
+    states = [store.get_request(rid, url=url)["status"] for rid in ("r0", "r1", "r2", "r3", "r4")]
+    assert states == ["running", "failed", "cancelled", "failed", "queued"]
 
 
 def test_a_row_whose_workers_keep_dying_fails(url):
@@ -95,9 +99,24 @@ def test_a_row_whose_workers_keep_dying_fails(url):
     row = store.get_request("r2", url=url)
     assert row["status"] == "failed" and "gave up after 3 attempts" in row["error"]
     assert [r["id"] for r in jobs.requeue("job", lease_timeout_s=60, url=url)] == ["r0", "r1", "r2", "r3"]
+    with store.session_scope(url) as s:  # old rows, just sent by retry's caller: not sent again at once
+        s.execute(update(Request).values(created_at=utcnow() - timedelta(seconds=120)))
+    assert jobs.unsent("tiny", 60, url=url) == []
     assert jobs.take("r2", "w9@h", lease_timeout_s=60, url=url)  # a retry: its 3 attempts again, not 1
     age(url, "r2", 61)
     assert [r["id"] for r in jobs.reclaim(60, max_attempts=3, url=url)] == ["r2"]
+    assert store.get_request("r2", url=url)["attempts"] == 1
+
+
+def test_a_retry_keeps_a_lost_rows_attempt_count_which_its_stream_tells_attempts_by(url):
+    """A row requeued by its lease, then `retry`: its next attempt is 2, so a stream's reader
+    tells it from the lost one (an attempt 1 again gave "Hello worHello world")."""
+    assert jobs.take("r0", "w1@h", lease_timeout_s=60, url=url)
+    age(url, "r0", 61)
+    assert [r["id"] for r in jobs.reclaim(60, url=url)] == ["r0"]
+    assert "r0" in [r["id"] for r in jobs.requeue("job", lease_timeout_s=60, url=url)]
+    assert jobs.take("r0", "w2@h", lease_timeout_s=60, url=url)
+    assert store.get_request("r0", url=url)["attempts"] == 2
 
 
 def test_requeue_and_cancel_are_one_statement_each(url):
