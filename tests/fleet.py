@@ -52,6 +52,9 @@ class Fleet:
     def stop(self):
         for p in self.procs:
             client.stop_local_worker(p, timeout=15)
+        # a drafter that raised in a worker: its rows went on without it, as they should, but the
+        # test must not pass over it (tests/conftest.py does the same for in-process decoders)
+        assert "raised; this batch goes on without it" not in self.log(), self.log()[-3000:]
 
     def log(self) -> str:
         return "".join(p.log_path.read_text(errors="replace") for p in self.procs)
