@@ -95,6 +95,7 @@ class RowStop:
         self.flags, self.keys = flags, keys
         self.steps: deque[datetime] = deque(maxlen=_REMEMBERED)  # when its last steps started
         self.iterations_after: int | None = None
+        self.by: tuple[str, ...] = ()  # once it said yes: the keys whose cancel stopped it
 
     def __call__(self) -> bool:
         if _announced.value != self.flags.seen:  # a cancel was announced since this process looked
@@ -105,6 +106,7 @@ class RowStop:
             self.steps.append(utcnow())
             return False
         if self.iterations_after is None:
+            self.by = tuple(k for k in self.keys if k in flagged)
             started_after = sum(1 for t in self.steps if t >= written)
             running_then = len(self.steps) > started_after  # a step had started before the write
             self.iterations_after = started_after + running_then

@@ -52,7 +52,7 @@ from typing import Any
 
 import kombu.exceptions
 from celery import Task, shared_task
-from celery.exceptions import Reject, SoftTimeLimitExceeded
+from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 from celery.utils.time import get_exponential_backoff_interval
 
 from specdec_llm import store
@@ -263,6 +263,8 @@ def _take_and_generate(
 def _not_taken(request_id: str, row: dict[str, Any]) -> dict[str, Any]:
     """What the task says of a row it could not take: finished (a redelivered message, or
     cancelled meanwhile), failed now (running, its worker lost every time), or running elsewhere."""
+    if row["status"] == "cancelled" and row.get("row_cancel_requested_at"):
+        raise Ignore()  # (cancelled alone while queued: its caller stopped waiting, no result kept)
     if row["status"] in FINISHED:
         return _finished(row)
     if row["attempts"] >= MAX_ATTEMPTS:
@@ -318,6 +320,8 @@ def _generate_row(
         cancels.flags.release(keys)
     if result["finish_reason"] == "cancelled":
         jobs.end_cancelled(request_id, result, iterations_after=stop.iterations_after)
+        if request_id in stop.by:  # cancelled alone: its caller stopped waiting, no one reads a result
+            raise Ignore()  # (none kept in the result backend; a waiter reads the store)
         return {}, {
             "request_id": request_id,
             "status": "cancelled",

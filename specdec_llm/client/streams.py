@@ -73,15 +73,18 @@ class StreamWriter:
             return
         data = json.dumps(entry, ensure_ascii=False)
         try:
-            if self.url:
+            if self.url:  # (the stream made by the first write only: a reader gone deleted it)
                 key = stream_key(self.request_id)
                 pipe = _redis(self.url).pipeline(transaction=False)
-                pipe.xadd(key, {"e": data})
+                pipe.xadd(key, {"e": data}, nomkstream=self.started)
                 pipe.expire(key, STREAM_TTL_S)
-                pipe.execute()
+                added, _ = pipe.execute()
+                self.started = True
+                if added is None:
+                    raise FileNotFoundError(key)
             else:
                 self._append(data)
-        except FileNotFoundError:  # the reader read its end and deleted the file: no one reads on
+        except FileNotFoundError:  # the reader read its end and deleted the stream: no one reads on
             self.broken = True
         except Exception as e:  # noqa: BLE001 - never fail a generation over its stream
             self.broken = True

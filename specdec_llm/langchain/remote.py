@@ -36,6 +36,9 @@ class RemoteBackend:
         except GenerationTimeout:
             self._cancel([rid for rid, _ in sent], call.ending())
             raise
+        except BaseException as e:  # (Ctrl-C, the store gone): no one will read these rows
+            self._cancel([rid for rid, _ in sent], f"cancelled: the LangChain call ended ({type(e).__name__})")
+            raise
         return out
 
     def stream(self, item: Item, call: Call, cancel: threading.Event | None = None) -> Iterator[tuple[str, Any]]:

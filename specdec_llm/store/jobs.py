@@ -456,7 +456,7 @@ def cancel_request(
         queued = s.execute(
             update(Request)
             .where(Request.id == request_id, Request.status == "queued")
-            .values(status="cancelled", error=reason, finished_at=utcnow())
+            .values(status="cancelled", error=reason, finished_at=utcnow(), cancel_requested_at=at or utcnow())
             .returning(Request.job_id)
         ).first()
         if queued is not None:

@@ -85,5 +85,9 @@ def test_a_line_cut_short_by_a_killed_worker_is_skipped_and_a_gone_reader_leaves
     second("Hello")
     second.close()
     assert "".join(follow_stream("row-4", lambda: False, timeout_s=10)) == "Hello"
-    second("late")  # the reader read the end and deleted the file: nothing is written again
+    second("late")  # the reader read the end and deleted the stream: nothing is written again
     assert not (tmp_path / "data" / "streams" / "row-4.jsonl").exists()
+    if streams == "redis":
+        from specdec_llm.client.streams import _redis, _stream_redis_url, stream_key
+
+        assert not _redis(_stream_redis_url()).exists(stream_key("row-4"))

@@ -31,7 +31,7 @@ from specdec_llm.langchain import (
     job_id,
     to_turns,
 )
-from specdec_llm.settings import reload_settings
+from specdec_llm.settings import get_settings, reload_settings
 from specdec_llm.store.models import Output, Request, Telemetry
 from specdec_llm.store.testing import sqlite_url
 
@@ -425,7 +425,34 @@ def test_a_remote_stream_whose_consumer_stops_reading_stops_its_row(remote):
     full = engine_text(PROMPTS[2], max_new_tokens=480)
     assert row["status"] == "cancelled" and "its caller cancelled it" in row["error"], row
     assert full.startswith(row["text"]) and len(row["text"]) < len(full)
+    # nothing left in Redis: its stream (the reader deleted it; the worker's writes do not make it
+    # again) and its task's result (no one reads it: 7 days of a partial text, per call)
+    import redis
+
+    from specdec_llm.client.streams import stream_key
+
+    r = redis.Redis.from_url(get_settings().broker_url)
+    assert not r.exists(stream_key(row["id"]))
+    assert not [k for k in r.scan_iter("celery-task-meta-*") if row["id"].encode() in (r.get(k) or b"")]
     assert llm.invoke(PROMPTS[2]) == full  # the job's other calls are not stopped
+
+
+def test_a_remote_call_interrupted_cancels_its_rows(remote, monkeypatch):
+    """Ctrl-C (or the store gone) while a remote invoke waits: its rows are cancelled, as a
+    timeout's are; they ran on to max_new_tokens, read by no one."""
+    from specdec_llm.langchain.remote import RemoteBackend
+
+    def interrupted(self, rid, result, call):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RemoteBackend, "_wait", interrupted)
+    llm = SpecDecLLM(pair="tiny-idle", max_new_tokens=8, job_name="lc-ctrl-c")  # (no worker: queued)
+    with pytest.raises(KeyboardInterrupt):
+        llm.batch(["one", "two"])
+    rows = client.job_requests(job_id("lc-ctrl-c", "tiny-idle"), outputs=False)
+    assert [(r["status"], r["error"]) for r in rows] == [
+        ("cancelled", "cancelled: the LangChain call ended (KeyboardInterrupt)")
+    ] * 2
 
 
 def test_an_async_stream_abandoned_before_its_first_text_cancels_its_row(remote):
