@@ -128,6 +128,7 @@ class SpeculativeDecoder:
             drafters = ["model"] if draft is not None else []
         self.context_length = context_length or getattr(target.config, "max_position_embeddings", None) or 2048
         self.drafters: list[Drafter] = self._build(drafters, draft, tokenizer, target_file, max_k)
+        self.offers_failed: set[str] = set()  # free drafters that raised offering to two-level drafting
         # the target layers whose outputs a feature-level drafter reads (eagle.py): every
         # target forward returns them (a pair has one draft, so at most one such drafter)
         self.feature_layers: tuple[int, ...] = next((d.feature_layers for d in self.drafters if d.feature_layers), ())
@@ -187,9 +188,19 @@ class SpeculativeDecoder:
         return next(d for d in self.drafters if d.name == name)
 
     def offers(self, row: RowView, drafts: list[int], k: int) -> list[Proposal]:
-        """Two-level drafting: what the row's free drafters offer after its tokens and ``drafts``."""
-        free = [d for d in self.drafters if isinstance(d, FreeDrafter) and d.name in row.drafters]
-        return [p for d in free if (p := d.offer(row, k, drafts)) is not None]
+        """Two-level drafting: what the row's free drafters offer after its tokens and ``drafts``
+        (a free drafter that raises here is logged and asked no more: the model drafter asking
+        is not at fault)."""
+        out = []
+        for d in self.drafters:
+            if isinstance(d, FreeDrafter) and d.name in row.drafters and d.name not in self.offers_failed:
+                try:
+                    p = d.offer(row, k, drafts)
+                    out += [checked(p, k, d.name, self.vocab_size)] if p is not None else []
+                except Exception as e:  # the row goes on with the other drafters' offers (logged once)
+                    self.offers_failed.add(d.name)
+                    log.error("drafter %r raised offering after drafts; it is asked no more: %r", d.name, e, exc_info=e)
+        return out
 
     def draft_seconds(self, name: str, rows: int, width: int) -> float:
         """Seconds of one forward of model drafter ``name``, ``width`` tokens per row, at ``rows`` rows."""
@@ -296,7 +307,7 @@ class Batch:
         self.rows: list[Row] = []
         self.tcache = RaggedCache(dec.target, 0, dec.feature_layers)
         self.failed: set[str] = set()  # drafters that raised: the batch goes on without them
-        self.sessions = {d.name: Guarded(d, self.tcache, self.fail) for d in dec.drafters}
+        self.sessions = {d.name: Guarded(d, self.tcache, self.fail, dec.vocab_size) for d in dec.drafters}
         self.free = {d.name: self.sessions[d.name] for d in dec.drafters if d.free}
         self.chooser = schedule.Chooser({d.name: d for d in dec.drafters}, dec.plain)
         self.clock = PlainClock()
@@ -512,17 +523,52 @@ class Batch:
             r.forget(name)
 
 
+def checked(p: Proposal, k: int, name: str, vocab_size: int) -> Proposal:
+    """``p`` cut to ``k`` tokens, as the loop takes drafter ``name``'s proposal; ValueError where
+    it is not one: another drafter's name, a token that is not an id of the vocabulary (in its
+    chain or a branch), a tree whose parents are not earlier nodes, fewer draft distributions
+    than tokens."""
+
+    def bad(tokens: list[Any]) -> Any:
+        return next((t for t in tokens if type(t) is not int or not 0 <= t < vocab_size), None)
+
+    if p.drafter != name:
+        raise ValueError(f"drafter {name!r} proposed under the name {p.drafter!r}")
+    p = p.cut(k) if len(p.tokens) > k else p
+    if (t := bad(p.tokens)) is not None or (
+        t := next((x for b in p.branches or () if (x := bad(b.tokens)) is not None), None)
+    ) is not None:
+        raise ValueError(f"drafter {name!r} proposed {t!r}, not a token id (an int from 0 to {vocab_size - 1})")
+    if p.parents is not None and (
+        len(p.parents) != len(p.tokens) or any(type(q) is not int or not -1 <= q < i for i, q in enumerate(p.parents))
+    ):
+        raise ValueError(
+            f"drafter {name!r} proposed a tree whose parents {p.parents} are not one earlier node each (or -1)"
+        )
+    if p.q is not None and len(p.q) < len(p.tokens):
+        raise ValueError(f"drafter {name!r} proposed {len(p.tokens)} tokens with {len(p.q)} draft distributions")
+    return p
+
+
 class Guarded:
     """A drafter's session for a batch, as the loop holds it: a drafter that raises (opening,
-    proposing or hearing events) is reported to ``fail`` once and is silent from then on, so
-    one drafter's fault does not fail every row of its batch."""
+    proposing or hearing events), or proposes what is not a proposal (``checked``), is reported
+    to ``fail`` once and is silent from then on, so one drafter's fault does not fail every row
+    of its batch, nor change an output. What it proposes is cut to the ``k`` each row asked."""
 
-    def __init__(self, drafter: Drafter, target: RaggedCache, fail: Callable[[str, Exception], None]) -> None:
-        self.name, self.fail = drafter.name, fail
+    def __init__(
+        self, drafter: Drafter, target: RaggedCache, fail: Callable[[str, Exception], None], vocab_size: int
+    ) -> None:
+        self.name, self.fail, self.vocab_size = drafter.name, fail, vocab_size
         self.session: Session | None = self.guard(drafter.open, target)
 
     def propose(self, rows: Any, ks: dict[int, int]) -> Drafts:
-        return (self.guard(self.session.propose, rows, ks) if self.session else None) or Drafts()
+        drafts = (self.guard(self.session.propose, rows, ks) if self.session else None) or Drafts()
+        mine = {b: p for b, p in drafts.proposals.items() if b in ks}  # (only the rows asked)
+        drafts.proposals = self.guard(
+            lambda: {b: checked(p, ks[b], self.name, self.vocab_size) for b, p in mine.items()}
+        )
+        return drafts if drafts.proposals is not None else Drafts()
 
     def update(self, events: list[Event]) -> None:
         if self.session is not None:

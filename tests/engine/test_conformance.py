@@ -65,15 +65,18 @@ def target():
 
 
 def decoder(target, name: str, tokenizer=None) -> SpeculativeDecoder:
-    """A decoder drafting with ``name`` alone; the grammar drafter needs a tokenizer (its end of
-    turn is not an end here: outputs are compared with transformers' generate, which has none)."""
+    """A decoder drafting with ``name`` alone, with a tokenizer (a drafter's factory may read
+    it, as the grammar drafter and examples/custom_drafter.py do; its end of turn is not an end
+    here: outputs are compared with transformers' generate, which has none) and, for a drafter
+    registered for a draft model (``draft_kinds``), a draft: a perturbed copy of the target
+    unless ``DRAFTS`` names another. So a drafter from a plugin needs no test of its own."""
     if name in NEEDS:
         pytest.skip(NEEDS[name])
     make = DRAFTS.get(name)
-    if tokenizer is None and name == "grammar":
-        tokenizer = tiny_tokenizer()
+    if make is None and "model" in registry.registered()[name].draft_kinds:
+        make = DRAFTS["model"]
     return SpeculativeDecoder(
-        target, make(target) if make else None, tokenizer, drafters=[name], eos_token_ids=[] if tokenizer else None
+        target, make(target) if make else None, tokenizer or tiny_tokenizer(), drafters=[name], eos_token_ids=[]
     )
 
 

@@ -58,6 +58,17 @@ def test_bad_registrations_are_refused():
             register_drafter(bad, lambda c: Echo())
 
 
+def test_a_drafter_registered_under_another_name_than_its_own_is_refused_when_built():
+    register_drafter("echo2", lambda c: Echo(), replace=True)
+    try:
+        with pytest.raises(
+            ValueError, match="drafter 'echo2' is registered with a factory whose drafter is named 'echo'"
+        ):
+            build(["echo2"], DraftContext(None, 256))
+    finally:
+        unregister_drafter("echo2")
+
+
 def test_a_registered_drafter_decodes_greedy_identical(echo):
     target = tiny_llama(1)
     dec = SpeculativeDecoder(target, drafters=["echo", "lookup"])
@@ -86,12 +97,18 @@ def test_a_pairs_file_names_a_drafter_from_an_entry_point(tmp_path, tiny_pair_di
 
         def register():
             register_drafter("echo", lambda c: Echo())
+
+        def broken():
+            raise RuntimeError("a plugin's own bug")
         """)
     )
     info = tmp_path / "echo_drafter-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: echo-drafter\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[specdec_llm.drafters]\necho = echo_drafter:register\n")
+    # (a broken plugin listed first: it took every drafter lookup down, then hid the plugins after it)
+    (info / "entry_points.txt").write_text(
+        "[specdec_llm.drafters]\nbroken = echo_drafter:broken\necho = echo_drafter:register\n"
+    )
     pairs = tmp_path / "pairs.toml"
     pairs.write_text(f'[pairs.tiny-echo]\ntarget = "{tiny_pair_dir / "target"}"\ndrafters = ["echo", "lookup"]\n')
     script = textwrap.dedent("""
@@ -114,6 +131,7 @@ def test_a_pairs_file_names_a_drafter_from_an_entry_point(tmp_path, tiny_pair_di
     )
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "the drafter entry point 'broken' (echo_drafter:broken) failed" in res.stderr
     assert res.stdout.startswith("ok ['echo', 'lookup', 'grammar']"), (
         res.stdout
     )  # (every speculative decoder has 'grammar')

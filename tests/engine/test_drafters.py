@@ -5,6 +5,8 @@ index stays under its bound and never lets one scope read another's text."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from conftest import check_caches, exact_two_token_distribution, greedy_reference, perturbed, tiny_llama
 from helpers import N, V, assert_target_distribution, sampled_requests, sharpen
@@ -124,6 +126,74 @@ def test_a_drafter_that_raises_fails_no_row(target, name, where, at, caplog):
             assert len(faults) == 1 and f"drafter '{name}' raised" in faults[0].getMessage()
             assert faults[0].exc_info[1].args == (f"a bug in {name}'s {where}",)
     assert not batch.failed  # (its fault was once: the next batch drafts with it)
+
+
+class Misbehaving(Faulty):
+    """A drafter whose proposals ``spoil`` changes (after the drafter it wraps made them)."""
+
+    def __init__(self, drafter, spoil):
+        super().__init__(drafter, "nowhere", 0)
+        self.spoil = spoil
+
+    def open(self, target):
+        session, spoil = self.drafter.open(target), self.spoil
+
+        class Session:
+            def propose(self, rows, ks):
+                drafts = session.propose(rows, ks)
+                drafts.proposals = {b: spoil(p, rows) for b, p in drafts.proposals.items()}
+                return drafts
+
+            def update(self, events):
+                session.update(events)
+
+        return Session()
+
+
+SPOILS = {
+    "a token past the vocabulary": lambda p, rows: replace(p, tokens=[*p.tokens[:-1], 10**6]),
+    "a negative token": lambda p, rows: replace(p, tokens=[-1, *p.tokens[1:]]),
+    "a float token": lambda p, rows: replace(p, tokens=[float(t) for t in p.tokens]),
+    "another drafter's name": lambda p, rows: replace(p, drafter="lookup" if p.drafter != "lookup" else "model"),
+    "a node its own parent": lambda p, rows: replace(p, parents=list(range(len(p.tokens)))),
+    "parents short of tokens": lambda p, rows: replace(p, parents=[-1] * (len(p.tokens) - 1)),
+}
+
+
+@pytest.mark.drafter_fails
+@pytest.mark.parametrize("name", ["lookup", "model"])
+@pytest.mark.parametrize("spoil", SPOILS)
+def test_what_is_not_a_proposal_fails_its_drafter_not_its_batch(target, name, spoil, caplog):
+    """Token ids outside the vocabulary, a name not its own, a tree that is not one: an
+    IndexError failed every row of the batch (or, taken, an output changed). The drafter is
+    failed as one that raised; the rows go on, greedy identical."""
+    dec = decoder(target)
+    i = dec.drafter_names.index(name)
+    dec.drafters[i] = Misbehaving(dec.drafters[i], lambda p, rows: SPOILS[spoil](p, rows) if len(p.tokens) > 1 else p)
+    reqs = [GenerationRequest(prompt=p, max_new_tokens=16, k=3, drafter=d) for p in PROMPTS[:3] for d in (name, "auto")]
+    for req, res in zip(reqs, dec.generate_many(reqs, max_batch=6)):
+        assert res.token_ids == greedy_reference(target, req.prompt, 16)
+    assert any(
+        f"drafter {name!r} propose" in r.getMessage() or f"drafter {name!r} raised" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def test_a_model_drafters_proposal_is_cut_to_the_k_its_row_asked(target):
+    """A model drafter proposing past its k (and for rows not asked): a row ran past its
+    max_new_tokens (43 tokens for 5) and its context."""
+    dec = decoder(target)
+    i = dec.drafter_names.index("model")
+
+    def oracle(p, rows):  # the target's own continuation, 40 tokens past what was asked
+        b = next(b for b, r in enumerate(rows) if r.tokens and p.tokens)  # (any row: a proposal for it)
+        return replace(
+            p, tokens=greedy_reference(target, list(rows[b].tokens), len(p.tokens) + 40), accept=[], buckets=[]
+        )
+
+    dec.drafters[i] = Misbehaving(dec.drafters[i], oracle)
+    res = dec.generate(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=5, k=2, drafter="model"))
+    assert res.token_ids == greedy_reference(target, PROMPTS[0], 5) and max(res.stats.k_values) <= 2
 
 
 def test_a_free_proposal_not_verified_still_teaches_its_drafter(target):

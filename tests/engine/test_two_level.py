@@ -67,6 +67,29 @@ def test_greedy_two_levels_are_identical_to_the_target_and_keep_the_caches(targe
     assert forwards < proposed, "no forward checked a proposal"
 
 
+@pytest.mark.drafter_fails
+def test_a_free_drafter_that_raises_offering_to_a_model_is_blamed_not_the_model(target, caplog):
+    """Two levels: the model drafter asks the free drafters what follows its drafts; a free
+    drafter's fault there was the model's (logged as the model's, the model dropped)."""
+    dec = SpeculativeDecoder(target, perturbed(target, 0.05, seed=3), drafters=["model", "lookup"], default_k=6)
+    cheap_widths(dec)
+
+    lookup = dec.drafter("lookup")
+    follow = lookup.follow
+
+    def broken(row, drafts, k):  # (after the model's drafts only: its own proposals are fine)
+        if drafts:
+            raise RuntimeError("follow broke")
+        return follow(row, drafts, k)
+
+    lookup.follow = broken
+    results = dec.generate_many([GenerationRequest(prompt=p, max_new_tokens=24) for p in PROMPTS[:2]])
+    assert [r.token_ids for r in results] == [greedy_reference(target, p, 24) for p in PROMPTS[:2]]
+    blamed = {m for r in caplog.records if (m := r.getMessage()).startswith("drafter ")}
+    assert blamed and all(m.startswith("drafter 'lookup' raised") for m in blamed), blamed
+    assert all(r.stats.drafter_tokens.get("model", {}).get("proposed") for r in results)
+
+
 def test_greedy_proposals_are_the_drafts_own_greedy_tokens(target):
     draft = perturbed(target, 0.3, seed=5)  # far from the target: many proposals rejected, rolled back
     dec = SpeculativeDecoder(target, draft, drafters=["model", "lookup"], default_k=5)

@@ -12,6 +12,7 @@ read by a worker process can name them too::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
     from .base import Drafter
 
+log = logging.getLogger(__name__)
 GROUP = "specdec_llm.drafters"
 MODEL_DRAFTS = ("model", "distilled", "placeholder")  # pair draft kinds (pairs.draft_kind) that are a causal LM
 
@@ -75,9 +77,14 @@ def registered() -> dict[str, Registration]:
     """Every known drafter, in registration order (built-in ones first)."""
     global _loaded_entry_points
     if not _loaded_entry_points:
-        _loaded_entry_points = True
         for ep in entry_points(group=GROUP):
-            ep.load()()
+            try:
+                ep.load()()
+            except Exception as e:  # noqa: BLE001 - one broken plugin: the others and the built-ins still serve
+                log.error(
+                    "the drafter entry point %r (%s) failed, its drafters are not registered: %r", ep.name, ep.value, e
+                )
+        _loaded_entry_points = True
     return dict(_DRAFTERS)
 
 
@@ -118,7 +125,12 @@ def build(names: list[str], context: DraftContext) -> list[Drafter]:
     for name in names:
         if name not in table:
             raise ValueError(f"unknown drafter {name!r}; known drafters: {', '.join(table)}")
-        out.append(table[name].build(context))
+        built = table[name].build(context)
+        if built.name != name:  # (requests and pairs name it by its registration)
+            raise ValueError(
+                f"drafter {name!r} is registered with a factory whose drafter is named {built.name!r}; use one name"
+            )
+        out.append(built)
     if len({d.name for d in out}) != len(out):
         raise ValueError(f"drafters {names} name one drafter twice")
     return out
