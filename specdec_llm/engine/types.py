@@ -196,8 +196,13 @@ def _int(value: object, name: str, lo: int, hint: str) -> None:
 def _float(value: object, name: str, rule: str, ok: Callable[[float], bool]) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(name, f"must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise RequestError(name, f"{value!r} is not a finite number; it {rule}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer past a float's range
+        finite = False
+    if not finite:
+        shown = repr(value) if len(repr(value)) <= 24 else f"{repr(value)[:12]}... ({len(repr(value))} digits)"
+        raise RequestError(name, f"{shown} is not a finite number; it {rule}")
     if not ok(value):
         raise RequestError(name, f"{value!r} {rule}")
 

@@ -288,6 +288,12 @@ def test_a_stop_string_after_a_partial_character_is_never_streamed(tiny_pair_dir
         ("temperature", -0.1, "temperature: -0.1 must be >= 0"),
         ("temperature", float("nan"), "temperature: nan is not a finite number; it must be >= 0"),
         ("temperature", float("inf"), "temperature: inf is not a finite number; it must be >= 0"),
+        pytest.param(
+            "temperature",
+            10**400,  # (an int past a float's range: hypothesis found an OverflowError)
+            r"temperature: 100000000000\.\.\. \(401 digits\) is not a finite number",
+            id="temperature-past-floats",
+        ),
         ("top_p", float("nan"), "top_p: nan is not a finite number; it must be in \\(0, 1\\]"),
         ("top_p", 0.0, "top_p: 0.0 must be in \\(0, 1\\]"),
         ("top_p", 1.5, "top_p: 1.5 must be in \\(0, 1\\]"),
