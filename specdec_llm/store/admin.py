@@ -30,7 +30,6 @@ from .models import JOB_STATUSES, Base, Job, Output, Pair, Request, Telemetry, W
 from .record import worker_key
 from .sql import chunks, dialect_insert, writing
 
-PENDING = ("queued", "running")
 PRUNE_BATCH = 5000  # request rows deleted per transaction
 _JOBS_PER_LOOK = 500  # prunable jobs looked at per transaction
 _JOBS_PER_DELETE = 10  # emptied jobs deleted per transaction (PostgreSQL scans telemetry for each)

@@ -35,11 +35,10 @@ from sqlalchemy import ColumnElement, and_, case, delete, func, or_, select, upd
 from sqlalchemy.orm import Session
 
 from .db import check_schema, session_scope
-from .models import Job, Output, Pair, Request, Telemetry, utcnow
+from .models import PENDING, Job, Output, Pair, Request, Telemetry, utcnow
 from .record import output_insert, refresh_job, refuse_pruned, row_changed, worker_row_id
 from .sql import chunks, writing
 
-PENDING = ("queued", "running")
 FINISHED = ("ok", "failed", "cancelled")
 
 

@@ -38,6 +38,7 @@ NAMING_CONVENTION = {
 
 REQUEST_STATUSES = ("queued", "running", "ok", "failed", "cancelled")
 JOB_STATUSES = ("queued", "running", "done")
+PENDING = ("queued", "running")  # a request not finished yet
 MAX_JOB_NAME_CHARS = 200  # jobs.name: a longer name cannot be stored (PostgreSQL refuses it)
 MAX_CATEGORY_CHARS = 100  # requests.category: idem
 BASELINE_SOURCES = ("calibration", "shadow")

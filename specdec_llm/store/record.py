@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 from .db import StoreError, check_schema, session_scope
 from .models import (
     BASELINE_SOURCES,
+    PENDING,
     STATS_FIELDS,
     Baseline,
     Job,
@@ -266,9 +267,7 @@ def row_changed(session: Session, job_id: str, *, started: bool = True) -> None:
     checks of a row's telemetry do not block; SQLite has one writer): of rows finishing at
     once, each sees the others' changes in turn, so the last one finishes the job."""
     session.execute(select(Job.id).where(Job.id == job_id).with_for_update(key_share=True))
-    pending = session.scalar(
-        select(Request.id).where(Request.job_id == job_id, Request.status.in_(("queued", "running"))).limit(1)
-    )
+    pending = session.scalar(select(Request.id).where(Request.job_id == job_id, Request.status.in_(PENDING)).limit(1))
     if pending is None:
         refresh_job(session, job_id)
     elif started:
@@ -377,7 +376,7 @@ def create_job(
         if new:
             # a `cancel --now` that has ended (no row left to run) does not stop rows added since (a
             # LangChain job_name's later calls); one still stopping its rows stops these too
-            pending = select(Request.id).where(Request.job_id == job_id, Request.status.in_(("queued", "running")))
+            pending = select(Request.id).where(Request.job_id == job_id, Request.status.in_(PENDING))
             ended = update(Job).where(Job.id == job_id, ~pending.exists())
             s.execute(ended.values(cancel_requested_at=None, cancelled_at=None))
             s.execute(dialect_insert(s, Request).on_conflict_do_nothing(), new)
@@ -456,7 +455,7 @@ def mark_request(
         if worker:
             values["worker_id"] = worker_row_id(s, worker)
         # "ok" is final; a row only starts running from queued/running (never over a cancel)
-        allowed = Request.status.in_(("queued", "running")) if status == "running" else Request.status != "ok"
+        allowed = Request.status.in_(PENDING) if status == "running" else Request.status != "ok"
         if held_by is not None:
             mine = and_(Request.status == "running", Request.lease_owner == held_by)
             never_taken = and_(Request.status == "queued", Request.attempts == 0)  # (failed before its take)
