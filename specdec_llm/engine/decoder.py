@@ -306,7 +306,6 @@ class Batch:
         self.dec = dec
         self.rows: list[Row] = []
         self.tcache = RaggedCache(dec.target, 0, dec.feature_layers)
-        self.failed: set[str] = set()  # drafters that raised: the batch goes on without them
         self.sessions = {d.name: Guarded(d, self.tcache, self.fail, dec.vocab_size) for d in dec.drafters}
         self.free = {d.name: self.sessions[d.name] for d in dec.drafters if d.free}
         self.chooser = schedule.Chooser({d.name: d for d in dec.drafters}, dec.plain)
@@ -514,11 +513,15 @@ class Batch:
         for session in self.sessions.values():
             session.update(events)
 
+    @property
+    def failed(self) -> set[str]:
+        """The drafters that raised: the batch goes on without them."""
+        return {name for name, s in self.sessions.items() if s.session is None}
+
     def fail(self, name: str, error: Exception) -> None:
         """Drafter ``name`` raised: it drafts no more for this batch's rows, which go on without
         it (drafts are only proposals: no output changes). Logged with its traceback."""
         log.error("drafter %r raised; this batch goes on without it: %r", name, error, exc_info=error)
-        self.failed.add(name)
         for r in self.rows:
             r.forget(name)
 
@@ -564,11 +567,9 @@ class Guarded:
 
     def propose(self, rows: Any, ks: dict[int, int]) -> Drafts:
         drafts = (self.guard(self.session.propose, rows, ks) if self.session else None) or Drafts()
-        mine = {b: p for b, p in drafts.proposals.items() if b in ks}  # (only the rows asked)
-        drafts.proposals = self.guard(
-            lambda: {b: checked(p, ks[b], self.name, self.vocab_size) for b, p in mine.items()}
-        )
-        return drafts if drafts.proposals is not None else Drafts()
+        asked = {b: p for b, p in drafts.proposals.items() if b in ks}  # (only the rows asked)
+        proposals = self.guard(lambda: {b: checked(p, ks[b], self.name, self.vocab_size) for b, p in asked.items()})
+        return Drafts(proposals, drafts.forwards) if proposals is not None else Drafts()
 
     def update(self, events: list[Event]) -> None:
         if self.session is not None:
