@@ -436,9 +436,11 @@ LOOK_SHARE = 20
 LOOK_MAX_S = 5.0
 
 
-def next_look_s(poll_s: float, looked_s: float) -> float:
-    """Seconds until ``wait``'s next look, its last one having taken ``looked_s``."""
-    return max(poll_s, min(LOOK_SHARE * looked_s, LOOK_MAX_S))
+def next_look_s(poll_s: float, looked_s: float, deadline: float | None = None) -> float:
+    """Seconds until ``wait``'s next look, its last one having taken ``looked_s`` (not past
+    ``deadline``, a ``time.monotonic()``)."""
+    pause = max(poll_s, min(LOOK_SHARE * looked_s, LOOK_MAX_S))
+    return pause if deadline is None else max(0.0, min(pause, deadline - time.monotonic()))
 
 
 def wait(
@@ -491,38 +493,33 @@ def wait(
             and not counts["running"]
             and time.monotonic() - progress_at > requeue_lost_after_s
         ):
-            progress_at = _requeue_lost_quietly(job_id)
+            progress_at = time.monotonic()
+            _requeue_lost_quietly(job_id)
         if counts["running"] and time.monotonic() - reclaimed_at > get_settings().lease_heartbeat_s:
-            reclaimed_at = _reclaim_quietly()
+            reclaimed_at = time.monotonic()
+            _reclaim_quietly()
         restarts = _restart_killed(workers, restart, restarts, max_restarts)
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} not finished after {timeout_s} s: {counts}")
-        pause = next_look_s(poll_s, looked_s)
-        time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - time.monotonic())))
+        time.sleep(next_look_s(poll_s, looked_s, deadline))
 
 
-def _reclaim_quietly() -> float:
-    """Requeue the rows whose worker's lease expired (as every worker does: whoever comes
-    first); when it was asked (``time.monotonic``)."""
-    asked = time.monotonic()
+def _reclaim_quietly() -> None:
+    """Requeue the rows whose worker's lease expired (as every worker does: whoever comes first)."""
     try:
         reclaim_and_enqueue()
     except Exception as e:  # noqa: BLE001 - the database or broker is away: a worker or the next look does it
         log.debug("requeueing lost rows: %s", e)
-    return asked
 
 
-def _requeue_lost_quietly(job_id: str) -> float:
-    """``requeue_lost``, logged when it sent something; a store or broker away: not now. When
-    it was asked (``time.monotonic``)."""
-    asked = time.monotonic()
+def _requeue_lost_quietly(job_id: str) -> None:
+    """``requeue_lost``, logged when it sent something; a store or broker away: not now."""
     try:
         n = requeue_lost(job_id)
     except store.TRANSIENT_ERRORS + (QueueError,):  # not now; look again later
-        return asked
+        return
     if n:
         log.warning("job %s: %d queued rows had no message (lost with the broker); enqueued again", job_id, n)
-    return asked
 
 
 def _restart_killed(
