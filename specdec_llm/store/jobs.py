@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session
 
 from .db import check_schema, session_scope
 from .models import PENDING, Job, Output, Pair, Request, Telemetry, utcnow
-from .record import output_insert, refresh_job, refuse_pruned, row_changed, worker_row_id
+from .record import output_insert, pending_rows, refresh_job, refuse_pruned, row_changed, worker_row_id
 from .sql import chunks, writing
 
 FINISHED = ("ok", "failed", "cancelled")
@@ -397,12 +397,11 @@ def cancel(job_id: str, *, now: bool = False, at: datetime | None = None, url: s
     nothing of it runs. Either way a running row whose worker is lost is then cancelled, not
     run again (``jobs.cancelled_at``: ``reclaim``)."""
     with writing(url) as s:
-        # first: whether any row is left to run, before the queued ones are cancelled
-        pending = select(Request.id).where(Request.job_id == job_id, Request.status.in_(PENDING)).exists()
         flags: dict[str, datetime] = {"cancelled_at": utcnow()}
         if now:
             flags["cancel_requested_at"] = at or utcnow()
-        s.execute(update(Job).where(Job.id == job_id, pending).values(**flags))
+        # first: whether any row is left to run, before the queued ones are cancelled
+        s.execute(update(Job).where(Job.id == job_id, pending_rows(job_id)).values(**flags))
         rows = s.execute(
             update(Request)
             .where(Request.job_id == job_id, Request.status == "queued")

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, and_, case, func, or_, select, update
+from sqlalchemy import ColumnElement, Exists, and_, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from .db import StoreError, check_schema, session_scope
@@ -258,6 +258,11 @@ def refresh_job(session: Session, job_id: str) -> None:
     )
 
 
+def pending_rows(job_id: str) -> Exists:
+    """Whether ``job_id`` has a row queued or running (a condition for a statement on its job)."""
+    return select(Request.id).where(Request.job_id == job_id, Request.status.in_(PENDING)).exists()
+
+
 def row_changed(session: Session, job_id: str, *, started: bool = True) -> None:
     """After one row of a job changed: index lookups only, no count over the job's rows
     (one count per finished row made a 100k-row job quadratic). The job's counters are
@@ -376,8 +381,7 @@ def create_job(
         if new:
             # a `cancel --now` that has ended (no row left to run) does not stop rows added since (a
             # LangChain job_name's later calls); one still stopping its rows stops these too
-            pending = select(Request.id).where(Request.job_id == job_id, Request.status.in_(PENDING))
-            ended = update(Job).where(Job.id == job_id, ~pending.exists())
+            ended = update(Job).where(Job.id == job_id, ~pending_rows(job_id))
             s.execute(ended.values(cancel_requested_at=None, cancelled_at=None))
             s.execute(dialect_insert(s, Request).on_conflict_do_nothing(), new)
         by_key = _ids_by_key(s, keys)  # again: a concurrent caller may have won a key
