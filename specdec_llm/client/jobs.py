@@ -22,9 +22,9 @@ from typing import Any, TextIO
 from specdec_llm import store
 from specdec_llm.engine import RequestError
 from specdec_llm.settings import get_settings
+from specdec_llm.store import PENDING as PENDING  # (the client exports it)
 from specdec_llm.store import jobs
 from specdec_llm.store.jobs import job_requests as job_requests  # (the client exports it)
-from specdec_llm.store.models import PENDING as PENDING  # (the client exports it)
 
 from . import rows as R
 from .broker import QueueError, broadcast_cancel, check_broker_url, get_app, queue_size, reaching

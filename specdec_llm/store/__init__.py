@@ -86,7 +86,7 @@ from .db import (
     session_scope,
     upgrade,
 )
-from .models import MAX_CATEGORY_CHARS, MAX_JOB_NAME_CHARS, utcnow
+from .models import MAX_CATEGORY_CHARS, MAX_JOB_NAME_CHARS, PENDING, utcnow
 from .record import (
     create_job,
     get_job,
@@ -106,6 +106,7 @@ from .reports import ReportInputError, price_for, summary
 __all__ = [
     "MAX_CATEGORY_CHARS",
     "MAX_JOB_NAME_CHARS",
+    "PENDING",
     "TRANSIENT_ERRORS",
     "ReportInputError",
     "SchemaError",
