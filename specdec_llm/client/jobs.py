@@ -243,7 +243,7 @@ def results(job_id: str, *, failed_only: bool = False) -> list[dict[str, Any]]:
     ``pair``, ``endpoint`` (an OpenAI Batch line's url), ``chat``, ``refused`` (bad input,
     failed at submit), ``finished_at``, more telemetry (``openai_batch.TELEMETRY``) and
     ``baseline_s`` (the speedup's counterfactual)."""
-    from .openai_batch import TELEMETRY
+    from .openai_batch import TELEMETRY, user_error
 
     get_job(job_id)
     out = []
@@ -255,6 +255,8 @@ def results(job_id: str, *, failed_only: bool = False) -> list[dict[str, Any]]:
         item["id"] = params.get("_id", r["id"])
         item["parsed"] = parsed(item.get("text"), params.get("response_format")) if r["status"] == "ok" else None
         item["metadata"] = params.get("_metadata")
+        if params.get("_endpoint") and item["error"]:  # an OpenAI Batch line's: in its own terms
+            item["error"] = user_error(item["error"], params.get("_spelled"))
         if not item.get("draft_tokens_proposed"):  # nothing drafted: no rate (as status and report say), not 0%
             item["acceptance_rate"] = None
         item.update(

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 import calendar
 import dataclasses
 import json
+import re
 from typing import Any
 
 from specdec_llm.checks import check_text
@@ -134,7 +135,23 @@ def fill(row: Row, obj: dict[str, Any]) -> str | None:
     except RequestError as e:
         return f"body.{source.get(e.field, e.field)}: {str(e).split(': ', 1)[1]}"
     row.params = params
+    row.spelled = {ours: theirs for ours, theirs in source.items() if ours != theirs}
     return None
+
+
+def user_error(message: str, spelled: dict[str, str] | None = None) -> str:
+    """A worker's error for an OpenAI Batch row in the line's own terms: the field it names and
+    the fix it gives as the line spells them ("response_format: ...; raise max_new_tokens" ->
+    "body.response_format: ...; raise body.max_tokens"). ``spelled``: the line's name for a
+    parameter it gave under another name (``max_completion_tokens``); an error found at
+    submit ("line 3: body.tools: ...") or naming no field (a time-out) is left as it is."""
+    max_tokens = f"body.{(spelled or {}).get('max_new_tokens', 'max_tokens')}"
+    head, sep, rest = message.partition(": ")
+    if head == "max_new_tokens":
+        head = max_tokens
+    elif head in PARAMS.values() or head in ("prompt", "messages"):
+        head = f"body.{head}"
+    return head + sep + re.sub(r"\bmax_new_tokens\b", max_tokens, rest)
 
 
 def _messages(row: Row, messages: Any) -> str | None:

@@ -18,7 +18,9 @@ position ("3"), or "row-3" when another row of the file names "3" itself: ids ne
 A request row in the store: ``prompt`` or ``messages``, and ``params`` = the generation
 parameters (``GenerationRequest`` field names, job-level ones merged under the row's) plus
 bookkeeping under keys starting with "_": ``_row`` (position in the file), ``_id`` (the
-row's id), ``_metadata``, ``_input_error`` (why it was refused at submit time), and for chat
+row's id), ``_metadata``, ``_input_error`` (why it was refused at submit time), for an OpenAI
+Batch line ``_endpoint`` (its url) and ``_spelled`` (its own name of a parameter, e.g.
+``{"max_new_tokens": "max_completion_tokens"}``: its errors name that), and for chat
 turns from LangChain ``_tools`` (tool schemas for the chat template) and ``_prefill`` (text
 after the generation prompt: the start of the answer).
 ``build_request`` turns such a row into the engine's request: the worker does it for each
@@ -65,6 +67,7 @@ class Row:
     category: str | None = None
     error: str | None = None
     endpoint: str | None = None  # an OpenAI Batch line's url (its results can be written in that format)
+    spelled: dict[str, str] | None = None  # an OpenAI Batch line's names for parameters ours name otherwise
 
 
 MAX_LINE_BYTES = 8 * 2**20  # a longer line fails its row unread (memory stays bounded whatever the file)
@@ -489,6 +492,8 @@ def to_request(job_id: str, row: Row, job_params: dict[str, Any]) -> dict[str, A
     params = {**job_params, **row.params, "_row": row.index, "_id": row.id}
     if row.endpoint is not None:
         params["_endpoint"] = row.endpoint
+    if row.spelled:
+        params["_spelled"] = row.spelled
     if row.metadata is not None:
         params["_metadata"] = row.metadata
     if row.error is not None:

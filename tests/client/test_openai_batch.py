@@ -324,3 +324,36 @@ def test_a_row_asking_for_plain_text_is_not_held_to_the_jobs_schema(tmp_path):
     assert [r.error for r in rows] == [None, None, None]
     formats = [to_request("j", r, {"response_format": schema})["params"]["response_format"] for r in rows]
     assert formats == [None, None, schema]
+
+
+def test_a_worker_error_names_the_field_the_line_wrote(embedded, tmp_path):
+    """A constrained row out of tokens fails in its worker with "...; raise max_new_tokens" (our
+    name, not the line's): its result names the field the line wrote (body.max_tokens or
+    body.max_completion_tokens, else body.max_tokens) and the fix, as errors found at submit do."""
+    from specdec_llm import store
+    from specdec_llm.engine import GenerationResult, Stats
+
+    fmt = {"type": "json_object"}
+    path = jsonl(
+        tmp_path / "b.jsonl",
+        chat_line("a", max_tokens=3, response_format=fmt),
+        chat_line("b", max_completion_tokens=3, response_format=fmt),
+        completion_line("c", response_format=fmt),
+        completion_line("d"),
+    )
+    job = client.submit(path, "tiny")["job_id"]
+    why = GenerationResult("{", [1, 2, 3], "length", Stats(), complete=False).incomplete()
+    for i in (1, 2, 3):
+        store.mark_request(f"{job}-{i}", "failed", error=f"response_format: {why}")  # (as its worker does)
+    store.mark_request(f"{job}-4", "failed", error="prompt: is 600 tokens but the model's context is 512; shorten it")
+    items = client.results(job)
+    assert [i["error"].rsplit("; ", 1)[1] for i in items[:3]] == [
+        "raise body.max_tokens",
+        "raise body.max_completion_tokens",
+        "raise body.max_tokens",  # (the job's max_new_tokens: the line's own field would raise it)
+    ]
+    assert items[0]["error"].startswith("body.response_format: the output is not complete after 3 tokens")
+    assert items[3]["error"] == "body.prompt: is 600 tokens but the model's context is 512; shorten it"
+    lines = [output_line(i) for i in items]
+    assert [line["error"]["param"] for line in lines] == ["response_format"] * 3 + ["prompt"]
+    assert "max_new_tokens" not in json.dumps(lines)
