@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .local import LocalWorker
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -270,7 +271,10 @@ def run(
     file: InputArg,
     pair: PairOpt = None,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Results file (default: FILE's stem + .results.jsonl)")
+        Path | None,
+        typer.Option(
+            "--out", "-o", help="Results file (default: beside FILE, its stem + .results.jsonl, or .results.csv)"
+        ),
     ] = None,
     fmt: FormatOpt = "jsonl",
     name: NameOpt = None,
@@ -301,7 +305,7 @@ def run(
     pair = pair or get_settings().default_pair
     device = check_device(device)
     batching = check_batching(get_settings().max_batch if max_batch is None else max_batch, concurrency)
-    out = out or Path(f"{file.stem}.results.{'csv' if fmt == 'csv' else 'jsonl'}")
+    out = out or file.with_name(f"{file.stem}.results.{'csv' if fmt == 'csv' else 'jsonl'}")
     _check_output(fmt, out, source=file)  # before generating anything, not after
     with user_errors():  # the price (the flag, else SPECDEC_PRICE_PER_HOUR): now, not after the job
         store.price_for(price_per_hour or None, device or "cpu")
@@ -482,9 +486,10 @@ def _export(items: list[dict[str, Any]], fmt: str, out: Path | None, job: str | 
     if out is None:
         client.write_results(items, fmt, sys.stdout)
         return
-    # a file is written whole, then renamed: a failed export clobbers nothing (a pipe or a device: as it is)
+    # a file is written whole, then renamed: a failed export clobbers nothing (a pipe or a device: as it is);
+    # its temporary file is this process's own, so two exports to one file at once each write theirs whole
     regular = not out.exists() or (out.is_file() and not out.is_symlink())
-    part = out.with_name(f".{out.name}.part") if regular else out
+    part = out.with_name(f".{out.name}.{os.getpid()}.part") if regular else out
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(part, "w", encoding="utf-8", newline="") as f:
@@ -492,8 +497,9 @@ def _export(items: list[dict[str, Any]], fmt: str, out: Path | None, job: str | 
         if part != out:
             part.replace(out)
     except OSError as e:
-        if part != out:
-            with contextlib.suppress(OSError):
-                part.unlink()
         again = f"; the results are in the store: `specdec-llm results {job} --out FILE` writes them" if job else ""
         fail(f"cannot write {out}: {e.strerror}{again}")
+    finally:  # (whatever stopped it, an interrupt too: no temporary file is left behind)
+        if part != out:
+            with contextlib.suppress(OSError):
+                part.unlink(missing_ok=True)

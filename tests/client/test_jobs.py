@@ -364,3 +364,62 @@ def test_wait_looks_at_a_job_less_often_the_longer_its_count_takes(monkeypatch):
     jobs.wait("big", poll_s=0.3)
     assert len(looks) == 3 and min(b - a for a, b in itertools.pairwise(looks)) >= jobs.LOOK_SHARE * 0.05
     assert jobs.next_look_s(0.3, 3.0) == jobs.LOOK_MAX_S  # (one very slow count: still looked at again soon)
+
+
+# -- the results file ------------------------------------------------------------------------------
+def test_runs_default_results_file_is_beside_its_input_not_in_the_cwd(embedded, tmp_path, monkeypatch):
+    """`run FILE` without --out writes FILE's stem + .results.jsonl beside FILE, as its help says
+    (it was written to the current folder). A folder of that name there shows where it would go:
+    refused before any row is submitted."""
+    data, elsewhere = tmp_path / "data_files", tmp_path / "elsewhere"
+    data.mkdir()
+    elsewhere.mkdir()
+    path = jsonl(data / "in.jsonl", {"prompt": "hi"})
+    (data / "in.results.jsonl").mkdir()
+    (elsewhere / "in.results.jsonl").mkdir()  # (the old default: refused too, naming another path)
+    monkeypatch.chdir(elsewhere)
+    res = invoke("run", path, "--pair", "tiny")
+    assert res.exit_code == 2 and f"out: {data / 'in.results.jsonl'} is a folder" in res.output, res.output
+    assert "beside FILE" in " ".join(invoke("run", "--help").output.split())
+
+
+def test_two_exports_to_one_file_at_once_each_write_it_whole(monkeypatch, tmp_path):
+    """Two processes writing one results file at once (the same `run FILE` twice, or two
+    `results --out X`) each write a temporary file of their own, then rename it: the file is
+    one export's, whole. With one ".X.part" for both, the second truncated the first's
+    mid-write and one of them failed ("cannot write X")."""
+    import os
+
+    from specdec_llm.client.cli import _export
+
+    out, pid = tmp_path / "results.jsonl", [111]
+    real = client.write_results
+
+    def write(items, fmt, f):  # (the other process's whole export lands in the middle of this one's)
+        real(items[:1], fmt, f)
+        if pid[0] == 111:
+            pid[0] = 222
+            _export([{**items[0], "id": "theirs"}], fmt, out)
+            pid[0] = 111
+        real(items[1:], fmt, f)
+
+    monkeypatch.setattr(os, "getpid", lambda: pid[0])
+    monkeypatch.setattr(client, "write_results", write)
+    row = dict.fromkeys(client.RESULT_FIELDS)
+    _export([{**row, "id": "mine"}, {**row, "id": "mine too"}], "jsonl", out)
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["mine", "mine too"]
+    assert [p.name for p in tmp_path.iterdir()] == ["results.jsonl"]  # no temporary file left
+
+
+def test_an_export_stopped_by_anything_leaves_no_temporary_file(monkeypatch, tmp_path):
+    """Not only a failed write (OSError): an interrupt mid-export leaves the folder as it was."""
+    from specdec_llm.client.cli import _export
+
+    def interrupted(items, fmt, f):
+        f.write("half a row")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(client, "write_results", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _export([{}], "jsonl", tmp_path / "results.jsonl")
+    assert list(tmp_path.iterdir()) == []
