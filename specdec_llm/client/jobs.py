@@ -66,7 +66,7 @@ def submit(
     """
     from specdec_llm.pairs import get_spec  # (torch: not for commands that only read)
 
-    params = {k: v for k, v in (params or {}).items() if v is not None}
+    params = R.stop_as_list({k: v for k, v in (params or {}).items() if v is not None})
     spec = get_spec(pair)  # unknown pair: fail now, not in a worker
     if params.get("drafter") is not None:
         spec.check_drafter(params["drafter"])  # one the pair has (as `generate` checks it)

@@ -337,9 +337,7 @@ def _fill(row: Row, obj: dict[str, Any]) -> str | None:
     params = obj.get("params") or {}
     if not isinstance(params, dict):
         return '"params" must be an object of generation parameters'
-    row.params = {**{k: obj[k] for k in PARAMS if k in obj}, **params}
-    if isinstance(row.params.get("stop"), str):  # (one stop string, as OpenAI's lines may give it)
-        row.params["stop"] = [row.params["stop"]]
+    row.params = stop_as_list({**{k: obj[k] for k in PARAMS if k in obj}, **params})
     if row.params.get("response_format") == openai_batch.PLAIN_TEXT:  # (OpenAI's "no constraint": over the job's too)
         row.params["response_format"] = None
     return _category_problem(row.category)
@@ -443,6 +441,13 @@ def _csv_row(record: dict[str | None, Any], index: int, line: int, header: int, 
 
 
 # -- checks and ids ------------------------------------------------------------------------
+def stop_as_list(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with one stop string as a list of it (as OpenAI's API takes it): a row's
+    parameters and a job's."""
+    stop = params.get("stop")
+    return {**params, "stop": [stop]} if isinstance(stop, str) else params
+
+
 def check_params(params: dict[str, Any], *, messages: bool = False) -> None:
     """RequestError naming the first bad generation parameter."""
     unknown = sorted(set(params) - set(PARAMS))

@@ -191,6 +191,18 @@ def test_submit_passes_every_generation_option_on(embedded, tmp_path):
     assert res.stdout.strip().splitlines()[-1] == params["job_id"]  # --drafter auto: the job without it
 
 
+def test_one_stop_string_for_a_whole_job_is_a_stop_as_for_a_row(embedded, tmp_path):
+    """``client.submit(..., {"stop": "END"})`` (one string, as a row may give it and OpenAI's
+    API takes it) is the job's stop ["END"], the same job as with the list; it was refused
+    ("stop: must be a list of non-empty strings")."""
+    path = jsonl(tmp_path / "in.jsonl", {"prompt": "one"}, {"prompt": "two", "stop": "."})
+    job = client.submit(path, "tiny", {"stop": "END"})["job_id"]
+    assert store.get_job(job)["params"] == {"stop": ["END"]}
+    assert client.submit(path, "tiny", {"stop": ["END"]})["job_id"] == job
+    stops = [r["params"]["stop"] for r in client.job_requests(job)]
+    assert stops == [["END"], ["."]] and client.job_counts(job)["failed"] == 0
+
+
 def test_cancel_then_retry_leaves_cancelled_rows(embedded, tmp_path):
     path = jsonl(tmp_path / "in.jsonl", *({"prompt": f"p{i}"} for i in range(4)))
     job = client.submit(path, "tiny")["job_id"]
