@@ -10,7 +10,8 @@ broker (one machine), JSON lines appended to ``<data_dir>/streams/<request id>.j
 row's attempt: a row requeued to another worker (its first one lost) publishes its text from
 the start again, and the reader yields only what goes past what it has already given (a greedy
 row's text is the same each time; a sampled row's that is not ends the stream with
-``StreamDiverged``). Streaming is best
+``StreamDiverged``; one that ended before any text, cancelled or failed, just ends it: the
+row's result says how it ended). Streaming is best
 effort: a failing write stops the stream, never the generation (the client still gets the
 whole result from the task). Both ends import this module; it imports neither.
 """
@@ -128,7 +129,9 @@ class _Attempts:
     over, and only its text past what was given is new; an earlier one's entries are stale.
     A later attempt whose text differs from what was given (a sampled row) ends the stream
     with ``StreamDiverged``: the text streamed so far is not the row's, and no splice of two
-    attempts is passed off as one."""
+    attempts is passed off as one. A later attempt that ends with no text at all (cancelled,
+    or failed before its first token) wrote nothing to differ: it ends the stream, and the
+    caller reads the row's outcome from its result."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -144,10 +147,12 @@ class _Attempts:
 
     def ended(self, entry: dict[str, Any]) -> bool:
         """Whether ``entry`` ends the attempt followed; ``StreamDiverged`` if that attempt
-        ended before the text already given (a requeued sampled row that ended sooner)."""
+        ended after some text but before the text already given (a requeued sampled row that
+        ended sooner). One that ended at character 0 gave no text to differ (cancelled, or failed
+        before its first token): the stream ends, and the row's result says how."""
         if "end" not in entry or not self.current(entry):
             return False
-        if self.read < len(self.given):
+        if 0 < self.read < len(self.given):
             raise StreamDiverged(
                 f"request {self.request_id}: its worker was lost and the row started over, ending at "
                 f"character {self.read} (attempt {self.attempt}) where the stream had given "

@@ -75,6 +75,20 @@ def test_a_requeued_row_that_ends_sooner_ends_its_stream_with_stream_diverged(st
         list(follow_stream("row-3", lambda: False, timeout_s=10))
 
 
+def test_a_requeued_row_that_ends_before_any_text_just_ends_its_stream(streams):
+    """The row started over and was cancelled, or failed, before its first token: its attempt
+    wrote no text, so none differs from what was given ("abcdef"): the stream ends there and
+    the caller reads the row's outcome from its result. It was called a divergence "at
+    character 0"."""
+    first = StreamWriter("row-5", 1)
+    first("abc")
+    first("def")
+    second = StreamWriter("row-5", 2)
+    second.close()
+    first("XX")  # (a late entry of the lost attempt: stale)
+    assert list(follow_stream("row-5", lambda: False, timeout_s=10)) == ["abc", "def"]
+
+
 def test_a_line_cut_short_by_a_killed_worker_is_skipped_and_a_gone_reader_leaves_no_file(streams, tmp_path):
     first = StreamWriter("row-4", 1)
     first("Hel")
