@@ -159,7 +159,7 @@ def check_caches(batch) -> None:
         if isinstance(backend, RaggedBackend) and not isinstance(backend, EagleBackend):
             # a self-draft (the target quantized) holds the target's own keys and values
             model = dec.target if isinstance(backend, SelfBackend) else backend.model
-            checks.append((backend.cache, model, lambda r, name=name: r.view.state[name].held))
+            checks.append((backend.cache, model, lambda r, name=name: r.view(name).state[name].held))
     for cache, model, length in checks:
         assert cache.rows == len(batch.rows)
         for b, r in enumerate(batch.rows):

@@ -191,11 +191,11 @@ class SpeculativeDecoder:
         """Two-level drafting: what the row's free drafters offer after its tokens and ``drafts``
         (a free drafter that raises here is logged and asked no more: the model drafter asking
         is not at fault)."""
-        out = []
+        out, owner = [], Row.of(row)  # (each free drafter is asked with its own view of the row)
         for d in self.drafters:
             if isinstance(d, FreeDrafter) and d.name in row.drafters and d.name not in self.offers_failed:
                 try:
-                    p = d.offer(row, k, drafts)
+                    p = d.offer(owner.view(d.name) if owner is not None else row, k, drafts)
                     out += [checked(p, k, d.name, self.vocab_size)] if p is not None else []
                 except Exception as e:  # the row goes on with the other drafters' offers (logged once)
                     self.offers_failed.add(d.name)
@@ -328,7 +328,7 @@ class Batch:
         own, row.stats.target_time_s = prefill(dec.target, prompt, dec.feature_layers)
         self.joining.append(own)
         features = own.last_features[0] if own.last_features is not None else None
-        self.tell([Joined(len(self.rows), row.view, features)])
+        self.tell(lambda name: [Joined(len(self.rows), row.view(name), features)])
         self.rows.append(row)
         for name in self.failed:
             row.forget(name)
@@ -391,7 +391,7 @@ class Batch:
             if ks and name in self.free:
                 props.update({b: offers[b][name].cut(k) for b, k in ks.items()})
             elif ks:
-                drafts = session.propose([r.view for r in self.rows], ks)
+                drafts = session.propose([r.view(name) for r in self.rows], ks)
                 self.charge(name, drafts)
                 props.update(drafts.proposals)
         self.uncut = {}
@@ -419,7 +419,7 @@ class Batch:
         for b, prop in props.items():
             r = rows[b]
             others = [o for name, o in offers[b].items() if name != prop.drafter] + (prop.branches or [])
-            if others and r.grammar is None and (r.req.greedy or (prop.q is None and not r.view.seeded)):
+            if others and r.grammar is None and (r.req.greedy or (prop.q is None and not r.seeded)):
                 props[b] = branches.grow(prop, others, price, token_s, self.dec.max_k)
         return props
 
@@ -482,7 +482,7 @@ class Batch:
                 verified = chain is not None and chain.drafter == name
                 # (a chain the grammar cut: its drafter learns the rejection of the token cut at)
                 mine = self.uncut.get(b, chain) if verified else offers[b].get(name)
-                out.append(Accepted(b, r.view, mine, n if verified else None, new, f))
+                out.append(Accepted(b, r.view(name), mine, n if verified else None, new, f))
         for name, session in self.sessions.items():
             session.update(events[name])
 
@@ -492,26 +492,25 @@ class Batch:
         row from the end, so the caches copy only the rows that move."""
         self.merge()
         n, alive = len(index), set(index)
-        left: list[Event] = [
-            Left(b, r.view, r.finish_reason is not None) for b, r in enumerate(self.rows) if b not in alive
-        ]
+        gone = [(b, r) for b, r in enumerate(self.rows) if b not in alive]
         tail = iter(b for b in index if b >= n)
         order = [b if b in alive else next(tail) for b in range(n)]
         if order != list(range(self.tcache.rows)):
             self.tcache.keep_rows(order)
         self.tcache.tidy()
-        self.tell([*left, Moved(order)])
+        self.tell(lambda name: [*(Left(b, r.view(name), r.finish_reason is not None) for b, r in gone), Moved(order)])
         self.rows = [self.rows[b] for b in order]
 
     def close(self) -> None:
         """Every row leaves (finished only where it has its result), whatever state the batch
         is in (a failed step): their drafters' resources come back. The batch is done."""
-        self.tell([Left(b, r.view, r.finish_reason is not None) for b, r in enumerate(self.rows)])
+        self.tell(lambda name: [Left(b, r.view(name), r.finish_reason is not None) for b, r in enumerate(self.rows)])
         self.rows = []
 
-    def tell(self, events: list[Event]) -> None:
-        for session in self.sessions.values():
-            session.update(events)
+    def tell(self, events: Callable[[str], list[Event]]) -> None:
+        """``events(name)``: what drafter ``name`` hears (its own views of the rows)."""
+        for name, session in self.sessions.items():
+            session.update(events(name))
 
     @property
     def failed(self) -> set[str]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import time
+import weakref
+import zlib
 from typing import Any
 
 import torch
@@ -16,11 +19,13 @@ from .sampling import accept_greedy, accept_sampled, probs
 from .text import TextStream
 from .types import FinishReason, GenerationRequest, GenerationResult, Stats
 
+_OWNERS: weakref.WeakValueDictionary[int, Row] = weakref.WeakValueDictionary()  # id(view) -> its row
+
 
 class Row:
     """``drafters``: the names of the drafters it may use; ``k``: its fixed k (None: the
     batch's plan chooses); ``grammar``: its ``response_format``'s matcher (grammar.py), which
-    masks its verified positions. ``view`` is what drafters see of it."""
+    masks its verified positions. ``view(name)`` is what drafter ``name`` sees of it."""
 
     def __init__(
         self,
@@ -39,10 +44,9 @@ class Row:
         self.seq = list(prompt)
         self.out: list[int] = []
         seed = req.seed if req.seed is not None else random.getrandbits(63)
-        self.gen = torch.Generator().manual_seed(seed)
-        sampling = Sampling(req.greedy, req.temperature, req.top_k, req.top_p, req.seed)
-        self.view = RowView(self.seq, sampling, self.gen, tuple(drafters), req.scope)
-        self.view.response_format, self.view.prompt_length = req.response_format, len(prompt)
+        self.seed, self.gen = seed, torch.Generator().manual_seed(seed)
+        self.sampling = Sampling(req.greedy, req.temperature, req.top_k, req.top_p, req.seed)
+        self.views: dict[str, RowView] = {}
         self.stats = Stats(prompt_tokens=len(prompt))
         self.ledger = Ledger()
         self.text_stream = text
@@ -55,10 +59,34 @@ class Row:
     def text(self) -> str:
         return self.text_stream.text
 
+    @property
+    def seeded(self) -> bool:
+        return self.sampling.seed is not None and not self.sampling.greedy
+
+    def view(self, drafter: str) -> RowView:
+        """What ``drafter`` sees of the row, its own copy: the tokens (replaced as the row
+        grows), a state and a generator (seeded from the row's seed: a drafter's draws never
+        move the row's own) of its own, a copy of the row's ``response_format``."""
+        v = self.views.get(drafter)
+        if v is None:
+            gen = torch.Generator().manual_seed((self.seed + zlib.crc32(drafter.encode())) % 2**63)
+            fmt = copy.deepcopy(self.req.response_format)
+            v = RowView(
+                list(self.seq), self.sampling, gen, tuple(self.drafters), self.req.scope, {}, fmt, len(self.prompt)
+            )
+            self.views[drafter], _OWNERS[id(v)] = v, self
+        return v
+
+    @staticmethod
+    def of(view: RowView) -> Row | None:
+        """The row whose view ``view`` is (None for a view the loop did not make)."""
+        return _OWNERS.get(id(view))
+
     def forget(self, drafter: str) -> None:
         """The row drafts no more with ``drafter`` (it raised: decoder.Guarded)."""
         self.drafters = [d for d in self.drafters if d != drafter]
-        self.view.drafters = tuple(self.drafters)
+        for v in self.views.values():
+            v.drafters = tuple(self.drafters)
 
     def room(self) -> int:
         return min(self.req.max_new_tokens - len(self.out), self.context_length - len(self.seq))
@@ -91,6 +119,8 @@ class Row:
             self.grammar.advance(new)
         self.seq += new
         self.out += new
+        for v in self.views.values():  # (a copy each: a drafter's changes reach neither the row nor another drafter)
+            v.tokens = list(self.seq)
         self.ledger.emitted += len(new)
         if not self.stats.time_to_first_token_s:
             self.stats.time_to_first_token_s = time.perf_counter() - self.t0

@@ -58,9 +58,9 @@ class PlainIterations:
 def offers(rows: list[Row], free: Mapping[str, Session], max_k: int) -> Offers:
     """Every free drafter's proposal for each row that may use it, as long as the row allows."""
     out: Offers = {b: {} for b in range(len(rows))}
-    views = [r.view for r in rows]
     for name, session in free.items():
         ks = {b: min(r.k if r.k is not None else max_k, r.room() - 1) for b, r in enumerate(rows) if name in r.drafters}
+        views = [r.view(name) for r in rows]
         for b, prop in session.propose(views, {b: k for b, k in ks.items() if k > 0}).proposals.items():
             out[b][name] = prop
     return out
@@ -109,7 +109,7 @@ class Chooser:
         options = [
             RowOptions(
                 free=list(offered[b].values()),
-                models={d: m.rate(rows[b].view) for d in rows[b].drafters if not (m := self.drafters[d]).free},
+                models={d: m.rate(rows[b].view(d)) for d in rows[b].drafters if not (m := self.drafters[d]).free},
                 limit=rows[b].room() - 1,
             )
             for b in auto

@@ -275,6 +275,11 @@ class GenerationResult:
             return None
         if self.finish_reason == "stop":
             return f"a stop string cut the output after {len(self.token_ids)} tokens, before it was complete; drop that stop string"
+        if self.finish_reason == "context":
+            return (
+                f"the output is not complete after {len(self.token_ids)} tokens: the prompt and output filled "
+                "the pair's context; shorten the prompt or ask for a shorter output"
+            )
         return (
             f"the output is not complete after {len(self.token_ids)} tokens (finish_reason "
             f"{self.finish_reason!r}); raise max_new_tokens"

@@ -102,16 +102,17 @@ def test_greedy_identical_with_caches_exact_as_rows_join_and_leave(target, name)
         assert row.result.token_ids == greedy_reference(target, row.prompt, row.req.max_new_tokens)
 
 
-def record_lefts(monkeypatch) -> list[tuple[int, Left]]:
-    """Every Left event any batch tells its sessions, with the id of the row's view."""
+def record_lefts(monkeypatch, name: str) -> list[tuple[int, Left]]:
+    """Every Left event drafter ``name``'s sessions hear, with the id of its view of the row."""
     seen: list[tuple[int, Left]] = []
-    tell = decoder_mod.Batch.tell
+    update = decoder_mod.Guarded.update
 
     def recording(self, events):
-        seen.extend((id(e.row), e) for e in events if isinstance(e, Left))
-        tell(self, events)
+        if self.name == name:
+            seen.extend((id(e.row), e) for e in events if isinstance(e, Left))
+        update(self, events)
 
-    monkeypatch.setattr(decoder_mod.Batch, "tell", recording)
+    monkeypatch.setattr(decoder_mod.Guarded, "update", recording)
     return seen
 
 
@@ -120,7 +121,7 @@ def test_every_row_that_leaves_reaches_its_drafters(target, name, monkeypatch):
     """Finished, cancelled (dropped unfinished), and every row of a batch closed after a
     failed step: each reaches the sessions once, ``finished`` as it is."""
     dec = decoder(target, name)
-    seen = record_lefts(monkeypatch)
+    seen = record_lefts(monkeypatch, name)
     batch = Batch(dec)
     rows = [batch.add(GenerationRequest(prompt=p, k=2, max_new_tokens=n)) for p, n in zip(PROMPTS, (3, 30, 30, 30))]
     for _ in range(3):
@@ -128,14 +129,14 @@ def test_every_row_that_leaves_reaches_its_drafters(target, name, monkeypatch):
     assert rows[0].result is not None  # finished
     batch.keep([b for b, r in enumerate(batch.rows) if r is not rows[1]])  # cancelled
     batch.close()  # a failed step: the rest leave unfinished
-    assert sorted(i for i, _ in seen) == sorted(id(r.view) for r in rows)
-    assert {i: e.finished for i, e in seen} == {id(r.view): r is rows[0] for r in rows}
+    assert sorted(i for i, _ in seen) == sorted(id(r.view(name)) for r in rows)
+    assert {i: e.finished for i, e in seen} == {id(r.view(name)): r is rows[0] for r in rows}
 
 
 @pytest.mark.parametrize("name", known())
 def test_rows_that_time_out_in_a_server_reach_their_drafters(target, name, monkeypatch):
     dec = decoder(target, name)
-    seen = record_lefts(monkeypatch)
+    seen = record_lefts(monkeypatch, name)
     server = BatchServer(dec, max_batch=4, max_wait_ms=50)
     try:
         late = server.submit(GenerationRequest(prompt=PROMPTS[1], max_new_tokens=40), deadline=time.monotonic() - 1)

@@ -8,13 +8,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from conftest import check_caches, exact_two_token_distribution, greedy_reference, perturbed, tiny_llama
 from helpers import N, V, assert_target_distribution, sampled_requests, sharpen
 
 from specdec_llm.engine import GenerationRequest, RequestError, SpeculativeDecoder
 from specdec_llm.engine.decoder import Batch
-from specdec_llm.engine.drafting.base import Proposal, RowView, Sampling
+from specdec_llm.engine.drafting.base import Accepted, DraftContext, Forward, Proposal, RowView, Sampling
 from specdec_llm.engine.drafting.lookup import Lookup
+from specdec_llm.engine.drafting.model import Backend, ModelDrafter
 from specdec_llm.engine.drafting.suffix import SuffixIndex
 
 # prompts that repeat themselves, so prompt lookup has matches from the first token
@@ -126,6 +128,104 @@ def test_a_drafter_that_raises_fails_no_row(target, name, where, at, caplog):
             assert len(faults) == 1 and f"drafter '{name}' raised" in faults[0].getMessage()
             assert faults[0].exc_info[1].args == (f"a bug in {name}'s {where}",)
     assert not batch.failed  # (its fault was once: the next batch drafts with it)
+
+
+class Meddling(Faulty):
+    """A drafter that proposes as the one it wraps, and meddles with every view it hears of
+    once it has heard: grows its tokens in place, clears every state slot it can reach, draws
+    from its generator."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter, "nowhere", 0)
+
+    def open(self, target):
+        session = self.drafter.open(target)
+
+        def meddle(event):
+            row = event.row
+            if isinstance(event, Accepted):  # (its own tokens are replaced before it proposes again)
+                seq = row.tokens
+                seq += [0]
+            row.state.clear()
+            torch.rand(8, generator=row.gen)
+
+        class Session:
+            def propose(self, rows, ks):
+                return session.propose(rows, ks)
+
+            def update(self, events):
+                session.update(events)
+                for e in events:
+                    if getattr(e, "row", None) is not None:
+                        meddle(e)
+
+        return Session()
+
+
+def test_what_a_drafter_does_to_its_view_changes_no_row_and_no_other_drafter(target):
+    """A drafter sees its own copy of each row: growing its tokens, clearing state, drawing
+    from its generator change neither the row's output (greedy identical; a seeded sampled
+    row's text as without it) nor another drafter's state (the model drafter keeps drafting)."""
+    dec, plain = decoder(target), decoder(target)
+    i = dec.drafter_names.index("lookup")
+    dec.drafters[i] = Meddling(dec.drafters[i])
+    batch = Batch(dec)
+    rows = [batch.add(GenerationRequest(prompt=p, max_new_tokens=16, k=3)) for p in PROMPTS]
+    while batch.rows:
+        batch.step()
+        for r in batch.rows:  # (the row's tokens are its own, and so are another drafter's views)
+            assert r.seq == r.prompt + r.out and r.view("model").tokens == r.seq
+    out = [r.result for r in rows]
+    for r in rows:
+        assert r.result.token_ids == greedy_reference(target, r.prompt, 16)
+    assert sum(r.stats.drafter_tokens.get("model", {}).get("accepted", 0) for r in out) > 0
+    assert sum(r.stats.drafter_tokens.get("lookup", {}).get("proposed", 0) for r in out) > 0
+    seeded = [
+        GenerationRequest(prompt=p, max_new_tokens=16, k=3, drafter="lookup", temperature=1.0, seed=7) for p in PROMPTS
+    ]
+    assert [r.token_ids for r in dec.generate_many(seeded)] == [r.token_ids for r in plain.generate_many(seeded)]
+
+
+class TableBackend(Backend):
+    """A draft with no model: its logits at a token are a fixed table's row for that token."""
+
+    def __init__(self, name, table):
+        super().__init__(name, table.shape[0])
+        self.table, self.fed = table, []
+
+    def feed(self, rows, inputs, keep):
+        for b, x in inputs.items():
+            rows[b].state[self.name].held += len(x)
+            self.fed.append(len(x))
+        logits = {b: self.table[torch.tensor(x[-keep[b] :])] for b, x in inputs.items()}
+        return logits, [Forward({b: len(x)}, len(x), 1e-4) for b, x in inputs.items()]
+
+    def truncate(self, b, row, n):
+        st = row.state[self.name]
+        st.held = min(st.held, n)
+
+
+class TableDrafter(ModelDrafter):
+    def __init__(self, table):
+        super().__init__(None, DraftContext(None, table.shape[0]), "table")
+        self.table, self.made = table, []
+
+    def backend(self, target):
+        self.made.append(TableBackend(self.name, self.table))
+        return self.made[-1]
+
+
+def test_a_model_drafter_with_a_backend_of_its_own_is_timed_through_it(target):
+    """Calibration times a model drafter's forwards through its own backend (here one with no
+    model at all), and its rows stay greedy identical."""
+    n = target.config.vocab_size
+    drafter = TableDrafter(torch.randn(n, n, generator=torch.Generator().manual_seed(0)))
+    dec = SpeculativeDecoder(target, drafters=[drafter])
+    out = dec.generate_many([GenerationRequest(prompt=p, max_new_tokens=12) for p in PROMPTS], max_batch=2)
+    for p, res in zip(PROMPTS, out):
+        assert res.token_ids == greedy_reference(target, p, 12)
+    forward = drafter.timer(2, [1, 2, 3, 4])
+    assert forward(3) > 0 and drafter.made[-1].fed[-2:] == [3, 3]
 
 
 class Misbehaving(Faulty):

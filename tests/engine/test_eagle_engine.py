@@ -127,7 +127,7 @@ def test_eagle_alone_and_mixed_is_greedy_identical_and_proposes_what_a_recomputa
             break
         batch.step()
         for b, r in enumerate(batch.rows):  # the draft cache holds exactly the real pairs fed
-            st = r.view.state["eagle"]  # (the first token is never an input: held counts it)
+            st = r.view("eagle").state["eagle"]  # (the first token is never an input: held counts it)
             assert int(batch.sessions["eagle"].session.backend.cache.valid[b].sum()) == st.held - 1
             assert st.held + sum(len(f) for f in st.pending) == len(r.seq)
     assert not batch.rows

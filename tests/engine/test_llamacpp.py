@@ -63,10 +63,10 @@ def decoders(pair):
 
 def check_contexts(batch) -> None:
     for row in batch.rows:  # a context holds a prefix of its row's tokens, rollbacks undone
-        st = row.view.state.get("llamacpp")
+        st = row.view("llamacpp").state.get("llamacpp")
         if st is not None and st.context is not None:
             held = st.context.tokens
-            assert held == row.view.tokens[: len(held)] and len(held) < len(row.view.tokens)
+            assert held == list(row.view("llamacpp").tokens[: len(held)]) and len(held) < len(row.seq)
             assert st.held == len(held)
 
 

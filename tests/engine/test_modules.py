@@ -12,7 +12,7 @@ from specdec_llm.engine.plan import MARGIN, RowOptions, plan
 from specdec_llm.engine.row import Row
 from specdec_llm.engine.schedule import PLAIN_FIRST, PLAIN_RUN, PlainIterations
 from specdec_llm.engine.text import TextStream
-from specdec_llm.engine.types import GenerationRequest, Stats
+from specdec_llm.engine.types import GenerationRequest, GenerationResult, Stats
 
 
 def test_acceptance_is_accepted_over_examined_behind_its_prior():
@@ -73,8 +73,10 @@ def test_a_row_ends_at_eos_length_or_its_context_and_its_view_follows_its_tokens
         return Row(req, [1, 2], ["lookup"], None, TextStream(None, [], None), {9}, 8)
 
     r = row(max_new_tokens=10)
+    view = r.view("lookup")  # (a drafter's view, made before the row grows, follows it)
     r.advance([3, 9, 4])  # cut after the end-of-sequence token
-    assert r.out == [3, 9] and r.finish_reason == "eos" and r.view.tokens == [1, 2, 3, 9]
+    assert r.out == [3, 9] and r.finish_reason == "eos" and view.tokens == [1, 2, 3, 9]
+    assert r.view("lookup") is view and r.view("suffix") is not view and Row.of(view) is r
     r = row(max_new_tokens=2)
     r.advance([3, 4])
     assert r.finish_reason == "length" and r.room() == 0
@@ -94,3 +96,11 @@ def test_the_cost_cache_merges_entries_and_survives_damage(tmp_path):
     cost = CostModel(max_k=2)
     cost.load({"verify_s": {"0": 1.0, "1": 1.5, "5": 9.0}})  # widths past max_k are dropped
     assert cost.calibrated and cost.verify_s == {0: 1.0, 1: 1.5}
+
+
+def test_an_incomplete_constrained_output_says_what_would_complete_it():
+    def why(reason: str) -> str:
+        return GenerationResult("{", [1, 2, 3], reason, Stats(), complete=False).incomplete() or ""
+
+    assert why("length").endswith("raise max_new_tokens")
+    assert "filled the pair's context" in why("context") and "max_new_tokens" not in why("context")

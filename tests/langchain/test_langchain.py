@@ -220,7 +220,9 @@ def test_a_cancelled_async_call_stops_its_generation(local):
     for model in (SpecDecLLM, ChatSpecDec):
         llm = model(pair="tiny", max_new_tokens=480, k=0, job_name=f"lc-gone-{model.__name__}")
         llm.invoke(PROMPTS[2], max_new_tokens=1)  # (loaded)
-        asyncio.run(leave(llm))
+        t = time.perf_counter()  # (the whole call, unrecorded: the abandoned one waits a third of it)
+        model(pair="tiny", max_new_tokens=480, k=0, record=False).invoke(PROMPTS[2])
+        asyncio.run(leave(llm, (time.perf_counter() - t) / 3))
         jid = job_id(llm.job_name, "tiny")
         statuses = lambda: sorted((r["status"], r["error"] or "") for r in client.job_requests(jid, outputs=False))  # noqa: B023, E731
         with contextlib.suppress(TimeoutError):
@@ -229,9 +231,9 @@ def test_a_cancelled_async_call_stops_its_generation(local):
         wait_for(lambda: not loaded.get("tiny").server.rows, timeout=2)
 
 
-async def leave(llm: SpecDecLLM | ChatSpecDec) -> None:
+async def leave(llm: SpecDecLLM | ChatSpecDec, timeout: float) -> None:
     with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(llm.ainvoke(PROMPTS[2]), timeout=0.3)
+        await asyncio.wait_for(llm.ainvoke(PROMPTS[2]), timeout=timeout)
 
 
 def test_local_async_does_not_block_the_loop(local):

@@ -3,8 +3,8 @@
 A ``Drafter`` belongs to a decoder (long-lived: a draft model, a suffix index shared by
 requests, acceptance statistics). Each batch opens one ``Session`` of every drafter for its
 per-batch state (a draft model's KV cache). Rows are addressed by their place ``b`` in the
-batch and seen as ``RowView``s: tokens, sampling parameters, a generator, a state slot. One
-iteration::
+batch and seen as ``RowView``s, each drafter its own copy: tokens, sampling parameters, a
+generator, state. One iteration::
 
     free drafters   session.propose(rows, ks)  before the plan (their proposals cost no forward)
     the plan        which drafter and k per row (measured costs, drafter.rate(row))
@@ -49,13 +49,16 @@ class Sampling:
     seed: int | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class RowView:
-    """What a drafter sees of a row: its tokens (prompt and output: the loop appends to this
-    list), sampling, generator, the drafters it may use, its scope (requests of one scope
-    share what a suffix index learns), ``state``, one slot per drafter name, and its
-    ``response_format`` (a grammar its output satisfies: forced.py) after ``prompt_length``
-    prompt tokens."""
+    """What a drafter sees of a row, its own copy (each drafter has one view per row, the same
+    object while the row lasts): its tokens (prompt and output so far: a copy of its own, which
+    the loop replaces as the row grows), sampling, a generator of the drafter's own (seeded from the row's seed:
+    its draws do not move the row's), the drafters the row may use, its scope (requests of one
+    scope share what a suffix index learns), ``state`` (the drafter's own: by convention its
+    slot is ``state[name]``), and its ``response_format`` (a grammar its output satisfies:
+    forced.py) after ``prompt_length`` prompt tokens. Nothing a drafter does to its view
+    changes the row."""
 
     tokens: list[int]
     sampling: Sampling = field(default_factory=Sampling)

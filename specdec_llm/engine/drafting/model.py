@@ -348,9 +348,13 @@ class ModelDrafter:
             self.prior = PRIOR_MEMORY * self.prior + (1 - PRIOR_MEMORY) * st.acceptance.rate()
 
     def timer(self, rows: int, ids: list[int]) -> Callable[[int], float]:
-        """A draft forward of ``w`` tokens per row (the last token and w - 1 to check), all their logits kept."""
-        assert self.model is not None
+        """A draft forward of ``w`` tokens per row (the last token and w - 1 to check), all their
+        logits kept: one forward of its model over the batch, or its own backend's ``feed``."""
+        backend = self.backend(None)
+        if not isinstance(backend, RaggedBackend):
+            return feed_timer(self, backend, rows, ids)
         model = self.model
+        assert model is not None
         cache = RaggedCache.filled(model, rows, ids)
         width = cache.width
 
@@ -362,6 +366,29 @@ class ModelDrafter:
             return t.seconds
 
         return forward
+
+
+def feed_timer(drafter: ModelDrafter, backend: Backend, rows: int, ids: list[int]) -> Callable[[int], float]:
+    """``ModelDrafter.timer`` through a backend of the drafter's own: ``rows`` rows holding
+    ``ids``, each forward fed ``w`` of them after and then truncated back."""
+    views = {b: RowView(list(ids)) for b in range(rows)}
+    for b, v in views.items():
+        drafter.state(v)
+        backend.join(b, v, None)
+    backend.prepare(views)
+    rest = {b: ids[drafter.state(v).held :] for b, v in views.items()}
+    if any(rest.values()):
+        backend.feed(views, {b: x for b, x in rest.items() if x}, {b: 1 for b, x in rest.items() if x})
+    held = {b: drafter.state(v).held for b, v in views.items()}
+
+    def forward(w: int) -> float:
+        with Timer() as t:
+            backend.feed(views, dict.fromkeys(views, ids[:w]), dict.fromkeys(views, w))
+        for b, v in views.items():
+            backend.truncate(b, v, held[b])
+        return t.seconds
+
+    return forward
 
 
 class ModelSession:
