@@ -13,6 +13,7 @@ from operator import itemgetter
 from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import (
     AIMessage,
@@ -26,7 +27,7 @@ from langchain_core.messages import (
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, Generation
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
@@ -177,7 +178,7 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
         parser: Runnable[Any, Any]
         if method == "json_mode":
             llm = self.bind(response_format={"type": "json_object"}, ls_structured_output_format=traced)
-            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()  # type: ignore[arg-type]
+            parser = WholePydantic(pydantic_object=schema) if pydantic else WholeJson()  # type: ignore[arg-type]
         elif schema is None:
             raise RequestError("schema", f"method={method!r} needs a schema (only json_mode reads any JSON)")
         elif method == "function_calling":
@@ -191,7 +192,7 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
         elif method == "json_schema":
             fmt = {"type": "json_schema", "json_schema": _json_schema(schema, strict)}
             llm = self.bind(response_format=fmt, ls_structured_output_format=traced)
-            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()  # type: ignore[arg-type]
+            parser = WholePydantic(pydantic_object=schema) if pydantic else WholeJson()  # type: ignore[arg-type]
         else:
             raise RequestError("method", f"{method!r}: use 'json_schema', 'function_calling' or 'json_mode'")
         if not include_raw:
@@ -304,6 +305,28 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
         prepared = self._prepare(messages, stop, kwargs)
         async for chunk in aiter_in_thread(lambda cancel: self._chunks(prepared, cancel)):
             yield chunk
+
+
+class WholeJson(JsonOutputParser):
+    """A reply's JSON, whole: a reply cut short raises (saying why, where LangChain's parser
+    returns what parses of it: '{"total": 1' of 12 as {"total": 1}). Partial values while
+    streaming are LangChain's, as before."""
+
+    def parse_result(self, result: list[Generation], *, partial: bool = False) -> Any:
+        if partial:
+            return super().parse_result(result, partial=True)
+        text = result[0].text
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            gen = result[0]
+            cut = isinstance(gen, ChatGeneration) and gen.message.response_metadata.get("finish_reason") == "length"
+            why = "it was cut short by max_new_tokens: raise max_new_tokens" if cut else f"not one JSON value ({e})"
+            raise OutputParserException(f"the reply does not parse: {why}", llm_output=text) from e
+
+
+class WholePydantic(PydanticOutputParser[Any], WholeJson):
+    """``WholeJson`` then the model's validation (PydanticOutputParser's, reading WholeJson's parse)."""
 
 
 def _json_schema(schema: dict[str, Any] | type, strict: bool | None) -> dict[str, Any]:

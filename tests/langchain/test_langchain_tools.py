@@ -12,6 +12,7 @@ import random
 
 import pytest
 from conftest import tools_pair
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from pydantic import BaseModel
@@ -453,6 +454,20 @@ def test_a_reply_cut_short_by_max_new_tokens_is_returned_for_langchain_to_report
     assert out["raw"].response_metadata["finish_reason"] == "length" and out["raw"].usage_metadata["output_tokens"] == 3
     msg = short.bind_tools([add], tool_choice="any").invoke([HumanMessage("What is 1 + 2?")])
     assert not msg.tool_calls and len(msg.invalid_tool_calls) == 1, msg
+
+
+def test_a_structured_reply_cut_short_is_an_error_not_the_part_that_parses(closing_local):
+    """LangChain's JSON parsers read a reply cut short as what parses of it: '{"total": 1' (of
+    12) was Sum(total=1), '{"tot' a dict schema's {}: answers the caller could not tell from
+    whole ones. Each method's parser now refuses it, saying the reply was cut."""
+    cut = AIMessage('{"total": 1', response_metadata={"finish_reason": "length"})
+    scores = {"title": "scores", "type": "object", "properties": {"total": {"type": "integer"}}}
+    for schema in (Sum, scores):
+        for method in ("json_schema", "json_mode"):
+            parser = closing_local.with_structured_output(schema, method=method).last
+            with pytest.raises(OutputParserException, match="max_new_tokens"):
+                parser.invoke(cut)
+            assert parser.invoke(AIMessage('{"total": 12}')) in (Sum(total=12), {"total": 12})
 
 
 def test_structured_output_keeps_a_dict_json_schema_as_it_is(closing_local):
