@@ -3,7 +3,9 @@
 Plain data in and out (dicts, ids, lists of dicts); ORM objects never leave the package.
 The database is ``SPECDEC_DATABASE_URL`` (default: SQLite file ``specdec.db`` in the data
 directory, WAL mode); PostgreSQL via ``postgresql+psycopg://user:pass@host/db``. Every
-function takes ``url=`` to use another database. Times are naive UTC (``utcnow()``).
+function takes ``url=`` to use another database. Times are naive UTC (``utcnow()``); those of
+leases and liveness (heartbeats, lease cut-offs, holds) are the database's (``sql.db_now``), one
+clock for every host sharing the store.
 
 ``db`` (engines, sessions, schema)
     get_engine(url=None) -> Engine
@@ -65,7 +67,7 @@ function takes ``url=`` to use another database. Times are naive UTC (``utcnow()
     report(fmt, **summary filters) -> str   # query + render, "table"|"csv"|"json"|"html"
 
 ``cli.register(app)`` adds ``db upgrade|downgrade|current`` and ``report`` to a Typer app.
-``sql``: the writers' shared steps (``writing(url)`` session, ``dialect_insert``, ``chunks``).
+``sql``: the writers' shared steps (``writing(url)`` session, ``dialect_insert``, ``chunks``, ``db_now``).
 ``testing``: ``sqlite_url(dir)``, ``temporary_postgres()`` (a database created and dropped).
 
 Concurrency: writes use INSERT ... ON CONFLICT, so duplicate deliveries race safely; the

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from .db import StoreError, check_schema, get_engine, session_scope
 from .models import JOB_STATUSES, Base, Job, Output, Pair, Request, Telemetry, Worker, utcnow
 from .record import worker_key
-from .sql import chunks, dialect_insert, writing
+from .sql import chunks, db_now, dialect_insert, writing
 
 PRUNE_BATCH = 5000  # request rows deleted per transaction
 _JOBS_PER_LOOK = 500  # prunable jobs looked at per transaction
@@ -127,20 +127,20 @@ def heartbeat_worker(
     ``pair`` in ``dtype`` with batches of up to ``max_batch``, with ``rows_done`` rows and
     ``output_tokens`` tokens recorded since it started and ``tokens_per_s`` lately."""
     key = worker_key(worker)
-    now = utcnow()
-    beat = dict(
-        pair=pair,
-        dtype=dtype,
-        max_batch=max_batch,
-        rows_done=rows_done,
-        output_tokens=output_tokens,
-        tokens_per_s=tokens_per_s,
-        heartbeat_at=now,
-        last_seen_at=now,
-        torch_version=worker.get("torch_version"),
-        transformers_version=worker.get("transformers_version"),
-    )
     with writing(url) as s:
+        now = db_now(s)  # (list_workers tells stale ones by the database's clock)
+        beat = dict(
+            pair=pair,
+            dtype=dtype,
+            max_batch=max_batch,
+            rows_done=rows_done,
+            output_tokens=output_tokens,
+            tokens_per_s=tokens_per_s,
+            heartbeat_at=now,
+            last_seen_at=now,
+            torch_version=worker.get("torch_version"),
+            transformers_version=worker.get("transformers_version"),
+        )
         stmt = dialect_insert(s, Worker).values(**key, **beat, started_at=now)
         s.execute(stmt.on_conflict_do_update(index_elements=list(key), set_=beat))
 
@@ -149,13 +149,16 @@ def worker_stopped(worker: dict[str, Any], *, rows_done: int, output_tokens: int
     """A worker process that beat (``heartbeat_worker``) stops cleanly: its last counts, seen
     now, and no heartbeat any more, so ``list_workers`` shows it stopped (not live, and
     never stale)."""
-    now = utcnow()
     with writing(url) as s:
         s.execute(
             update(Worker)
             .filter_by(**worker_key(worker))
             .values(
-                rows_done=rows_done, output_tokens=output_tokens, tokens_per_s=None, heartbeat_at=None, last_seen_at=now
+                rows_done=rows_done,
+                output_tokens=output_tokens,
+                tokens_per_s=None,
+                heartbeat_at=None,
+                last_seen_at=db_now(s),
             )
         )
 
@@ -189,7 +192,7 @@ def list_workers(
         q = q.where(or_(W.heartbeat_at >= since, and_(W.heartbeat_at.is_(None), W.last_seen_at >= since)))
     with session_scope(url) as s:
         rows = [dict(r) for r in s.execute(q.order_by(last_seen.desc(), W.id.desc())).mappings()]
-    now = utcnow()
+        now = db_now(s)  # (the heartbeats' clock: a reader whose own clock is off marks none stale wrongly)
     for r in rows:
         r["stopped"] = bool(r["stopped"])
         r["last_seen_s"] = max(0.0, (now - r["last_seen"]).total_seconds())
@@ -204,12 +207,13 @@ def _last_active() -> ColumnElement[Any]:
     return func.coalesce(Job.finished_at, Job.created_at)
 
 
-def _prunable(cutoff: datetime, job_id: str | None) -> list[Any]:
+def _prunable(cutoff: datetime, job_id: str | None, now: datetime) -> list[Any]:
     """Claimed by a prune already (``jobs.pruning_at``: one cut short, or this one's earlier
-    transactions), or finished, last in use before ``cutoff`` and held by no command now
-    (``record.hold_job``: a ``run`` still exporting it); only ``job_id`` if given. Evaluated at
-    each use: a hold written meanwhile counts."""
-    unheld = or_(Job.held_until.is_(None), Job.held_until <= utcnow())
+    transactions), or finished, last in use before ``cutoff`` and held by no command at ``now``
+    (the database's clock, ``db_now``, as the holds': ``record.hold_job``: a ``run`` still
+    exporting it); only ``job_id`` if given. Evaluated at each use: a hold written meanwhile
+    counts (its end is after any ``now`` read before)."""
+    unheld = or_(Job.held_until.is_(None), Job.held_until <= now)
     where = [or_(Job.pruning_at.is_not(None), and_(Job.status == "done", _last_active() < cutoff, unheld))]
     return [*where, Job.id == job_id] if job_id is not None else where
 
@@ -221,14 +225,15 @@ def prune_plan(cutoff: datetime, *, job_id: str | None = None, url: str | None =
     them (``record.hold_job``). Reads only."""
     check_schema(url)
     with session_scope(url) as s:
-        ids = s.scalars(select(Job.id).where(*_prunable(cutoff, job_id))).all()
+        now = db_now(s)
+        ids = s.scalars(select(Job.id).where(*_prunable(cutoff, job_id, now))).all()
         rows = 0
         for chunk in chunks(list(ids)):
             rows += s.scalar(select(func.count()).where(Request.job_id.in_(chunk))) or 0
         older = [_last_active() < cutoff] + ([Job.id == job_id] if job_id else [])
         unclaimed = [*older, Job.pruning_at.is_(None)]
         unfinished = s.scalar(select(func.count()).select_from(Job).where(*unclaimed, Job.status != "done")) or 0
-        in_use = [*unclaimed, Job.status == "done", Job.held_until > utcnow()]
+        in_use = [*unclaimed, Job.status == "done", Job.held_until > now]
         held = s.scalar(select(func.count()).select_from(Job).where(*in_use))
     return {"jobs": len(ids), "rows": rows, "unfinished": unfinished, "held": held or 0}
 
@@ -255,7 +260,7 @@ def prune(
     freed = {"jobs": 0, "rows": 0, "outputs": 0, "telemetry": 0}
     while True:
         with session_scope(url) as s:
-            where = _prunable(cutoff, job_id)
+            where = _prunable(cutoff, job_id, db_now(s))
             jobs = list(s.scalars(select(Job.id).where(*where).order_by(Job.created_at, Job.id).limit(_JOBS_PER_LOOK)))
             if not jobs:
                 return freed
@@ -267,7 +272,7 @@ def prune(
                 freed["rows"] += _deleted(s, Request, Request.id.in_(chunk))
         if not ids:  # these jobs hold no rows any more
             for group in chunks(jobs, _JOBS_PER_DELETE):
-                freed["jobs"] += _delete_emptied_jobs(url, group, _prunable(cutoff, job_id))
+                freed["jobs"] += _delete_emptied_jobs(url, group, where)
                 if on_batch is not None:
                     on_batch(dict(freed))
         elif on_batch is not None:

@@ -7,7 +7,9 @@ heartbeat is older than the lease timeout lost its worker (SIGKILL, out of memor
 machine, tasks cancelled when the broker went away): ``reclaim`` moves it back to
 "queued" in one atomic UPDATE ... RETURNING, so whoever runs it (every worker and `run`
 do, periodically), each lost row is requeued exactly once; the caller then enqueues the
-returned rows. A row that lost ``max_attempts`` workers fails instead.
+returned rows. A row that lost ``max_attempts`` workers fails instead. Every time a lease
+writes or compares is the database's (``sql.db_now``), never the calling host's: workers on
+hosts whose clocks disagree share one store.
 
 Job-wide: ``counts`` (by state, plus lost and requeued rows), ``requeue`` (retry) and
 ``cancel``, each one UPDATE over the job's rows; ``job_requests``, every row of a job
@@ -37,7 +39,7 @@ from sqlalchemy.orm import Session
 from .db import check_schema, session_scope
 from .models import PENDING, Job, Output, Pair, Request, Telemetry, utcnow
 from .record import output_insert, pending_rows, refresh_job, refuse_pruned, row_changed, worker_row_id
-from .sql import chunks, writing
+from .sql import chunks, db_now, writing
 
 FINISHED = ("ok", "failed", "cancelled")
 
@@ -71,8 +73,9 @@ def _take(
     worker: dict[str, Any] | None,
 ) -> bool:
     """``take`` inside the caller's transaction (``start`` reads the row in the same one);
-    ``max_attempts``: a row already tried that often is not taken from "running"."""
-    now = utcnow()
+    ``max_attempts``: a row already tried that often is not taken from "running". Its times are
+    the database's (``db_now``), as every lease's."""
+    now = db_now(s)
     running = [Request.status == "running"]
     if max_attempts is not None:
         running.append(Request.attempts < max_attempts)
@@ -96,7 +99,7 @@ def _take(
         started_at=func.coalesce(Request.started_at, now),
     )
     if worker:
-        values["worker_id"] = worker_row_id(s, worker)
+        values["worker_id"] = worker_row_id(s, worker, now=now)
     taken = s.execute(
         update(Request).where(Request.id == request_id, takeable).values(**values).returning(Request.job_id)
     ).first()
@@ -121,7 +124,7 @@ def _beat_held(s: Session, request_ids: list[str], owner: str) -> list[Any]:
         s.execute(
             update(Request)
             .where(Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == owner)
-            .values(heartbeat_at=utcnow())
+            .values(heartbeat_at=db_now(s))
             .returning(Request.id, Request.job_id, Request.cancel_requested_at)
         ).all()
     )
@@ -198,7 +201,7 @@ def reclaim(lease_timeout_s: float, *, max_attempts: int | None = None, url: str
     attempts fail instead (their worker keeps dying on them). Returns the requeued rows
     as ``[{"id", "pair"}]``: the caller enqueues them."""
     with writing(url) as s:
-        now = utcnow()
+        now = db_now(s)
         cutoff = now - timedelta(seconds=lease_timeout_s)
         jobs: set[str] = set()
         if max_attempts is not None:
@@ -251,7 +254,7 @@ def unsent(pair: str, older_than_s: float, *, url: str | None = None) -> list[st
     ``heartbeat_at`` notes when it was last sent again. One atomic UPDATE, so one caller gets
     each row however many ask at once. Returns their ids, for the caller to enqueue."""
     with writing(url) as s:
-        now = utcnow()
+        now = db_now(s)
         cutoff = now - timedelta(seconds=older_than_s)
         pair_id = select(Pair.id).where(Pair.name == pair).scalar_subquery()
         rows = s.execute(
@@ -294,7 +297,7 @@ def counts(job_id: str, *, lease_timeout_s: float | None = None, url: str | None
         )
         out["lost"] = 0
         if lease_timeout_s is not None and out["running"]:
-            cutoff = utcnow() - timedelta(seconds=lease_timeout_s)
+            cutoff = db_now(s) - timedelta(seconds=lease_timeout_s)
             out["lost"] = s.scalar(select(func.count()).where(pending, _lost(cutoff))) or 0
     return out
 
@@ -344,7 +347,8 @@ def requeue(
     as ``[{"id", "pair"}]`` (the caller enqueues them)."""
     with writing(url) as s:
         refuse_pruned(s, job_id)
-        cutoff = utcnow() - timedelta(seconds=lease_timeout_s)
+        now = db_now(s)
+        cutoff = now - timedelta(seconds=lease_timeout_s)
         s.execute(update(Job).where(Job.id == job_id).values(cancel_requested_at=None, cancelled_at=None))
         if cancelled:
             mine = select(Request.id).where(Request.job_id == job_id, Request.status == "cancelled")
@@ -367,7 +371,7 @@ def requeue(
                 status="queued",
                 error=None,
                 lease_owner=None,
-                heartbeat_at=utcnow(),  # (sent now, by the caller: not sent twice by `unsent`)
+                heartbeat_at=now,  # (sent now, by the caller: not sent twice by `unsent`)
                 cancel_requested_at=None,
                 # a row that ended (failed, cancelled) gets its attempts again; a queued or lost
                 # one keeps its count, which its stream's readers tell its attempts by
@@ -397,7 +401,7 @@ def cancel(job_id: str, *, now: bool = False, at: datetime | None = None, url: s
     nothing of it runs. Either way a running row whose worker is lost is then cancelled, not
     run again (``jobs.cancelled_at``: ``reclaim``)."""
     with writing(url) as s:
-        flags: dict[str, datetime] = {"cancelled_at": utcnow()}
+        flags: dict[str, datetime] = {"cancelled_at": db_now(s)}  # (reclaim compares it with rows' created_at)
         if now:
             flags["cancel_requested_at"] = at or utcnow()
         # first: whether any row is left to run, before the queued ones are cancelled

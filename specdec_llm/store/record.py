@@ -37,7 +37,7 @@ from .models import (
     Worker,
     utcnow,
 )
-from .sql import chunks, dialect_insert, writing
+from .sql import chunks, db_now, dialect_insert, writing
 
 if TYPE_CHECKING:
     from sqlalchemy.dialects.postgresql import Insert as PostgresInsert
@@ -134,12 +134,13 @@ def output_insert(
     )
 
 
-def worker_row_id(session: Session, worker: dict[str, Any]) -> int:
+def worker_row_id(session: Session, worker: dict[str, Any], *, now: datetime | None = None) -> int:
     """The id of ``worker``'s row (``worker_info``'s dict), created or refreshed (its
-    versions, ``last_seen_at``) in ``session``'s transaction."""
+    versions, ``last_seen_at``: ``now``, default the database's ``db_now``) in ``session``'s
+    transaction."""
     key = worker_key(worker)
     versions = {k: worker.get(k) for k in ("torch_version", "transformers_version")}
-    now = utcnow()
+    now = now or db_now(session)
     stmt = dialect_insert(session, Worker).values(**key, **versions, started_at=now, last_seen_at=now)
     stmt = stmt.on_conflict_do_update(index_elements=list(key), set_={**versions, "last_seen_at": now})
     session.execute(stmt)
@@ -317,9 +318,8 @@ def _ensure_job(
         refuse_pruned(session, job_id)
     if hold_s is None:
         return
-    held = session.execute(
-        update(Job).where(Job.id == job_id).values(held_until=utcnow() + timedelta(seconds=hold_s)).returning(Job.id)
-    ).first()
+    until = db_now(session) + timedelta(seconds=hold_s)  # (prune compares it with the database's clock)
+    held = session.execute(update(Job).where(Job.id == job_id).values(held_until=until).returning(Job.id)).first()
     if held is None:  # a prune deleted it after the insert found it (PostgreSQL): create it again
         _ensure_job(session, job_id, hold_s=hold_s, **values)
 
@@ -330,7 +330,7 @@ def hold_job(job_id: str, hold_s: float, *, url: str | None = None) -> bool:
     the hold before it ends, and lets go with ``release_job``; one killed outright lets go when
     its hold ends. False when there is no such job."""
     with writing(url) as s:
-        until = utcnow() + timedelta(seconds=hold_s)
+        until = db_now(s) + timedelta(seconds=hold_s)  # (prune compares it with the database's clock)
         held = s.execute(update(Job).where(Job.id == job_id).values(held_until=until).returning(Job.id)).first()
         return held is not None
 
@@ -367,7 +367,7 @@ def create_job(
     with writing(url) as s:
         pair_id = _pair_id(s, pair) if pair else None
         _ensure_job(s, job_id, hold_s=hold_s, name=name, pair_id=pair_id, params=params)
-        now = utcnow()
+        now = db_now(s)  # (a lease's last resort, and what `unsent` and `reclaim` compare: the database's clock)
         for r in rows:
             r.update(job_id=job_id, pair_id=pair_id, status="queued", attempts=0, created_at=now)
         # which keys and ids exist already (then the insert skips them, and any
@@ -450,8 +450,8 @@ def mark_request(
     with writing(url) as s:
         now = utcnow()
         values: dict[str, Any] = {"status": status, "error": error}
-        if status == "running":
-            values.update(attempts=Request.attempts + 1, started_at=func.coalesce(Request.started_at, now))
+        if status == "running":  # (started_at: a lease's, on the database's clock)
+            values.update(attempts=Request.attempts + 1, started_at=func.coalesce(Request.started_at, db_now(s)))
         if status in ("failed", "cancelled"):
             values["finished_at"] = now
         if status != "running":

@@ -5,19 +5,21 @@
 - ``dialect_insert(session, model)``: the dialect's INSERT, with ``on_conflict_do_nothing``
   and ``on_conflict_do_update`` (SQLite and PostgreSQL both), so duplicate writes race safely.
 - ``chunks(items)``: a long id list cut into IN (...) lists of at most ``CHUNK`` ids.
+- ``db_now(session)``: the database's clock, the one clock of leases and liveness.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import TYPE_CHECKING, TypeVar, cast
 
-from sqlalchemy import Table, exc
+from sqlalchemy import Table, exc, func, select
 from sqlalchemy.orm import Session
 
 from .db import StoreError, ensure_schema, resolve_url, session_scope
-from .models import Base
+from .models import Base, utcnow
 
 if TYPE_CHECKING:
     from sqlalchemy.dialects.postgresql import Insert as PostgresInsert
@@ -63,3 +65,16 @@ def chunks(items: list[T], n: int = CHUNK) -> Iterable[list[T]]:
     """``items`` in consecutive lists of at most ``n`` (one IN (...) list each)."""
     for i in range(0, len(items), n):
         yield items[i : i + n]
+
+
+def db_now(session: Session) -> datetime:
+    """The database's current time, naive UTC: the one clock of every time a lease or a liveness
+    check compares (rows' ``heartbeat_at``, ``started_at``, ``created_at``; lease cut-offs;
+    workers' heartbeats; jobs' ``held_until`` and ``cancelled_at``), so hosts sharing a store
+    whose clocks disagree neither take over each other's live rows nor keep a dead worker's.
+    PostgreSQL: ``statement_timestamp()``, when this query started (``now()`` is when the
+    transaction began, which may be earlier). SQLite: the database is a file on this host, whose
+    clock is this process's (``utcnow``)."""
+    if session.get_bind().dialect.name != "postgresql":
+        return utcnow()
+    return cast(datetime, session.scalar(select(func.timezone("utc", func.statement_timestamp()))))
