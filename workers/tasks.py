@@ -291,6 +291,7 @@ def _generate_row(
         keys, {job_id: row.get("cancel_requested_at"), request_id: row.get("row_cancel_requested_at")}
     )
     limit = soft_time_limit(task)
+    ended: str | None = "failed"  # how the attempt ended, its stream's end says (ok, cancelled, failed...)
     try:
         req = build_request(row, rt.loaded.tokenizer)
         # on_text (the stream) and stop are called from the server's thread
@@ -302,6 +303,7 @@ def _generate_row(
             if (why := res.incomplete()) and (row.get("params") or {}).get("_source") != "langchain":
                 raise RequestError("response_format", why)
             result = res.to_dict()
+            ended = "cancelled" if result["finish_reason"] == "cancelled" else "ok"
     except RequestError as e:
         metrics.failed(pair, "bad_input")
         error = str(e)
@@ -314,9 +316,12 @@ def _generate_row(
         error = f"timed out: generation took longer than the {limit} s limit"
         store.mark_request(request_id, "failed", error=error)
         return {}, {"request_id": request_id, "status": "failed", "error": error}
+    except BaseException as e:
+        ended = _attempt_ended(task, e)
+        raise
     finally:
         if stream:
-            stream.close()
+            stream.close(ended)
         cancels.flags.release(keys)
     if result["finish_reason"] == "cancelled":
         jobs.end_cancelled(request_id, result, iterations_after=stop.iterations_after)
@@ -329,6 +334,18 @@ def _generate_row(
             "finish_reason": "cancelled",
         }
     return result, None
+
+
+def _attempt_ended(task: Task, e: BaseException) -> str | None:
+    """How an attempt that raised ``e`` ended, for its stream's reader: a transient fault its
+    task retries (autoretry, while it has retries left: another attempt streams the row again),
+    or another error, which fails the row (``GenerateTask.on_failure``); the process stopping
+    (not an ``Exception``) is left unsaid: its row may be requeued."""
+    if not isinstance(e, Exception):
+        return None
+    if isinstance(e, TRANSIENT) and (task.max_retries is None or task.request.retries < task.max_retries):
+        return "retry"
+    return "failed"
 
 
 def soft_time_limit(task: Task) -> float | None:

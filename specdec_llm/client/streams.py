@@ -10,8 +10,13 @@ broker (one machine), JSON lines appended to ``<data_dir>/streams/<request id>.j
 row's attempt: a row requeued to another worker (its first one lost) publishes its text from
 the start again, and the reader yields only what goes past what it has already given (a greedy
 row's text is the same each time; a sampled row's that is not ends the stream with
-``StreamDiverged``; one that ended before any text, cancelled or failed, just ends it: the
-row's result says how it ended). Streaming is best
+``StreamDiverged``). The end marker says how its attempt ended (``"s"``: ``ok``, ``cancelled``,
+``failed``; ``retry``: a fault its task retries, so another attempt follows): a cancelled or
+failed attempt ends the stream however far it got, provided its text agrees with what was
+given, and the follower returns that outcome (the generator's return value; the row's result
+says the rest); a finished one that ended short of what was given raises ``StreamDiverged``.
+A marker without ``"s"`` (an older worker) ends the stream as before: after no text, just
+ends it; after some, short of what was given, ``StreamDiverged``. Streaming is best
 effort: a failing write stops the stream, never the generation (the client still gets the
 whole result from the task). Both ends import this module; it imports neither.
 """
@@ -22,7 +27,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,9 @@ from specdec_llm.settings import get_settings
 log = logging.getLogger(__name__)
 
 STREAM_TTL_S = 3600
+# how an attempt ended, on its end marker: its text is whole; it stopped (cancelled, or failed:
+# its row's result says why); it stopped on a fault its task retries (another attempt follows)
+ENDS = ("ok", "cancelled", "failed", "retry")
 _redis_clients: dict[tuple[int, str], object] = {}
 
 
@@ -106,8 +114,10 @@ class StreamWriter:
     def __call__(self, text: str) -> None:
         self._put({"t": text, "a": self.attempt})
 
-    def close(self) -> None:
-        self._put({"end": 1, "a": self.attempt})
+    def close(self, status: str | None = None) -> None:
+        """The end marker; ``status``: how the attempt ended (``ENDS``), which its reader
+        acts on (None: unsaid, read as an older worker's marker)."""
+        self._put({"end": 1, "a": self.attempt} | ({"s": status} if status else {}))
 
 
 def _entry(line: bytes) -> dict[str, Any] | None:
@@ -129,14 +139,15 @@ class _Attempts:
     over, and only its text past what was given is new; an earlier one's entries are stale.
     A later attempt whose text differs from what was given (a sampled row) ends the stream
     with ``StreamDiverged``: the text streamed so far is not the row's, and no splice of two
-    attempts is passed off as one. A later attempt that ends with no text at all (cancelled,
-    or failed before its first token) wrote nothing to differ: it ends the stream, and the
-    caller reads the row's outcome from its result."""
+    attempts is passed off as one; so does one that finished ("ok") short of what was given.
+    One that was cancelled or failed wrote nothing that differs, however far it got: it ends
+    the stream with that ``outcome``, and the caller reads the rest from the row's result."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.attempt, self.read = 0, 0  # attempt followed; characters of it read
         self.given = ""  # what was yielded
+        self.outcome: str | None = None  # how the attempt followed ended, as its end marker says
 
     def current(self, entry: dict[str, Any]) -> bool:
         """Whether ``entry`` is of the attempt followed (a later one starts being followed)."""
@@ -146,18 +157,25 @@ class _Attempts:
         return attempt == self.attempt
 
     def ended(self, entry: dict[str, Any]) -> bool:
-        """Whether ``entry`` ends the attempt followed; ``StreamDiverged`` if that attempt
-        ended after some text but before the text already given (a requeued sampled row that
-        ended sooner). One that ended at character 0 gave no text to differ (cancelled, or failed
-        before its first token): the stream ends, and the row's result says how."""
+        """Whether ``entry`` ends the stream: the end of the attempt followed, unless its task
+        retries it (another attempt follows). ``StreamDiverged`` if that attempt finished short
+        of the text already given (a requeued sampled row that ended sooner); one cancelled or
+        failed ends it wherever it stopped (its text agreed so far: ``new_text`` checked it). A
+        marker that does not say how (an older worker's): one that ended at character 0 gave
+        no text to differ, one that ended after some short of what was given diverged."""
         if "end" not in entry or not self.current(entry):
             return False
-        if 0 < self.read < len(self.given):
+        status = entry.get("s")
+        if status == "retry":
+            return False
+        short = self.read < len(self.given) and (status == "ok" or (status is None and self.read > 0))
+        if short:
             raise StreamDiverged(
                 f"request {self.request_id}: its worker was lost and the row started over, ending at "
                 f"character {self.read} (attempt {self.attempt}) where the stream had given "
                 f"{len(self.given)}; the text streamed so far is not the row's: read its result, or ask again"
             )
+        self.outcome = str(status) if status else None
         return True
 
     def new_text(self, entry: dict[str, Any]) -> str:
@@ -180,10 +198,12 @@ class _Attempts:
 
 def follow_stream(
     request_id: str, done: Callable[[], bool], *, timeout_s: float | None = None, poll_s: float = 0.1
-) -> Iterator[str]:
+) -> Generator[str, None, str | None]:
     """The client's end: yield each text delta as the worker publishes it, until the end
     marker, or until ``done()`` (the task is over; e.g. a worker that died publishes no end)
-    and nothing more is there. Raises TimeoutError after ``timeout_s``."""
+    and nothing more is there. Returns how the row's attempt ended, as its end marker says
+    (``"ok"``, ``"cancelled"``, ``"failed"``; None where no marker said: ``outcome =
+    yield from follow_stream(...)``). Raises TimeoutError after ``timeout_s``."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     url = _stream_redis_url()
     key, path = stream_key(request_id), _stream_file(request_id)
@@ -213,13 +233,13 @@ def follow_stream(
                     time.sleep(poll_s)
             for entry in entries:
                 if reading.ended(entry):
-                    return
+                    return reading.outcome
                 if text := reading.new_text(entry):
                     yield text
             if entries:
                 continue
             if finished:
-                return
+                return None
             finished = bool(done())  # read once more after this: what came before the end
             if not finished and deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"request {request_id}: no end of its stream after {timeout_s} s")

@@ -53,7 +53,7 @@ def test_a_requeued_row_with_other_text_ends_its_stream_instead_of_splicing(stre
     second("Hel")  # (agrees so far)
     second("p, world!")
     second.close()
-    got = []
+    got: list[str] = []
     with pytest.raises(StreamDiverged, match=r"^request row-2: .*\(attempt 2, at character 3\)"):
         for text in follow_stream("row-2", lambda: False, timeout_s=10):
             got.append(text)
@@ -105,3 +105,89 @@ def test_a_line_cut_short_by_a_killed_worker_is_skipped_and_a_gone_reader_leaves
         from specdec_llm.client.streams import _redis, _stream_redis_url, stream_key
 
         assert not _redis(_stream_redis_url()).exists(stream_key("row-4"))
+
+
+def test_a_requeued_row_cancelled_part_way_ends_its_stream_as_cancelled(streams):
+    """The row started over, agreed with the text given ("abcdef") and was cancelled at "ab":
+    nothing diverged, the row was cancelled: the stream ends there and says so (its end's
+    status, the follower's return value). It raised StreamDiverged "ending at character 2"."""
+    first = StreamWriter("row-6", 1)
+    first("abc")
+    first("def")
+    second = StreamWriter("row-6", 2)
+    second("ab")
+    second.close("cancelled")
+    got: list[str] = []
+    assert yield_all(follow_stream("row-6", lambda: False, timeout_s=10), got) == "cancelled"
+    assert got == ["abc", "def"]
+
+
+@pytest.mark.parametrize("status", ["cancelled", "failed"])
+def test_a_requeued_row_that_stops_before_any_text_ends_its_stream_with_how(streams, status):
+    first = StreamWriter(f"row-7{status}", 1)
+    first("abc")
+    second = StreamWriter(f"row-7{status}", 2)
+    second.close(status)
+    got: list[str] = []
+    assert yield_all(follow_stream(f"row-7{status}", lambda: False, timeout_s=10), got) == status
+    assert got == ["abc"]
+
+
+def test_a_requeued_row_that_finished_with_no_text_diverged(streams):
+    """A sampled row started over and finished ("ok") with empty text where the stream had
+    given "abc": the row's text is "", not "abc". Its end once read as a cancelled one's."""
+    from specdec_llm.client import StreamDiverged
+
+    first = StreamWriter("row-8", 1)
+    first("abc")
+    second = StreamWriter("row-8", 2)
+    second.close("ok")
+    with pytest.raises(StreamDiverged, match=r"^request row-8: .*ending at character 0 \(attempt 2\)"):
+        list(follow_stream("row-8", lambda: False, timeout_s=10))
+
+
+def test_a_cancelled_attempt_with_other_text_still_diverged(streams):
+    from specdec_llm.client import StreamDiverged
+
+    first = StreamWriter("row-9", 1)
+    first("abc")
+    second = StreamWriter("row-9", 2)
+    second("ax")
+    second.close("cancelled")
+    with pytest.raises(StreamDiverged, match=r"\(attempt 2, at character 1\)"):
+        list(follow_stream("row-9", lambda: False, timeout_s=10))
+
+
+def test_an_attempt_its_task_retries_does_not_end_the_stream(streams):
+    """A transient fault (the database away a moment): the task retries the row, and its next
+    attempt streams it from the start; the reader follows on to it, and the row's end is the
+    last attempt's ("ok", all of "abcdef")."""
+    first = StreamWriter("row-10", 1)
+    first("abc")
+    first.close("retry")
+    second = StreamWriter("row-10", 2)
+    second("abcdef")
+    second.close("ok")
+    got: list[str] = []
+    assert yield_all(follow_stream("row-10", lambda: False, timeout_s=10), got) == "ok"
+    assert got == ["abc", "def"]
+
+
+def test_an_end_that_does_not_say_how_returns_no_outcome(streams):
+    """An end marker without a status (a worker from before it said one) ends the stream as
+    before (after no text, as the cases above without one), and the follower says nothing."""
+    writer = StreamWriter("row-11", 1)
+    writer("abc")
+    writer.close()
+    got: list[str] = []
+    assert yield_all(follow_stream("row-11", lambda: False, timeout_s=10), got) is None
+    assert got == ["abc"]
+
+
+def yield_all(follow, got: list[str]):
+    """Every delta of ``follow`` into ``got``; returns what the follower returned."""
+    while True:
+        try:
+            got.append(next(follow))
+        except StopIteration as stop:
+            return stop.value
