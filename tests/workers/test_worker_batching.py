@@ -123,7 +123,8 @@ def test_a_row_whose_message_comes_twice_is_decoded_once(batch_fleet, use):
 
 
 def test_streaming_per_request_while_batched(batch_fleet, reference, use):
-    """Streaming rows beside plain ones: each stream carries exactly its own row's text."""
+    """Streaming rows beside plain ones: each stream carries exactly its own row's text, and
+    its end says how the row's attempt ended (the follower returns it)."""
     use(batch_fleet)
     items = [
         {"id": f"s{i}", "prompt": prompt(i, "stream"), "params": {"max_new_tokens": MAX_NEW, "_stream": i < 2}}
@@ -131,10 +132,15 @@ def test_streaming_per_request_while_batched(batch_fleet, reference, use):
     ]
     store.create_job(items, pair="tiny", job_id="streamjob")
     pieces: dict[str, list[str]] = {"s0": [], "s1": []}
+    outcomes: dict[str, str | None] = {}
 
     def follow(rid):
         done = lambda: store.get_request(rid)["status"] in client.FINISHED  # noqa: E731
-        pieces[rid].extend(client.follow_stream(rid, done, timeout_s=180))
+
+        def read():
+            outcomes[rid] = yield from client.follow_stream(rid, done, timeout_s=180)
+
+        pieces[rid].extend(read())
 
     readers = [threading.Thread(target=follow, args=(rid,)) for rid in pieces]
     for t in readers:
@@ -150,6 +156,7 @@ def test_streaming_per_request_while_batched(batch_fleet, reference, use):
         assert stored["output"]["text"] == stored_text(one.text), item["id"]
         if item["id"] in pieces:  # the stream carries the engine's text as generated
             assert len(pieces[item["id"]]) >= 1 and "".join(pieces[item["id"]]) == one.text, item["id"]
+    assert outcomes == {"s0": "ok", "s1": "ok"}
 
 
 def test_soft_time_limit_is_a_deadline_in_the_threads_pool(batch_fleet, reference, use):
