@@ -44,6 +44,7 @@ import logging
 import os
 import socket
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -316,10 +317,9 @@ def _generate_row(
         error = f"timed out: generation took longer than the {limit} s limit"
         store.mark_request(request_id, "failed", error=error)
         return {}, {"request_id": request_id, "status": "failed", "error": error}
-    except BaseException as e:
-        ended = _attempt_ended(task, e)
-        raise
     finally:
+        if (raised := sys.exc_info()[1]) is not None:  # (raised anywhere, a failure's handler included)
+            ended = _attempt_ended(task, raised)
         if stream:
             stream.close(ended)
         cancels.flags.release(keys)
@@ -336,13 +336,14 @@ def _generate_row(
     return result, None
 
 
-def _attempt_ended(task: Task, e: BaseException) -> str | None:
+def _attempt_ended(task: Task, e: BaseException) -> str:
     """How an attempt that raised ``e`` ended, for its stream's reader: a transient fault its
     task retries (autoretry, while it has retries left: another attempt streams the row again),
-    or another error, which fails the row (``GenerateTask.on_failure``); the process stopping
-    (not an ``Exception``) is left unsaid: its row may be requeued."""
+    and the process stopping (not an ``Exception``: its row is delivered again), are "retry"
+    (the reader waits for the next attempt, or for the task's end); any other error fails the
+    row (``GenerateTask.on_failure``)."""
     if not isinstance(e, Exception):
-        return None
+        return "retry"
     if isinstance(e, TRANSIENT) and (task.max_retries is None or task.request.retries < task.max_retries):
         return "retry"
     return "failed"

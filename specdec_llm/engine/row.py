@@ -117,10 +117,14 @@ class Row:
         new = new[:cut] if cut else new
         if self.grammar is not None:
             self.grammar.advance(new)
+        n = len(self.seq)
         self.seq += new
         self.out += new
-        for v in self.views.values():  # (a copy each: a drafter's changes reach neither the row nor another drafter)
-            v.tokens = list(self.seq)
+        for v in self.views.values():  # (a list each: a drafter's changes reach neither the row nor another drafter)
+            if len(v.tokens) == n and (not n or v.tokens[-1] == self.seq[n - 1]):
+                v.tokens += new  # (as it was: a step's tokens only)
+            else:  # (its drafter changed it: the row's again)
+                v.tokens = list(self.seq)
         self.ledger.emitted += len(new)
         if not self.stats.time_to_first_token_s:
             self.stats.time_to_first_token_s = time.perf_counter() - self.t0

@@ -307,6 +307,13 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
             yield chunk
 
 
+CUT = {  # why a reply ended before its JSON did, by its finish reason, and the fix
+    "length": "it was cut short by max_new_tokens: raise max_new_tokens",
+    "context": "the prompt and the reply filled the pair's context: shorten the prompt",
+    "stop": "a stop string cut it short: drop that stop string",
+}
+
+
 class WholeJson(JsonOutputParser):
     """A reply's JSON, whole: a reply cut short raises (saying why, where LangChain's parser
     returns what parses of it: '{"total": 1' of 12 as {"total": 1}). Partial values while
@@ -320,8 +327,8 @@ class WholeJson(JsonOutputParser):
             return json.loads(text)
         except json.JSONDecodeError as e:
             gen = result[0]
-            cut = isinstance(gen, ChatGeneration) and gen.message.response_metadata.get("finish_reason") == "length"
-            why = "it was cut short by max_new_tokens: raise max_new_tokens" if cut else f"not one JSON value ({e})"
+            finish = gen.message.response_metadata.get("finish_reason") if isinstance(gen, ChatGeneration) else None
+            why = CUT.get(finish or "", f"not one JSON value ({e})")
             raise OutputParserException(f"the reply does not parse: {why}", llm_output=text) from e
 
 

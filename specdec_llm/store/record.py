@@ -448,16 +448,16 @@ def mark_request(
     if status not in ("queued", "running", "failed", "cancelled"):
         raise ValueError(f"status must be queued, running, failed or cancelled, not {status!r}")
     with writing(url) as s:
-        now = utcnow()
+        now = db_now(s)  # (started_at: a lease's; one clock for a row's times)
         values: dict[str, Any] = {"status": status, "error": error}
-        if status == "running":  # (started_at: a lease's, on the database's clock)
-            values.update(attempts=Request.attempts + 1, started_at=func.coalesce(Request.started_at, db_now(s)))
+        if status == "running":
+            values.update(attempts=Request.attempts + 1, started_at=func.coalesce(Request.started_at, now))
         if status in ("failed", "cancelled"):
             values["finished_at"] = now
         if status != "running":
             values.update(lease_owner=None, heartbeat_at=None)
         if worker:
-            values["worker_id"] = worker_row_id(s, worker)
+            values["worker_id"] = worker_row_id(s, worker, now=now)
         # "ok" is final; a row only starts running from queued/running (never over a cancel)
         allowed = Request.status.in_(PENDING) if status == "running" else Request.status != "ok"
         if held_by is not None:

@@ -191,7 +191,7 @@ class TableBackend(Backend):
 
     def __init__(self, name, table):
         super().__init__(name, table.shape[0])
-        self.table, self.fed = table, []
+        self.table, self.fed, self.left = table, [], []
 
     def feed(self, rows, inputs, keep):
         for b, x in inputs.items():
@@ -203,6 +203,9 @@ class TableBackend(Backend):
     def truncate(self, b, row, n):
         st = row.state[self.name]
         st.held = min(st.held, n)
+
+    def leave(self, b, row):
+        self.left.append(b)
 
 
 class TableDrafter(ModelDrafter):
@@ -226,6 +229,8 @@ def test_a_model_drafter_with_a_backend_of_its_own_is_timed_through_it(target):
         assert res.token_ids == greedy_reference(target, p, 12)
     forward = drafter.timer(2, [1, 2, 3, 4])
     assert forward(3) > 0 and drafter.made[-1].fed[-2:] == [3, 3]
+    del forward  # (the timer gone, its rows leave its backend)
+    assert drafter.made[-1].left == [0, 1]
 
 
 class Misbehaving(Faulty):

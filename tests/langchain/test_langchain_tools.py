@@ -468,6 +468,9 @@ def test_a_structured_reply_cut_short_is_an_error_not_the_part_that_parses(closi
             with pytest.raises(OutputParserException, match="max_new_tokens"):
                 parser.invoke(cut)
             assert parser.invoke(AIMessage('{"total": 12}')) in (Sum(total=12), {"total": 12})
+    for finish, fix in (("context", "shorten the prompt"), ("stop", "drop that stop string")):
+        with pytest.raises(OutputParserException, match=fix):
+            parser.invoke(AIMessage('{"total": 1', response_metadata={"finish_reason": finish}))
 
 
 def test_structured_output_keeps_a_dict_json_schema_as_it_is(closing_local):

@@ -157,9 +157,9 @@ def test_a_transient_fault_says_its_task_retries_the_row_until_out_of_retries(st
     assert end_of(streams, attempt=3) == {"end": 1, "a": 3, "s": "failed"}
 
 
-def test_a_process_stopping_leaves_its_end_unsaid(streams):
-    """Not an ``Exception`` (the process exiting): its row may be requeued, so the end does
-    not say failed; a reader reads it as an end that does not say how."""
+def test_a_process_stopping_says_another_attempt_follows(streams):
+    """Not an ``Exception`` (the process exiting): its row is delivered again, so its reader
+    waits for the next attempt (an end that said nothing ended the stream there)."""
     with pytest.raises(SystemExit):
         generate(SystemExit(1))
-    assert end_of(streams) == {"end": 1, "a": 2}
+    assert end_of(streams) == {"end": 1, "a": 2, "s": "retry"}

@@ -16,6 +16,7 @@ positions of what this iteration fed.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -388,6 +389,11 @@ def feed_timer(drafter: ModelDrafter, backend: Backend, rows: int, ids: list[int
             backend.truncate(b, v, held[b])
         return t.seconds
 
+    def leave() -> None:  # (once the timer is gone: what its rows took, a pooled context, comes back)
+        for b, v in views.items():
+            backend.leave(b, v)
+
+    weakref.finalize(forward, leave)
     return forward
 
 
