@@ -64,9 +64,10 @@ class Row:
         return self.sampling.seed is not None and not self.sampling.greedy
 
     def view(self, drafter: str) -> RowView:
-        """What ``drafter`` sees of the row, its own copy: the tokens (replaced as the row
-        grows), a state and a generator (seeded from the row's seed: a drafter's draws never
-        move the row's own) of its own, a copy of the row's ``response_format``."""
+        """What ``drafter`` sees of the row, its own copy: the tokens (a list ``advance`` extends,
+        or copies again where the drafter changed it), a state and a generator (seeded from the
+        row's seed: a drafter's draws never move the row's own) of its own, a copy of the row's
+        ``response_format``."""
         v = self.views.get(drafter)
         if v is None:
             gen = torch.Generator().manual_seed((self.seed + zlib.crc32(drafter.encode())) % 2**63)

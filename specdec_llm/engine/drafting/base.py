@@ -52,13 +52,13 @@ class Sampling:
 @dataclass(eq=False)
 class RowView:
     """What a drafter sees of a row, its own copy (each drafter has one view per row, the same
-    object while the row lasts): its tokens (prompt and output so far: a copy of its own, which
-    the loop replaces as the row grows), sampling, a generator of the drafter's own (seeded from the row's seed:
-    its draws do not move the row's), the drafters the row may use, its scope (requests of one
-    scope share what a suffix index learns), ``state`` (the drafter's own: by convention its
-    slot is ``state[name]``), and its ``response_format`` (a grammar its output satisfies:
-    forced.py) after ``prompt_length`` prompt tokens. Nothing a drafter does to its view
-    changes the row."""
+    object while the row lasts): its tokens (prompt and output so far: a list of its own, which
+    the loop extends as the row grows, or copies again where the drafter changed it), sampling,
+    a generator of the drafter's own (seeded from the row's seed: its draws do not move the
+    row's), the drafters the row may use, its scope (requests of one scope share what a suffix
+    index learns), ``state`` (the drafter's own: by convention its slot is ``state[name]``),
+    and its ``response_format`` (a grammar its output satisfies: forced.py) after
+    ``prompt_length`` prompt tokens. Nothing a drafter does to its view changes the row."""
 
     tokens: list[int]
     sampling: Sampling = field(default_factory=Sampling)
