@@ -292,7 +292,7 @@ def _generate_row(
         keys, {job_id: row.get("cancel_requested_at"), request_id: row.get("row_cancel_requested_at")}
     )
     limit = soft_time_limit(task)
-    ended: str | None = "failed"  # how the attempt ended, its stream's end says (ok, cancelled, failed...)
+    ended = "failed"  # how the attempt ended, its stream's end says (ok, cancelled, failed...)
     try:
         req = build_request(row, rt.loaded.tokenizer)
         # on_text (the stream) and stop are called from the server's thread

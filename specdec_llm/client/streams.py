@@ -37,9 +37,6 @@ from specdec_llm.settings import get_settings
 log = logging.getLogger(__name__)
 
 STREAM_TTL_S = 3600
-# how an attempt ended, on its end marker: its text is whole; it stopped (cancelled, or failed:
-# its row's result says why); it stopped on a fault its task retries (another attempt follows)
-ENDS = ("ok", "cancelled", "failed", "retry")
 _redis_clients: dict[tuple[int, str], object] = {}
 
 
@@ -115,8 +112,10 @@ class StreamWriter:
         self._put({"t": text, "a": self.attempt})
 
     def close(self, status: str | None = None) -> None:
-        """The end marker; ``status``: how the attempt ended (``ENDS``), which its reader
-        acts on (None: unsaid, read as an older worker's marker)."""
+        """The end marker; ``status``: how the attempt ended, which its reader acts on: "ok"
+        (its text is whole), "cancelled" or "failed" (it stopped; the row's result says why),
+        "retry" (a fault its task retries: another attempt follows); None: unsaid, read as an
+        older worker's marker."""
         self._put({"end": 1, "a": self.attempt} | ({"s": status} if status else {}))
 
 

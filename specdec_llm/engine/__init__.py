@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING, Any
 
 from .types import (
+    CUT_SHORT,
     SPEEDUP_BASIS,
     GenerationRequest,
     GenerationResult,
@@ -27,6 +28,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CUT_SHORT",
     "SPEEDUP_BASIS",
     "GenerationRequest",
     "GenerationResult",

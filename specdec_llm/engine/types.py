@@ -273,17 +273,17 @@ class GenerationResult:
         """Why a constrained row's output cannot be used (None: it can), said of ``response_format``."""
         if self.complete is not False:
             return None
-        if self.finish_reason == "stop":
-            return f"a stop string cut the output after {len(self.token_ids)} tokens, before it was complete; drop that stop string"
-        if self.finish_reason == "context":
-            return (
-                f"the output is not complete after {len(self.token_ids)} tokens: the prompt and output filled "
-                "the pair's context; shorten the prompt or ask for a shorter output"
-            )
-        return (
-            f"the output is not complete after {len(self.token_ids)} tokens (finish_reason "
-            f"{self.finish_reason!r}); raise max_new_tokens"
-        )
+        why = CUT_SHORT.get(self.finish_reason or "", f"it ended ({self.finish_reason}); raise max_new_tokens")
+        return f"the output is not complete after {len(self.token_ids)} tokens: {why}"
+
+
+# why an output ended before it was whole, by its finish reason, and the fix: a constrained
+# row's error (``GenerationResult.incomplete``), and a structured reply's that does not parse
+CUT_SHORT = {
+    "length": "max_new_tokens cut it short; raise max_new_tokens",
+    "context": "the prompt and output filled the pair's context; shorten the prompt or ask for a shorter output",
+    "stop": "a stop string cut it short; drop that stop string",
+}
 
 
 def expected_tokens_per_iteration(acceptance: float, k: int) -> float:

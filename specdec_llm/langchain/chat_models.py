@@ -34,7 +34,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict
 
-from specdec_llm.engine import RequestError
+from specdec_llm.engine import CUT_SHORT, RequestError
 
 from .backend import Call, Item
 from .base import ENGINE_FIELDS, PROVIDER, SpecDecBase, abandoned_if_cancelled, aiter_in_thread, info, usage
@@ -307,13 +307,6 @@ class ChatSpecDec(SpecDecBase, BaseChatModel):
             yield chunk
 
 
-CUT = {  # why a reply ended before its JSON did, by its finish reason, and the fix
-    "length": "it was cut short by max_new_tokens: raise max_new_tokens",
-    "context": "the prompt and the reply filled the pair's context: shorten the prompt",
-    "stop": "a stop string cut it short: drop that stop string",
-}
-
-
 class WholeJson(JsonOutputParser):
     """A reply's JSON, whole: a reply cut short raises (saying why, where LangChain's parser
     returns what parses of it: '{"total": 1' of 12 as {"total": 1}). Partial values while
@@ -328,7 +321,7 @@ class WholeJson(JsonOutputParser):
         except json.JSONDecodeError as e:
             gen = result[0]
             finish = gen.message.response_metadata.get("finish_reason") if isinstance(gen, ChatGeneration) else None
-            why = CUT.get(finish or "", f"not one JSON value ({e})")
+            why = CUT_SHORT.get(finish or "", f"not one JSON value ({e})")
             raise OutputParserException(f"the reply does not parse: {why}", llm_output=text) from e
 
 

@@ -273,8 +273,7 @@ def row_changed(session: Session, job_id: str, *, started: bool = True) -> None:
     checks of a row's telemetry do not block; SQLite has one writer): of rows finishing at
     once, each sees the others' changes in turn, so the last one finishes the job."""
     session.execute(select(Job.id).where(Job.id == job_id).with_for_update(key_share=True))
-    pending = session.scalar(select(Request.id).where(Request.job_id == job_id, Request.status.in_(PENDING)).limit(1))
-    if pending is None:
+    if not session.scalar(select(pending_rows(job_id))):
         refresh_job(session, job_id)
     elif started:
         now = utcnow()
