@@ -150,7 +150,10 @@ def generating_here(node: str, request_id: str) -> Iterator[bool]:
 
 
 def _lock_path(node: str, request_id: str) -> Path:
-    node_hash, row_hash = (hashlib.sha256(text.encode()).hexdigest()[:24] for text in (node, request_id))
+    """One file per node, store and row: a row id is unique within its store only, so two
+    stores' workers on one host (or two test processes) holding rows of one id are not one row."""
+    row = f"{get_settings().effective_database_url}\n{request_id}"  # (hashed: no password in a file name)
+    node_hash, row_hash = (hashlib.sha256(text.encode()).hexdigest()[:24] for text in (node, row))
     return ROWS_DIR / node_hash / f"{row_hash}.lock"
 
 

@@ -256,3 +256,24 @@ def test_a_row_lock_folder_others_can_write_is_not_trusted(tmp_path, monkeypatch
             assert not mine  # (an own folder: the lock is honoured)
     finally:
         os.close(held)
+
+
+def test_a_row_lock_is_per_store(tmp_path, monkeypatch):
+    """Row ids are unique within a store only: a worker generating row "r1" of one store does
+    not drop the messages of another store's "r1" on the same host (two deployments' workers,
+    or two test processes, on one machine)."""
+    from specdec_llm.settings import reload_settings
+    from workers import tasks
+
+    monkeypatch.setattr(tasks, "ROWS_DIR", tmp_path / "rows")
+    monkeypatch.setenv("SPECDEC_DATABASE_URL", sqlite_url(tmp_path / "a"))
+    reload_settings()
+    with tasks.generating_here("node", "r1") as mine:
+        assert mine
+        with tasks.generating_here("node", "r1") as again:
+            assert not again  # (the same store's row: the lock holds)
+        monkeypatch.setenv("SPECDEC_DATABASE_URL", sqlite_url(tmp_path / "b"))
+        reload_settings()
+        with tasks.generating_here("node", "r1") as other:
+            assert other
+    reload_settings()
