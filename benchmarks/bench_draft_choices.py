@@ -8,7 +8,7 @@ Variants: the pair's draft model (when it has one of its own) in fp32, bf16 and 
 own int4 blocks where exact, else re-quantized: ``draft_quantize``), each with its full head and
 with its head over ``--subset`` tokens (``draft_vocab``); and the target's own int4 copy
 (``draft = "quantized:int4"``) with its full head in fp32, bf16, int8 and int4, and a subset
-head in fp32 and bf16.
+head in fp32 and bf16; and its "mixed" body (``quant.BODIES``) with the int8 head.
 Agreement: the target's greedy answers to the prompts (chat template), every variant
 teacher-forced on them, the share of positions where its argmax is the target's (what
 acceptance follows). Step: one new token on a 100-token context through the engine's cache,
@@ -68,6 +68,8 @@ def variants(spec, target, tokenizer, subset: int) -> dict:
     out[f"target int4 copy, {subset} bf16 head"] = headed(own, SubsetHead(full, ids, torch.bfloat16))
     for head in ("int8", "int4"):
         out[f"target int4 copy, {head} head"] = quantized_copy(target, "int4", head, blocks, kernel_cache=kernels)
+    mixed = quantized_copy(target, "int4", "int8", blocks, kernel_cache=kernels, body="mixed")
+    out["target mixed copy, int8 head"] = mixed  # (quant.BODIES: its projections in int8, down_proj int4)
     return out
 
 

@@ -78,6 +78,7 @@ class DynamicInt8Linear(torch.nn.Module):
     tensor: ``held_bytes`` counts it (``quant.model_bytes``)."""
 
     inv: torch.Tensor | None  # buffer
+    sizes: list[int]  # the widths of the projections it computes at once (a draft's fused ones: quant)
 
     def __init__(
         self,
@@ -100,7 +101,8 @@ class DynamicInt8Linear(torch.nn.Module):
             qt = torch._make_per_channel_quantized_tensor(q, scale, torch.zeros(n, dtype=torch.long), 0)
             self.packed = torch.ops.quantized.linear_prepack(qt, None if bias is None else bias.detach().float())
         self.register_buffer("inv", inv)
-        self.in_features, self.out_features = k, n
+        self.float_bias = None if bias is None else bias.detach().float()  # (inside ``packed``; kept to store it)
+        self.in_features, self.out_features, self.sizes = k, n, [n]
         self.held_bytes = n * k + n * 8 + (0 if bias is None else n * 4)
 
     def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -115,6 +117,11 @@ class DynamicInt8Linear(torch.nn.Module):
         flat = flat if self.inv is None else flat * self.inv
         y: torch.Tensor = torch.ops.quantized.linear_dynamic(flat, self.packed, True)  # (reduce_range: 7-bit x)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def int8_engine() -> bool:
+    """Whether this torch build has a quantized CPU engine for DynamicInt8Linear."""
+    return torch.backends.quantized.engine not in ("none", "")
 
 
 def _int8_rows(w: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

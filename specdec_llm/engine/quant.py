@@ -30,9 +30,11 @@ import copy
 import hashlib
 import math
 import os
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers.pytorch_utils import Conv1D
@@ -56,6 +58,18 @@ STORED_FORMAT = "stored 1"  # what a stored draft's file holds (``packed_state``
 # an int8 copy (DynamicInt8Linear)
 HEADS = ("auto", "target", "bf16", "int4", "int8")
 AUTO_MARGIN = 0.8  # "auto" takes a copy (bf16, int8) where its one-row matmul is at most this share of the target's
+# the draft's body: every Linear in int4, "mixed" (INT8_PROJECTIONS in dynamic int8, the rest int4), or "auto":
+# "mixed" where its projections multiply one row in at most AUTO_MARGIN of int4's time on this machine and
+# it agrees with the target at least BODY_AGREEMENT of int4's agreement (``_body_choice``, kept per machine)
+BODIES = ("int4", "mixed", "auto")
+# the projections "mixed" holds in kernels.DynamicInt8Linear (fbgemm's int8 dot products, each input smoothed
+# by what the target's projection sees): those reading normed hidden states or attention outputs. down_proj
+# reads act(gate) * up, whose outlier channels cost agreement: on Qwen2.5-Coder-1.5B over arbitrary tokens
+# the target's argmax agreed 0.891 with the int4 draft, 0.836 mixed, 0.469 with down_proj in int8 too; on
+# code answers 0.996 / 0.984 / 0.895. An AVX2 EPYC multiplies a mixed layer's projections in 0.4-0.6 of
+# int4's time (one row; 0.2-0.3 at 9 rows): its draft step 0.37 -> 0.29 of the target's
+INT8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+BODY_AGREEMENT = 0.9
 
 
 @dataclass
@@ -414,6 +428,7 @@ def quantized_copy(
     fuse: bool = True,
     kernel_cache: Path | None = None,
     packed_cache: Path | None = None,
+    body: str = "int4",
 ) -> PreTrainedModel:
     """A draft: the target's structure and norms, every Linear of its layers quantized
     (``scheme``), the embedding shared. Its LM head: the target's own (``"target"``, shared:
@@ -428,11 +443,13 @@ def quantized_copy(
     int4 matmul (``FUSED`` names them). ``packed_cache``: a folder where a CPU int4 draft is
     kept as its kernels read it, per machine (``stored_draft_file``): a later load maps it
     instead of reading the blocks and packing them again (8-9 s of a 1.5B target's load).
-    The target is unchanged."""
+    ``body`` (int4 on CPU; ``BODIES``): "mixed" holds INT8_PROJECTIONS in dynamic int8, "auto"
+    measures which (``_body_choice``). The target is unchanged."""
     _check(scheme, head, target)
     head, head_ms, build, agreement = _head_choice(target, head, kernel_cache)
     blocks = blocks or {}
-    file = stored_draft_file(packed_cache, target, scheme, head, fuse, blocks)
+    body, choice = _known_body(target, scheme, body, kernel_cache)
+    file = stored_draft_file(packed_cache, target, scheme, head, fuse, blocks, body)
     stored = _read_stored(file)
     draft = _sharing_copy(target)
     head_module = draft.get_output_embeddings()
@@ -441,6 +458,8 @@ def quantized_copy(
             _stored_layers(draft, stored)  # (an int4 head too)
         else:
             _quantize_layers(draft, head_module, scheme, blocks, fuse)
+            body, choice = _built_body(target, draft, body, choice, fuse, kernel_cache)
+            file = stored_draft_file(packed_cache, target, scheme, head, fuse, blocks, body)
         if head == "int4" and not stored:
             draft.set_output_embeddings(_quantized(head_module, "int4", blocks.get("lm_head.weight")))
         elif head == "bf16":
@@ -462,6 +481,7 @@ def quantized_copy(
         **({"head_agreement": round(agreement, 3)} if agreement < 1 else {}),
         "gguf_blocks": len(blocks),
         "fused": fuse,
+        **({"body": body, **choice} if scheme == "int4" else {}),
     }
     draft.eval()
     return draft
@@ -482,6 +502,158 @@ def _head_choice(
     if head_ms and build is not None and agreement < INT8_AGREEMENT:  # (auto) too inexact: the best float head
         build, head = None, faster_copy(head_ms, ("bf16",))
     return head, head_ms, build, agreement
+
+
+def _known_body(
+    target: PreTrainedModel, scheme: str, body: str, kernel_cache: Path | None
+) -> tuple[str, dict[str, Any]]:
+    """``body`` as far as known before the draft is built: "int4" where mixed cannot run (another
+    scheme or device, a torch without the quantized engine), an "auto" this machine already
+    chose (``_body_choice`` kept it), else as asked; and what chose it."""
+    if body not in BODIES:
+        raise ValueError(f"unknown draft body {body!r}; known: {', '.join(BODIES)}")
+    cpu = next(target.parameters()).device.type == "cpu"
+    if scheme != "int4" or not cpu or not kernels.int8_engine():
+        return "int4", {}
+    if body == "auto":
+        seen = kernels.remembered(kernel_cache, _body_key(target))
+        if isinstance(seen, dict) and seen.get("body") in ("int4", "mixed"):
+            return str(seen["body"]), {k: v for k, v in seen.items() if k != "body"}
+    return body, {}
+
+
+def _built_body(
+    target: PreTrainedModel, draft: PreTrainedModel, body: str, choice: dict[str, Any], fuse: bool, cache: Path | None
+) -> tuple[str, dict[str, Any]]:
+    """The body of ``draft`` (just built in int4) made as ``body`` says ("auto": chosen now)."""
+    if body == "auto":
+        return _body_choice(target, draft, fuse, cache)
+    if body == "mixed":
+        _mixed_layers(draft, target, _seen(target)[0], fuse)
+    return body, choice
+
+
+def _body_key(target: PreTrainedModel) -> str:
+    return f"draft body {head_fingerprint(cast(torch.Tensor, target.get_output_embeddings().weight).detach())}"
+
+
+@torch.inference_mode()
+def _seen(model: PreTrainedModel, tokens: int = 128) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """What ``model``'s INT8_PROJECTIONS receive in one forward over ``tokens`` token ids spread
+    over the vocabulary (as ``head_inputs``): max |x| per input channel, by module name; and the
+    model's argmax at each position."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def keep(_m: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            m = absmax(args[0].flatten(0, -2).float(), 0)
+            seen[name] = m if name not in seen else torch.maximum(seen[name], m)
+
+        return keep
+
+    head = model.get_output_embeddings()
+    hooks = [
+        m.register_forward_pre_hook(hook(n))
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and m is not head and n.rpartition(".")[2] in INT8_PROJECTIONS
+    ]
+    try:
+        logits = model(_spread(model, tokens)).logits[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen, logits.argmax(-1)
+
+
+def _spread(model: PreTrainedModel, tokens: int) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return torch.linspace(0, model.config.vocab_size - 1, tokens).long()[None].to(device)
+
+
+def _mixed_layers(
+    draft: PreTrainedModel, target: PreTrainedModel, seen: Mapping[str, torch.Tensor], fuse: bool
+) -> None:
+    """``draft``'s INT8_PROJECTIONS as DynamicInt8Linear from the target's weights, each input
+    smoothed (SMOOTH_ALPHA) by what the target's projection saw (``seen``); fused siblings as one."""
+    weights = dict(target.named_modules())
+    for name, module in list(draft.named_modules()):
+        mine = [n for n, _ in module.named_children() if n in INT8_PROJECTIONS and f"{name}.{n}" in seen]
+        groups = [[n for n in g if n in mine] for g in FUSED] if fuse else []
+        groups = [g for g in groups if len(g) > 1]
+        groups += [[n] for n in mine if not any(n in g for g in groups)]
+        for group in groups:
+            parts = [cast(torch.nn.Linear, weights[f"{name}.{n}"]) for n in group]
+            w = torch.cat([p.weight.detach().float() for p in parts])
+            biases = [p.bias for p in parts]
+            bias = (
+                None
+                if all(b is None for b in biases)
+                else torch.cat(
+                    [p.weight.new_zeros(p.out_features) if b is None else b.detach() for p, b in zip(parts, biases)]
+                )
+            )
+            x = torch.stack([seen[f"{name}.{n}"] for n in group]).amax(0)
+            smooth = x.clamp(min=1e-5) ** SMOOTH_ALPHA / absmax(w, 0).clamp(min=1e-5) ** (1 - SMOOTH_ALPHA)
+            whole = DynamicInt8Linear(w, bias, smooth)
+            whole.sizes = [p.out_features for p in parts]
+            if len(group) > 1:
+                replace_by_slices(module, group, whole)
+            else:
+                setattr(module, group[0], whole)
+
+
+def _body_choice(
+    target: PreTrainedModel, draft: PreTrainedModel, fuse: bool, kernel_cache: Path | None
+) -> tuple[str, dict[str, Any]]:
+    """ "mixed" or "int4" for ``draft`` (built in int4), measured once per machine and target and
+    kept in ``kernel_cache``: one row through every layer's INT8_PROJECTIONS each way (streamed
+    from memory, as in a step), and each body's argmax agreement with the target over
+    ``_seen``'s tokens. ``draft`` is left mixed where that is chosen."""
+    seen, want = _seen(target)
+    int4 = [(m, n, child) for m in draft.modules() for n, child in m.named_children() if n in INT8_PROJECTIONS]
+    dtype = next(target.parameters()).dtype
+    with torch.inference_mode():
+        int4_agree = (draft(_spread(draft, len(want))).logits[0].argmax(-1) == want).float().mean().item()
+        int4_ms = _pass_ms(_projections(draft), dtype)
+        _mixed_layers(draft, target, seen, fuse)
+        mixed_agree = (draft(_spread(draft, len(want))).logits[0].argmax(-1) == want).float().mean().item()
+        mixed_ms = _pass_ms(_projections(draft), dtype)
+    faster = mixed_ms <= AUTO_MARGIN * int4_ms
+    body = "mixed" if faster and mixed_agree >= BODY_AGREEMENT * int4_agree else "int4"
+    if body == "int4":  # its int4 projections back: the draft as built
+        for module, n, child in int4:
+            setattr(module, n, child)
+    choice = {
+        "body_ms_one_row": {"int4": round(int4_ms, 3), "mixed": round(mixed_ms, 3)},
+        "body_agreement": {"int4": round(int4_agree, 3), "mixed": round(mixed_agree, 3)},
+    }
+    kernels.remember(kernel_cache, _body_key(target), {"body": body, **choice})
+    return body, choice
+
+
+def _projections(draft: PreTrainedModel) -> list[torch.nn.Module]:
+    """The matmuls computing ``draft``'s INT8_PROJECTIONS, each fused one once."""
+    out: dict[int, torch.nn.Module] = {}
+    for module in draft.modules():
+        for n, child in module.named_children():
+            if n in INT8_PROJECTIONS:
+                whole = getattr(child, "part_of", child)
+                out.setdefault(id(whole), whole)
+    return list(out.values())
+
+
+def _pass_ms(modules: list[torch.nn.Module], dtype: torch.dtype, repeats: int = 5) -> float:
+    """Milliseconds for one row through every one of ``modules`` in turn, the median of ``repeats``."""
+    widths = {int(cast(int, m.in_features)) for m in modules}
+    xs = {w: torch.randn(1, w, dtype=dtype) for w in widths}
+    times = []
+    for i in range(repeats + 1):  # (the first warms up)
+        t0 = time.perf_counter()
+        for m in modules:
+            m(xs[int(cast(int, m.in_features))])
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
 def _check(scheme: str, head: str, target: PreTrainedModel) -> None:
@@ -540,17 +712,26 @@ def _quantize_layers(
 
 
 def stored_draft_file(
-    folder: Path | None, target: PreTrainedModel, scheme: str, head: str, fuse: bool, blocks: Mapping[str, Blocks]
+    folder: Path | None,
+    target: PreTrainedModel,
+    scheme: str,
+    head: str,
+    fuse: bool,
+    blocks: Mapping[str, Blocks],
+    body: str = "int4",
 ) -> Path | None:
     """Where ``quantized_copy`` keeps a CPU int4 draft of ``target`` in ``folder``, packed as
-    this machine's kernel reads it; None where none is kept (another scheme or device). Named
+    this machine's kernel reads it; None where none is kept (another scheme or device, a body
+    not yet chosen). Named
     by what decides its bytes: the machine and torch (``kernels.machine_key``: the packing
     follows the CPU), the target's dtype, the draft's recipe, and 8 rows of every weight it quantizes."""
-    if folder is None or scheme != "int4" or next(target.parameters()).device.type != "cpu":
+    if folder is None or scheme != "int4" or next(target.parameters()).device.type != "cpu" or body == "auto":
         return None
     machine = kernels.machine_key().rsplit("|threads", 1)[0]
     dtype = next(target.parameters()).dtype  # (its biases and norms are the target's, in its dtype)
-    h = hashlib.sha256(f"{machine}|{dtype}|{STORED_FORMAT}|{scheme}|{head}|{fuse}|{GROUP}|{sorted(blocks)}".encode())
+    h = hashlib.sha256(
+        f"{machine}|{dtype}|{STORED_FORMAT}|{scheme}|{head}|{fuse}|{GROUP}|{sorted(blocks)}{'' if body == 'int4' else f'|{body}'}".encode()
+    )
     for name, module in target.named_modules():
         w = getattr(module, "weight", None)
         if isinstance(module, (torch.nn.Linear, Conv1D)) and isinstance(w, torch.Tensor) and w.numel():
@@ -589,10 +770,18 @@ def packed_state(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
     for name, module in draft.named_modules():
         for child_name, child in module.named_children():
             key = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, Slice) and child.start == 0 and isinstance(child.part_of, Int4Linear):
+            if (
+                isinstance(child, Slice)
+                and child.start == 0
+                and isinstance(child.part_of, (Int4Linear, DynamicInt8Linear))
+            ):
                 names = next(g for g in FUSED if g[0] == child_name)
                 child, key = child.part_of, f"{name}.{'+'.join(names)}"
-            elif not isinstance(child, Int4Linear) or isinstance(module, Fused):
+            elif not isinstance(child, (Int4Linear, DynamicInt8Linear)) or isinstance(module, Fused):
+                continue
+            if isinstance(child, DynamicInt8Linear):  # a mixed body's projection
+                if child is not draft.get_output_embeddings():
+                    out.update(_int8_state(key, child))
                 continue
             out.update({f"{key}.{part}": t for part, t in child.named_buffers() if t is not None})
     head = draft.get_output_embeddings()
@@ -602,18 +791,37 @@ def packed_state(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
     return out
 
 
+def _int8_state(key: str, module: DynamicInt8Linear) -> dict[str, torch.Tensor]:
+    rows, scale, inv = module.int8_rows()
+    out = {f"{key}.int8": rows, f"{key}.int8_scale": scale, f"{key}.int8_sizes": torch.tensor(module.sizes)}
+    out.update({f"{key}.int8_inv": inv} if inv is not None else {})
+    return out | ({f"{key}.int8_bias": module.float_bias} if module.float_bias is not None else {})
+
+
+def _stored(tensors: Mapping[str, torch.Tensor], key: str, sizes: list[int] | None = None) -> torch.nn.Module | None:
+    """The matmul ``packed_state`` kept under ``key`` (int4 or a mixed body's int8), or None."""
+    if f"{key}.packed" in tensors:
+        return Int4Linear.stored(tensors, key, sizes)
+    if f"{key}.int8" not in tensors:
+        return None
+    stored = (tensors[f"{key}.int8"], tensors[f"{key}.int8_scale"], tensors.get(f"{key}.int8_inv"))
+    whole = DynamicInt8Linear(None, tensors.get(f"{key}.int8_bias"), stored=stored)
+    whole.sizes = [int(n) for n in tensors[f"{key}.int8_sizes"]]
+    return whole
+
+
 def _stored_layers(draft: PreTrainedModel, tensors: Mapping[str, torch.Tensor]) -> None:
     """``draft``'s Linears that ``packed_state`` kept, as it kept them (fused ones fused)."""
     for name, module in list(draft.named_modules()):
         for names in FUSED:
-            key = f"{name}.{'+'.join(names)}"
-            if f"{key}.packed" in tensors:
-                sizes = [cast(torch.nn.Linear, getattr(module, n)).out_features for n in names]
-                replace_by_slices(module, names, Int4Linear.stored(tensors, key, sizes))
+            sizes = [cast(torch.nn.Linear, getattr(module, n)).out_features for n in names if hasattr(module, n)]
+            whole = _stored(tensors, f"{name}.{'+'.join(names)}", sizes)
+            if whole is not None:
+                replace_by_slices(module, names, whole)
         for child_name in [n for n, _ in module.named_children()]:
-            key = f"{name}.{child_name}" if name else child_name
-            if f"{key}.packed" in tensors:
-                setattr(module, child_name, Int4Linear.stored(tensors, key))
+            whole = _stored(tensors, f"{name}.{child_name}" if name else child_name)
+            if whole is not None:
+                setattr(module, child_name, whole)
 
 
 def _int8_head(tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

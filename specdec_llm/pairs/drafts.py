@@ -149,8 +149,13 @@ def quantized_model(spec: PairSpec, model, ref: str, scheme: str, tokenizer, tar
         blocks = cached_gguf_blocks(Path(ref).expanduser(), model, spec.trust_remote_code)
     try:
         cache = get_settings().cache_dir
-        draft = quantized_copy(
-            model, scheme, blocks=blocks, kernel_cache=cache / "kernels.json", packed_cache=cache / "drafts"
+        draft = quantized_copy(  # (its body measured on this machine: quant.BODIES)
+            model,
+            scheme,
+            blocks=blocks,
+            kernel_cache=cache / "kernels.json",
+            packed_cache=cache / "drafts",
+            body="auto",
         )
     except ValueError as e:  # a scheme this device cannot run
         raise PairError(f"pair {spec.name}: {e}") from None

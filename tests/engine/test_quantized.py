@@ -70,11 +70,19 @@ def test_int4_blocks_round_trip_and_the_kernel_multiplies_by_them():
 
 
 @pytest.mark.parametrize(
-    "scheme,head",
-    [("int4", "target"), ("int4", "bf16"), ("int4", "int8"), ("int4", "int4"), ("int8", "target"), ("fp8", "target")],
+    "scheme,head,body",
+    [
+        ("int4", "target", "int4"),
+        ("int4", "bf16", "int4"),
+        ("int4", "int8", "int4"),
+        ("int4", "int4", "int4"),
+        ("int4", "target", "mixed"),
+        ("int8", "target", "int4"),
+        ("fp8", "target", "int4"),
+    ],
 )
-def test_quantized_drafter_alone_and_mixed_is_greedy_identical(target, scheme, head):
-    draft = quantized_copy(target, scheme, head)
+def test_quantized_drafter_alone_and_mixed_is_greedy_identical(target, scheme, head, body):
+    draft = quantized_copy(target, scheme, head, body=body)
     assert not any(isinstance(m, torch.nn.Linear) for n, m in draft.model.layers.named_modules())
     assert draft.model.embed_tokens is target.model.embed_tokens  # shared, not copied
     dec = SpeculativeDecoder(target, draft, drafters=["lookup", "suffix", "quantized"])
@@ -178,6 +186,51 @@ def test_a_stored_draft_maps_the_kernels_own_bytes_and_runs_as_built(target, tmp
     with torch.inference_mode():
         assert torch.equal(rebuilt(x).logits, built(x).logits)
     assert file.stat().st_size > 100
+
+
+def test_a_mixed_body_holds_its_projections_in_int8_and_is_kept_as_built(tmp_path, monkeypatch):
+    """A "mixed" body: each layer's q/k/v (fused, with Qwen2's biases), o and gate/up (fused) in
+    smoothed dynamic int8, down_proj in int4; its stored draft maps back to the same logits
+    without quantizing again; a draft holding every projection in int8 would lose agreement."""
+    from families import tiny_family
+
+    qwen = tiny_family("qwen2", seed=0)
+    layers = qwen.config.num_hidden_layers
+    x = torch.tensor([PROMPTS[0]])
+    built = quantized_copy(qwen, body="mixed", packed_cache=tmp_path)
+    kinds = [type(getattr(m, "part_of", m)).__name__ for n, m in built.named_modules() if n.endswith("_proj")]
+    assert kinds.count("DynamicInt8Linear") == 6 * layers and kinds.count("Int4Linear") == layers  # (down_proj)
+    attn = built.model.layers[0].self_attn
+    assert attn.q_proj.part_of is attn.v_proj.part_of and attn.q_proj.part_of.float_bias is not None
+    monkeypatch.setattr(quant, "_quantize_layers", lambda *a: pytest.fail("the stored draft was not used"))
+    again = quantized_copy(qwen, body="mixed", packed_cache=tmp_path)
+    with torch.inference_mode():
+        assert torch.equal(again(x).logits, built(x).logits)
+        agree = (built(x).logits.argmax(-1) == qwen(x).logits.argmax(-1)).float().mean()
+    assert agree >= 0.8 and model_bytes(again, qwen) == model_bytes(built, qwen)
+    assert len(list(tmp_path.glob("int4-draft-*.safetensors"))) == 1
+
+
+def test_auto_body_takes_mixed_only_where_measured_faster_and_as_faithful(target, tmp_path, monkeypatch):
+    """ "auto" measures both bodies on this machine once (kept in the kernel cache): mixed where
+    its projections take at most AUTO_MARGIN of int4's time and it agrees at least BODY_AGREEMENT
+    of int4's agreement; otherwise the draft is the int4 one, exactly."""
+    x = torch.tensor([PROMPTS[2]])
+    int4 = quantized_copy(target, body="int4")
+    monkeypatch.setattr(quant, "BODY_AGREEMENT", 2.0)  # (no body agrees twice as often)
+    cache = tmp_path / "kernels.json"
+    refused = quantized_copy(target, body="auto", kernel_cache=cache)
+    assert refused.quantization["body"] == "int4" and set(refused.quantization["body_agreement"]) == {"int4", "mixed"}
+    with torch.inference_mode():
+        assert torch.equal(refused(x).logits, int4(x).logits)
+    monkeypatch.setattr(quant, "BODY_AGREEMENT", 0.0)
+    assert quantized_copy(target, body="auto", kernel_cache=cache).quantization["body"] == "int4"  # (kept)
+    monkeypatch.setattr(quant, "AUTO_MARGIN", 1e9)  # (any time is fast enough)
+    taken = quantized_copy(target, body="auto", kernel_cache=tmp_path / "other.json")
+    assert taken.quantization["body"] == "mixed"
+    assert any(isinstance(m, DynamicInt8Linear) for m in taken.model.layers.modules())
+    with pytest.raises(ValueError, match="unknown draft body 'int3'; known: int4, mixed, auto"):
+        quantized_copy(target, body="int3")
 
 
 def test_a_stored_draft_is_the_targets_dtypes_own(tmp_path):
