@@ -443,8 +443,7 @@ def quantized_copy(
     int4 matmul (``FUSED`` names them). ``packed_cache``: a folder where a CPU int4 draft is
     kept as its kernels read it, per machine (``stored_draft_file``): a later load maps it
     instead of reading the blocks and packing them again (8-9 s of a 1.5B target's load).
-    ``body`` (int4 on CPU; ``BODIES``): "mixed" holds INT8_PROJECTIONS in dynamic int8, "auto"
-    measures which (``_body_choice``). The target is unchanged."""
+    ``body``: ``BODIES`` (CPU int4 only). The target is unchanged."""
     _check(scheme, head, target)
     head, head_ms, build, agreement = _head_choice(target, head, kernel_cache)
     blocks = blocks or {}
@@ -472,17 +471,11 @@ def quantized_copy(
             )
     if file is not None and not stored:
         _store(file, packed_state(draft))
-    for p in draft.parameters():
-        p.requires_grad_(False)
-    vars(draft)["quantization"] = {
-        "scheme": scheme,
-        "head": head,
-        **({"head_ms_one_row": head_ms} if head_ms else {}),
-        **({"head_agreement": round(agreement, 3)} if agreement < 1 else {}),
-        "gguf_blocks": len(blocks),
-        "fused": fuse,
-        **({"body": body, **choice} if scheme == "int4" else {}),
-    }
+    draft.requires_grad_(False)
+    info: dict[str, Any] = {"scheme": scheme, "head": head, **({"head_ms_one_row": head_ms} if head_ms else {})}
+    info.update({"head_agreement": round(agreement, 3)} if agreement < 1 else {})
+    info.update(gguf_blocks=len(blocks), fused=fuse, **({"body": body, **choice} if scheme == "int4" else {}))
+    vars(draft)["quantization"] = info
     draft.eval()
     return draft
 
