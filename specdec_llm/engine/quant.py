@@ -219,8 +219,7 @@ def head_inputs(model: PreTrainedModel, head: torch.nn.Module, tokens: int = 128
     seen: list[torch.Tensor] = []
     hook = head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].flatten(0, -2).float()))
     try:
-        device = next(model.parameters()).device
-        model(torch.linspace(0, model.config.vocab_size - 1, tokens).long()[None].to(device))
+        model(_spread(model, tokens))
     finally:
         hook.remove()
     return seen[0]
@@ -457,8 +456,9 @@ def quantized_copy(
             _stored_layers(draft, stored)  # (an int4 head too)
         else:
             _quantize_layers(draft, head_module, scheme, blocks, fuse)
+            asked = body
             body, choice = _built_body(target, draft, body, choice, fuse, kernel_cache)
-            file = stored_draft_file(packed_cache, target, scheme, head, fuse, blocks, body)
+            file = file if body == asked else stored_draft_file(packed_cache, target, scheme, head, fuse, blocks, body)
         if head == "int4" and not stored:
             draft.set_output_embeddings(_quantized(head_module, "int4", blocks.get("lm_head.weight")))
         elif head == "bf16":
