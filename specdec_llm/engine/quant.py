@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import logging
 import math
 import os
 import statistics
@@ -42,6 +43,8 @@ from transformers.pytorch_utils import Conv1D
 from . import kernels
 from .kernels import DynamicInt8Linear, absmax, fastest_ms
 from .mapped import complete, mapped_tensors, remove_stale, save_tensors
+
+stage = logging.getLogger("specdec_llm.load").info  # a load's stages (the CLI prints them, a worker logs them)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -470,7 +473,7 @@ def quantized_copy(
                 else build()
             )
     if file is not None and not stored:
-        _store(file, packed_state(draft))
+        _store(file, draft)
     draft.requires_grad_(False)
     info: dict[str, Any] = {"scheme": scheme, "head": head, **({"head_ms_one_row": head_ms} if head_ms else {})}
     info.update({"head_agreement": round(agreement, 3)} if agreement < 1 else {})
@@ -520,8 +523,10 @@ def _built_body(
 ) -> tuple[str, dict[str, Any]]:
     """The body of ``draft`` (just built in int4) made as ``body`` says ("auto": chosen now)."""
     if body == "auto":
+        stage("timing the draft's body: int4 against int8 projections (once per machine)")
         return _body_choice(target, draft, fuse, cache)
     if body == "mixed":
+        stage("building the draft's int8 projections (mixed body)")
         _mixed_layers(draft, target, _seen(target)[0], fuse)
     return body, choice
 
@@ -747,11 +752,12 @@ def _read_stored(file: Path | None) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _store(file: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Keeps a built draft in ``file``, then deletes the stored drafts beside it that no load
+def _store(file: Path, draft: PreTrainedModel) -> None:
+    """Keeps a built draft in ``file`` (``packed_state``), then deletes the stored drafts beside it that no load
     has used for STORED_UNUSED_DAYS (~1 GB each at 1.5B), and the temporary files of writers
     that died a day ago or more. A process that still maps a deleted file keeps reading it."""
-    save_tensors(file, tensors)
+    stage(f"keeping the built draft in {file}")
+    save_tensors(file, packed_state(draft))
     remove_stale(file.parent, "int4-draft-*.safetensors", STORED_UNUSED_DAYS * 86400)
     remove_stale(file.parent, ".int4-draft-*.tmp")
 

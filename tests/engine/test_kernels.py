@@ -168,3 +168,30 @@ def test_writers_keep_each_others_timings_and_time_one_matrix(tmp_path, monkeypa
     w = torch.randn(1024, 1024)
     assert len(kernels._copies("int8", [w])) > 1
     assert kernels.measure([w], ["row", "int8"], (1, 2)) == {"row": [0.001, 0.001], "int8": [0.001, 0.001]}
+
+
+def _int8_in_child(w: torch.Tensor, x: torch.Tensor, want: torch.Tensor, done: object) -> None:
+    done.put(bool(torch.allclose(kernels.DynamicInt8Linear(w, None)(x), want)))  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not kernels.int8_engine(), reason="this torch has no quantized CPU engine")
+def test_int8_weights_pack_on_threads_beside_the_load_and_in_a_forked_worker():
+    """DynamicInt8Linear packs its weight on a thread of its process (``kernels._packer``) and
+    waits for it at the first product; a worker forked after the parent packed gets threads of its
+    own (an inherited pool has none: its packing would wait forever)."""
+    import multiprocessing
+
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64), torch.randn(3, 64)
+    parent = kernels.DynamicInt8Linear(w, None)
+    assert parent._packed is None  # (not awaited yet)
+    want = parent(x)
+    assert (want - x @ w.T).norm() < 0.05 * (x @ w.T).norm()
+    ctx = multiprocessing.get_context("fork")
+    done = ctx.Queue()
+    child = ctx.Process(target=_int8_in_child, args=(w, x, want, done))
+    child.start()
+    child.join(60)
+    alive = child.is_alive()
+    child.kill()
+    assert not alive and child.exitcode == 0 and done.get(timeout=5)
