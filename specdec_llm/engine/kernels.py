@@ -99,7 +99,10 @@ class DynamicInt8Linear(torch.nn.Module):
             inv = None if smooth is None else (1 / smooth).float()
         n, k = q.shape
         self.float_bias = None if bias is None else bias.detach().float()  # (inside ``packed``; kept to store it)
-        self._packing: Future[Any] = _packer().submit(_prepack, q, scale, self.float_bias)
+        with warnings.catch_warnings():  # torch's quantized tensors are deprecated, not yet replaced on CPU
+            warnings.simplefilter("ignore")  # (here: warnings' filters are no thread's to change)
+            qt = torch._make_per_channel_quantized_tensor(q, scale, torch.zeros(n, dtype=torch.long), 0)
+        self._packing: Future[Any] = _packer().submit(torch.ops.quantized.linear_prepack, qt, self.float_bias)
         self._packed: Any = None
         self.register_buffer("inv", inv)
         self.in_features, self.out_features, self.sizes = k, n, [n]
@@ -125,13 +128,6 @@ class DynamicInt8Linear(torch.nn.Module):
         flat = flat if self.inv is None else flat * self.inv
         y: torch.Tensor = torch.ops.quantized.linear_dynamic(flat, self.packed, True)  # (reduce_range: 7-bit x)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-
-
-def _prepack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> Any:
-    with warnings.catch_warnings():  # torch's quantized tensors are deprecated, not yet replaced on CPU
-        warnings.simplefilter("ignore")
-        qt = torch._make_per_channel_quantized_tensor(q, scale, torch.zeros(len(q), dtype=torch.long), 0)
-        return torch.ops.quantized.linear_prepack(qt, bias)
 
 
 _PACKERS: dict[int, ThreadPoolExecutor] = {}
