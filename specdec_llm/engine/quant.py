@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import logging
 import math
@@ -35,7 +36,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from transformers.pytorch_utils import Conv1D
@@ -181,12 +182,16 @@ INT8_AGREEMENT = 0.9
 
 
 def smoothed_int8(
-    target: PreTrainedModel, head: torch.nn.Module, cache_file: Path | None = None
+    target: PreTrainedModel,
+    head: torch.nn.Module,
+    cache_file: Path | None = None,
+    inputs: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[Callable[[], DynamicInt8Linear], float]:
-    """``head`` as a DynamicInt8Linear smoothed by what it sees in ``target`` (``head_inputs``)
-    (a builder: built only where it is kept), and the share of those inputs where its argmax is
-    the full head's. The smoothing and the share are kept in ``cache_file`` per machine and head
-    (a later load skips the target's forward and the check: ~4 s of a 1.5B's load)."""
+    """``head`` as a DynamicInt8Linear smoothed by what it sees in ``target`` (``inputs``, by
+    default ``head_inputs``) (a builder: built only where it is kept), and the share of those
+    inputs where its argmax is the full head's. The smoothing and the share are kept in
+    ``cache_file`` per machine and head (a later load skips the target's forward and the check:
+    ~4 s of a 1.5B's load)."""
     w = cast(torch.Tensor, head.weight).detach().float()
     bias = getattr(head, "bias", None)  # (Phi-2's head has one)
     key = f"int8 head {head_fingerprint(w)}"
@@ -197,7 +202,7 @@ def smoothed_int8(
             return (lambda: DynamicInt8Linear(w, bias, smooth)), agreement
     except (KeyError, TypeError, ValueError, RuntimeError):  # not kept, or damaged: measured again
         pass
-    x = head_inputs(target, head)
+    x = inputs() if inputs is not None else head_inputs(target, head)
     smooth = absmax(x, 0).clamp(min=1e-5) ** SMOOTH_ALPHA / absmax(w, 0).clamp(min=1e-5) ** (1 - SMOOTH_ALPHA)
     int8 = DynamicInt8Linear(w, bias, smooth)
     with torch.inference_mode():
@@ -219,13 +224,7 @@ def head_inputs(model: PreTrainedModel, head: torch.nn.Module, tokens: int = 128
     ids spread evenly over the vocabulary: the outlier channels of a model's hidden states are
     its own, whatever the text (on Qwen2.5-Coder-1.5B smoothing from 64 of them agreed 0.981
     against 0.988 from 12 real prompts)."""
-    seen: list[torch.Tensor] = []
-    hook = head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].flatten(0, -2).float()))
-    try:
-        model(_spread(model, tokens))
-    finally:
-        hook.remove()
-    return seen[0]
+    return _seen(model, tokens, head).head_x
 
 
 FP8 = torch.float8_e4m3fn
@@ -447,31 +446,22 @@ def quantized_copy(
     instead of reading the blocks and packing them again (8-9 s of a 1.5B target's load).
     ``body``: ``BODIES`` (CPU int4 only). The target is unchanged."""
     _check(scheme, head, target)
-    head, head_ms, build, agreement = _head_choice(target, head, kernel_cache)
+    seen = functools.cache(lambda: _seen(target))  # (one forward of the target serves the head and the body)
+    head, head_ms, build, agreement = _head_choice(target, head, kernel_cache, seen)
     blocks = blocks or {}
     body, choice = _known_body(target, scheme, body, kernel_cache)
     file = stored_draft_file(packed_cache, target, scheme, head, fuse, blocks, body)
     stored = _read_stored(file)
     draft = _sharing_copy(target)
-    head_module = draft.get_output_embeddings()
     with torch.no_grad():
         if stored:
             _stored_layers(draft, stored)  # (an int4 head too)
         else:
-            _quantize_layers(draft, head_module, scheme, blocks, fuse)
+            _quantize_layers(draft, draft.get_output_embeddings(), scheme, blocks, fuse)
             asked = body
-            body, choice = _built_body(target, draft, body, choice, fuse, kernel_cache)
+            body, choice = _built_body(target, draft, body, choice, fuse, kernel_cache, seen)
             file = file if body == asked else stored_draft_file(packed_cache, target, scheme, head, fuse, blocks, body)
-        if head == "int4" and not stored:
-            draft.set_output_embeddings(_quantized(head_module, "int4", blocks.get("lm_head.weight")))
-        elif head == "bf16":
-            draft.set_output_embeddings(CastHead(head_module, torch.bfloat16))
-        elif build is not None:  # (head "int8")
-            draft.set_output_embeddings(
-                DynamicInt8Linear(None, getattr(head_module, "bias", None), stored=_int8_head(stored))
-                if "head.int8" in stored
-                else build()
-            )
+        _set_head(draft, head, blocks, build, stored)
     if file is not None and not stored:
         _store(file, draft)
     draft.requires_grad_(False)
@@ -483,8 +473,28 @@ def quantized_copy(
     return draft
 
 
+def _set_head(
+    draft: PreTrainedModel,
+    head: str,
+    blocks: Mapping[str, Blocks],
+    build: Callable[[], DynamicInt8Linear] | None,
+    stored: Mapping[str, torch.Tensor],
+) -> None:
+    """``draft``'s head as ``_head_choice`` chose it (a stored draft's int4 or int8 head as kept)."""
+    module = draft.get_output_embeddings()
+    if head == "int4" and not stored:
+        draft.set_output_embeddings(_quantized(module, "int4", blocks.get("lm_head.weight")))
+    elif head == "bf16":
+        draft.set_output_embeddings(CastHead(module, torch.bfloat16))
+    elif build is not None:  # (head "int8")
+        bias = getattr(module, "bias", None)
+        draft.set_output_embeddings(
+            DynamicInt8Linear(None, bias, stored=_int8_head(stored)) if "head.int8" in stored else build()
+        )
+
+
 def _head_choice(
-    target: PreTrainedModel, head: str, kernel_cache: Path | None
+    target: PreTrainedModel, head: str, kernel_cache: Path | None, seen: Callable[[], Seen]
 ) -> tuple[str, dict[str, float], Callable[[], DynamicInt8Linear] | None, float]:
     """``quantized_copy``'s head: its kind (``"auto"`` resolved by ``choose_head``), the timings
     that chose it, an int8 head's builder and agreement (an ``"auto"`` int8 head that agrees
@@ -493,7 +503,9 @@ def _head_choice(
     if head == "auto":
         head, head_ms = choose_head(target.get_output_embeddings(), kernel_cache)
     build, agreement = (
-        smoothed_int8(target, target.get_output_embeddings(), kernel_cache) if head == "int8" else (None, 1.0)
+        smoothed_int8(target, target.get_output_embeddings(), kernel_cache, lambda: seen().head_x)
+        if head == "int8"
+        else (None, 1.0)
     )
     if head_ms and build is not None and agreement < INT8_AGREEMENT:  # (auto) too inexact: the best float head
         build, head = None, faster_copy(head_ms, ("bf16",))
@@ -519,15 +531,21 @@ def _known_body(
 
 
 def _built_body(
-    target: PreTrainedModel, draft: PreTrainedModel, body: str, choice: dict[str, Any], fuse: bool, cache: Path | None
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    body: str,
+    choice: dict[str, Any],
+    fuse: bool,
+    cache: Path | None,
+    seen: Callable[[], Seen],
 ) -> tuple[str, dict[str, Any]]:
     """The body of ``draft`` (just built in int4) made as ``body`` says ("auto": chosen now)."""
     if body == "auto":
         stage("timing the draft's body: int4 against int8 projections (once per machine)")
-        return _body_choice(target, draft, fuse, cache)
+        return _body_choice(target, draft, fuse, cache, seen())
     if body == "mixed":
         stage("building the draft's int8 projections (mixed body)")
-        _mixed_layers(draft, target, _seen(target)[0], fuse)
+        _mixed_layers(draft, target, seen().absmax, fuse)
     return body, choice
 
 
@@ -535,12 +553,20 @@ def _body_key(target: PreTrainedModel) -> str:
     return f"draft body {head_fingerprint(cast(torch.Tensor, target.get_output_embeddings().weight).detach())}"
 
 
+class Seen(NamedTuple):
+    """What one forward of a target over ``_spread`` tokens showed (``_seen``)."""
+
+    absmax: dict[str, torch.Tensor]  # max |x| per input channel of each INT8_PROJECTIONS module, by name
+    argmax: torch.Tensor  # the model's argmax at each position
+    head_x: torch.Tensor  # what the head received [tokens, hidden]
+
+
 @torch.inference_mode()
-def _seen(model: PreTrainedModel, tokens: int = 128) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """What ``model``'s INT8_PROJECTIONS receive in one forward over ``tokens`` token ids spread
-    over the vocabulary (as ``head_inputs``): max |x| per input channel, by module name; and the
-    model's argmax at each position."""
+def _seen(model: PreTrainedModel, tokens: int = 128, head: torch.nn.Module | None = None) -> Seen:
+    """What ``model``'s INT8_PROJECTIONS and ``head`` (its own by default) receive in one
+    forward over ``tokens`` token ids spread over the vocabulary, and its argmax there."""
     seen: dict[str, torch.Tensor] = {}
+    head_x: list[torch.Tensor] = []
 
     def hook(name: str) -> Callable[..., None]:
         def keep(_m: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
@@ -549,18 +575,19 @@ def _seen(model: PreTrainedModel, tokens: int = 128) -> tuple[dict[str, torch.Te
 
         return keep
 
-    head = model.get_output_embeddings()
+    head = head if head is not None else model.get_output_embeddings()
     hooks = [
         m.register_forward_pre_hook(hook(n))
         for n, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and m is not head and n.rpartition(".")[2] in INT8_PROJECTIONS
     ]
+    hooks.append(head.register_forward_pre_hook(lambda _m, args: head_x.append(args[0].flatten(0, -2).float())))
     try:
         logits = model(_spread(model, tokens)).logits[0]
     finally:
         for h in hooks:
             h.remove()
-    return seen, logits.argmax(-1)
+    return Seen(seen, logits.argmax(-1), head_x[0])
 
 
 def _spread(model: PreTrainedModel, tokens: int) -> torch.Tensor:
@@ -601,13 +628,13 @@ def _mixed_layers(
 
 
 def _body_choice(
-    target: PreTrainedModel, draft: PreTrainedModel, fuse: bool, kernel_cache: Path | None
+    target: PreTrainedModel, draft: PreTrainedModel, fuse: bool, kernel_cache: Path | None, observed: Seen
 ) -> tuple[str, dict[str, Any]]:
     """ "mixed" or "int4" for ``draft`` (built in int4), measured once per machine and target and
     kept in ``kernel_cache``: one row through every layer's INT8_PROJECTIONS each way (streamed
     from memory, as in a step), and each body's argmax agreement with the target over
-    ``_seen``'s tokens. ``draft`` is left mixed where that is chosen."""
-    seen, want = _seen(target)
+    ``observed``'s tokens (``_seen``). ``draft`` is left mixed where that is chosen."""
+    seen, want, _ = observed
     int4 = [(m, n, child) for m in draft.modules() for n, child in m.named_children() if n in INT8_PROJECTIONS]
     dtype = next(target.parameters()).dtype
     with torch.inference_mode():

@@ -229,6 +229,13 @@ def test_auto_body_takes_mixed_only_where_measured_faster_and_as_faithful(target
     taken = quantized_copy(target, body="auto", kernel_cache=tmp_path / "other.json")
     assert taken.quantization["body"] == "mixed"
     assert any(isinstance(m, DynamicInt8Linear) for m in taken.model.layers.modules())
+    calls: list[int] = []  # an int8 head and the body measured on one forward of the target
+    hook = target.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        both = quantized_copy(target, head="int8", body="auto", kernel_cache=tmp_path / "third.json")
+    finally:
+        hook.remove()
+    assert both.quantization["head"] == "int8" and both.quantization["body"] == "mixed" and len(calls) == 1
     with pytest.raises(ValueError, match="unknown draft body 'int3'; known: int4, mixed, auto"):
         quantized_copy(target, body="int3")
 
