@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config, items):
       build for itself, none keeping one test's state for the next);
     - the long ones are handed out first, so none of them starts last and alone: the tests
       marked ``slow`` (minutes of waiting: fleets, faults, the GPU-check dry run), then the
-      20,000-sample distribution tests (helpers.py; named ``*distribution*``), each with its
+      10,000-sample distribution tests (helpers.py; named ``*distribution*``), each with its
       group (``--no-loadscope-reorder`` keeps this order; a serial run gets it too)."""
     unit, rank = {}, {}
     for item in items:

@@ -1,6 +1,6 @@
 """Constrained decoding (engine/grammar.py): every emitted token satisfies the row's grammar,
 greedy rows equal the target's own constrained greedy decoding (k = 0 with the same mask), and
-sampled rows keep the target's masked, renormalised distribution (the 20,000-sample test)."""
+sampled rows keep the target's masked, renormalised distribution (the 10,000-sample test)."""
 
 from __future__ import annotations
 

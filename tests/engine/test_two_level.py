@@ -4,7 +4,7 @@ Greedy: its proposals are the draft's own greedy tokens and the output the targe
 caches checked after every step, in one row and in a batch that rows join and leave.
 Sampled: every draft token follows the draft's own distribution (a draft identical to the
 target must give the target's distribution exactly: its tokens are all accepted), and the
-target's distribution survives a draft that differs from it (20,000 seeded samples each).
+target's distribution survives a draft that differs from it (10,000 seeded samples each).
 The plan: what a forward checks follows the measured costs of wide draft forwards."""
 
 from __future__ import annotations

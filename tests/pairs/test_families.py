@@ -60,7 +60,7 @@ def test_greedy_identical_in_every_mode(family):
 
 @pytest.mark.parametrize("name", ["qwen3", "gpt-neox"])
 def test_sampling_keeps_the_target_distribution_beyond_llama(name):
-    """As test_engine's sampled test (same bound and N: 20,000 seeded samples of the first two
+    """As test_engine's sampled test (same bound and N: 10,000 seeded samples of the first two
     tokens against the exact target distribution), on two other families (Qwen3's q/k norms,
     GPT-NeoX's layers under ``gpt_neox``)."""
     prompt = [1, 2, 3]
