@@ -129,6 +129,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         result_backend_always_retry=True,
         result_backend_max_retries=10,
         result_expires=timedelta(days=7),
+        # the longest its timer thread sleeps, so the longest a warm shutdown waits for it (default 1 s)
+        worker_timer_precision=0.1,
     )
     if is_embedded(settings):
         queue = settings.data_dir / "queue"

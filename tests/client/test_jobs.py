@@ -8,6 +8,8 @@ import hashlib
 import itertools
 import json
 import re
+import threading
+import time
 
 import pytest
 from helpers import invoke, jsonl
@@ -129,6 +131,27 @@ def test_a_default_spelled_out_is_the_same_job(embedded, tmp_path):
     again = invoke("submit", path, "--pair", "tiny", *flags)
     job = lambda res: re.search(r"job ([0-9a-f]{16})", res.output).group(1)  # noqa: E731
     assert first.exit_code == again.exit_code == 0 and job(first) == job(again), (first.output, again.output)
+
+
+# -- the embedded broker's transport -------------------------------------------------------------
+def test_a_worker_waiting_on_the_embedded_broker_sees_its_stop_at_once(embedded, monkeypatch):
+    """Celery's worker loop waits in the transport up to 2 s at a time before it looks whether
+    it was told to stop (a local worker's warm shutdown took ~3 s beyond its last task): the
+    wait gives up once the stop flag is set, whatever its value (0 is a stop: EX_OK)."""
+    from celery.worker import state
+
+    monkeypatch.setattr(state, "should_stop", None)
+    with get_app().connection_for_read() as conn:
+        conn.connect()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):  # nothing to stop it: the timeout, not a hang
+            conn.drain_events(timeout=0.3)
+        assert time.monotonic() - started >= 0.3
+        threading.Timer(0.2, setattr, (state, "should_stop", 0)).start()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=10.0)
+        assert time.monotonic() - started < 5.0  # (10 s on kombu's own wait: the whole timeout)
 
 
 # -- the commands, embedded, no worker ---------------------------------------------------------
