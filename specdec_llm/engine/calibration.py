@@ -25,10 +25,11 @@ if TYPE_CHECKING:
 # long enough to hold the holes real iterations leave (a forward's cost at these sizes is
 # its weights' bytes, not its context: docs/ARCHITECTURE's measured physics)
 CONTEXT = 64
-# up to this many rows most k (and draft widths) are timed, every one up to 4; wider batches
-# a few points; the rest interpolated (live iterations correct each width's error: costs.py).
-# Drafting seldom pays in wide batches, and each point costs rows * (k + 1) tokens; every
-# point timed made make demo's first run spend 27 s calibrating for 3 s of decoding
+# up to this many rows most k (and draft widths) are timed; wider batches a few points; the rest
+# interpolated (live iterations correct each width's error: costs.py). Drafting seldom pays in
+# wide batches, and each point costs rows * (k + 1) tokens; every point timed made make demo's
+# first run spend 27 s calibrating for 3 s of decoding (and 21 s of a 49 s first run on an
+# AVX2-only EPYC before k = 3 and a third repeat beyond one row went)
 EVERY_K_UP_TO = 4
 
 
@@ -110,14 +111,16 @@ class Calibration:
         # a wide batch's verification is compute-bound (its cost linear in k): wider k are the
         # slope from 2 to 4 extended (costs.interpolate), not timed (at 32 rows of a 1.5B on 2
         # cores, k = 8 alone was a third of the bucket's calibration)
-        points = sorted({0, 1, 2, 3, 4, 6, self.max_k} if small else {0, 1, 2, 4})
-        widths = sorted({2, 3, 4, 6, self.max_k} if small else {2, 4})
+        points = sorted({0, 1, 2, 4, 6, self.max_k} if small else {0, 1, 2, 4})
+        widths = sorted({2, 4, 6, self.max_k} if small else {2, 4})
         calibrate(
             cost,
             time_verify,
             steps,
             [p for p in points if p <= self.max_k],
-            repeats=3 if small else 2,  # (a wide batch's forward is long: less disturbed)
+            # the least of 3 at one row (what serving one request at a time chooses k by), of 2 in
+            # wider batches (their forwards are longer: less disturbed)
+            repeats=3 if rows == 1 else 2,
             time_widths=forwards,
             widths=widths,
         )
