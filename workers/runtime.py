@@ -280,7 +280,8 @@ def _stopped(**_: Any) -> None:
     a model loaded, after every task is done)."""
     if _runtime is not None and _options is not None and _options.pool == "threads":
         heartbeat.stop(_runtime)
-    gc.freeze()
+    if _options is not None:  # (our worker command's process, not a worker run inside another program)
+        gc.freeze()
 
 
 @celeryd_after_setup.connect
