@@ -45,7 +45,10 @@ def test_greedy_constrained_rows_equal_k0_with_the_same_mask_and_parse(pair):
         assert out.token_ids == plain.token_ids, k
     forced = out.stats.drafter_tokens["grammar"]  # the plan's pick: keys and separators, proposed free
     assert forced["proposed"] == forced["accepted"] > 0
-    assert out.stats.target_forwards < plain.stats.target_forwards * 0.75  # (about half, as measured)
+    # each forced token accepted is a forward saved, whatever else drafted: k = "auto" drafts by
+    # timings (7-8 forwards of 50 on a quiet machine, the suffix index drafting too; 38 with the
+    # grammar's 12 alone under make test's load), so a share of the forwards would be a timed check
+    assert out.stats.target_forwards <= plain.stats.target_forwards - forced["accepted"]
     obj = json.loads(plain.text)
     assert list(obj) == ["name", "age", "tags"]  # the schema's order (not sorted: "age" first)
     assert len(obj["name"]) <= 6 and 0 <= obj["age"] <= 120
