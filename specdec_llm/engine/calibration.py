@@ -30,7 +30,7 @@ CONTEXT = 64
 # wide batches, and each point costs rows * (k + 1) tokens; every point timed made make demo's
 # first run spend 27 s calibrating for 3 s of decoding (and 21 s of a 49 s first run on an
 # AVX2-only EPYC before k = 3 and a third repeat beyond one row went)
-EVERY_K_UP_TO = 4
+MOST_K_UP_TO = 4
 
 
 class Calibration:
@@ -107,7 +107,7 @@ class Calibration:
         steps: dict[str, Callable[[], float]] = {name: partial(timer, 1) for name, (_, timer) in timers.items()}
         forwards = {name: timer for name, (d, timer) in timers.items() if d.levels > 1}  # two levels: w tokens
         time_verify(0), [fn() for fn in steps.values()]  # warm up
-        small = rows <= EVERY_K_UP_TO
+        small = rows <= MOST_K_UP_TO
         # a wide batch's verification is compute-bound (its cost linear in k): wider k are the
         # slope from 2 to 4 extended (costs.interpolate), not timed (at 32 rows of a 1.5B on 2
         # cores, k = 8 alone was a third of the bucket's calibration)
