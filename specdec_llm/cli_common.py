@@ -89,20 +89,20 @@ def check_device(device: str | None, field: str = "device") -> str | None:
 
 
 def check_batching(max_batch: int | str, concurrency: int) -> int | str:
-    """--max-batch: an integer >= 1 or "auto" (the batch size with the most tokens/s on this
-    machine, chosen by the worker from measured costs); the value to use. B > 1 or auto is one
-    process (threads pool) holding the pair: --concurrency N > 1 with B > 1 is refused, and
-    with auto it means N one-row processes."""
+    """--max-batch: an integer >= 1, "auto" (the batch size with the most tokens/s on this
+    machine, chosen by the worker from measured costs) or "auto:N" (the same, up to N rows); the
+    value to use. B > 1 or auto is one process (threads pool) holding the pair: --concurrency
+    N > 1 with B > 1 is refused, and with auto it means N one-row processes."""
+    from specdec_llm.engine.types import parse_max_batch
+
     if concurrency < 1:
         fail("concurrency: use at least 1")
-    if str(max_batch).strip().lower() == "auto":
-        return "auto" if concurrency == 1 else 1
     try:
-        max_batch = int(max_batch)
-    except ValueError:
-        fail(f"max-batch: {max_batch!r} is not a number; use an integer >= 1 or 'auto'")
-    if max_batch < 1:
-        fail("max-batch: use at least 1 (or 'auto')")
+        max_batch = parse_max_batch(max_batch)
+    except ValueError as e:
+        fail(f"max-batch: {e}")
+    if isinstance(max_batch, str):
+        return max_batch if concurrency == 1 else 1
     if max_batch > 1 and concurrency > 1:
         fail(
             f"--concurrency {concurrency} with --max-batch {max_batch}: a batching worker is one process per "

@@ -47,6 +47,7 @@ def get(pair, *, threads: int | None = None, max_batch: int | str = 1, max_wait_
     torch's threads (``pairs.use_threads(threads)``). A server with other batching settings,
     or a closed one, is replaced (the loaded models are kept)."""
     from .engine.serve import BatchServer
+    from .engine.types import parse_max_batch
     from .pairs import get_spec, load_pair, use_threads
 
     spec = get_spec(pair) if isinstance(pair, str) else pair
@@ -70,7 +71,7 @@ def get(pair, *, threads: int | None = None, max_batch: int | str = 1, max_wait_
         if (
             server is None
             or server.closed.is_set()
-            or ("auto" if server.auto else server.max_batch, server.max_wait) != (max_batch, max_wait_ms / 1000)
+            or (server.setting, server.max_wait) != (parse_max_batch(max_batch), max_wait_ms / 1000)
         ):
             if server is not None:
                 server.close()

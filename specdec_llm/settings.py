@@ -81,12 +81,12 @@ class Settings(BaseSettings):
     @field_validator("max_batch")
     @classmethod
     def _max_batch(cls, value: int | str) -> int | str:
-        if str(value).strip().lower() == "auto":
-            return "auto"
-        if isinstance(value, int) or str(value).strip().isdigit():
-            if int(value) >= 1:
-                return int(value)
-        raise ValueError("not a batch size")
+        from .engine.types import parse_max_batch
+
+        try:
+            return parse_max_batch(value)
+        except ValueError:
+            raise ValueError("not a batch size") from None
 
     @property
     def effective_database_url(self) -> str:
@@ -99,7 +99,7 @@ class Settings(BaseSettings):
 TAKES = {
     "device": "cpu, cuda, cuda:N or mps, or unset it for each pair's own device",
     "dtype": "float32, bfloat16 or float16, or unset it for each pair's own dtype",
-    "max_batch": "an integer >= 1, or auto (the size with the most tokens/s, from measured costs)",
+    "max_batch": "an integer >= 1, auto (the size with the most tokens/s, from measured costs) or auto:N (up to N)",
     "threads": "a whole number >= 1 (torch's CPU threads), or unset it for torch's default",
     "max_wait_ms": "a finite number of milliseconds >= 0",
     "lease_heartbeat_s": "a finite number of seconds > 0",

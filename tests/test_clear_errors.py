@@ -503,6 +503,10 @@ def settings_env():
         ({"SPECDEC_DEVICE": "gpu"}, "set it to cpu, cuda, cuda:N or mps, or unset it"),
         ({"SPECDEC_MAX_BATCH": "many"}, "SPECDEC_MAX_BATCH='many': not a batch size; set it to an integer >= 1"),
         ({"SPECDEC_MAX_BATCH": "0"}, "SPECDEC_MAX_BATCH='0'"),
+        (
+            {"SPECDEC_MAX_BATCH": "auto:0"},
+            "SPECDEC_MAX_BATCH='auto:0': not a batch size; set it to an integer >= 1, auto",
+        ),
     ],
 )
 @pytest.mark.parametrize("command", [["jobs"], ["status", "x"], ["generate", "hi", "--pair", "tiny"], ["worker"]])

@@ -273,3 +273,35 @@ def test_local_mode_does_not_import_celery(pairs_file, tmp_path):
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.startswith("ok")
+
+
+def test_run_loads_no_model_code_in_its_own_process(pairs_file, tmp_path):
+    """`run` checks its pair and submits; the worker it starts loads the models. Its own
+    process imports no torch (seconds of a demo's start: the pairs registry and the drafters'
+    names are plain data). A fresh interpreter, the tiny pair, the embedded broker."""
+    script = textwrap.dedent("""
+        import sys
+        from specdec_llm.cli import app
+
+        try:
+            app(["run", sys.argv[1], "--pair", "tiny", "--max-new-tokens", "4", "--out", sys.argv[2]])
+        except SystemExit as e:
+            assert not e.code, e.code
+        assert "torch" not in sys.modules and "transformers" not in sys.modules
+        print("ok")
+    """)
+    from specdec_llm.store.testing import sqlite_url
+
+    rows = tmp_path / "in.jsonl"
+    rows.write_text('{"prompt": "The quick brown fox"}\n{"prompt": "Once upon a time"}\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        SPECDEC_DATABASE_URL=sqlite_url(tmp_path),
+        SPECDEC_DATA_DIR=str(tmp_path / "data"),
+        SPECDEC_THREADS="1",
+    )
+    args = [sys.executable, "-c", script, str(rows), str(tmp_path / "out.jsonl")]
+    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2

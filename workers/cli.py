@@ -210,12 +210,13 @@ def _pool_shape(pool: str, max_batch: int | str, max_wait_ms: float, concurrency
     task threads feeding one batch (no fork: torch may load here); else ``concurrency`` processes."""
     if pool != "threads":
         return f"concurrency {concurrency}", concurrency
-    from specdec_llm.engine.serve import AUTO_CAP
+    from specdec_llm.engine.types import auto_cap
 
-    size = "the size measured fastest here" if max_batch == "auto" else max_batch
+    cap = auto_cap(max_batch)
+    size = max_batch if cap is None else f"the size measured fastest here (at most {cap})"
     shape = f"batches of up to {size} (threads pool, max wait {max_wait_ms:g} ms)"
-    # auto: the server decodes as many rows as measured fastest (at most AUTO_CAP); the rest wait their turn
-    return shape, AUTO_CAP if max_batch == "auto" else int(max_batch)
+    # auto: the server decodes as many rows as measured fastest (at most its cap); the rest wait their turn
+    return shape, int(max_batch) if cap is None else cap
 
 
 def _celery_argv(pair: str, pool: str, pool_size: int, queues: str, loglevel: str, events: bool) -> list[str]:

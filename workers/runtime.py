@@ -49,6 +49,7 @@ from celery.signals import celeryd_after_setup, worker_process_init, worker_proc
 from specdec_llm import loaded as loaded_pairs
 from specdec_llm import store
 from specdec_llm.engine import GenerationRequest
+from specdec_llm.engine.types import auto_cap
 from specdec_llm.settings import get_settings
 
 from . import heartbeat, metrics
@@ -66,7 +67,8 @@ class WorkerOptions:
     threads: int | None = None  # torch threads on CPU (None: SPECDEC_THREADS or torch's default)
     calibrate: bool = False  # the legacy start-up calibration run (--calibrate)
     calibration_tokens: int = 32
-    # rows decoded together; > 1 or "auto" (chosen from measured costs): the threads pool, one process per device
+    # rows decoded together; > 1, "auto" or "auto:N" (chosen from measured costs, up to N): the threads pool,
+    # one process per device
     max_batch: int | str = 1
     max_wait_ms: float = 20.0  # an idle server waits this long for a burst to start as one batch
     metrics_port: int | None = None  # Prometheus metrics on this port (workers/metrics.py)
@@ -74,7 +76,7 @@ class WorkerOptions:
     @property
     def pool(self) -> str:
         """The Celery pool this worker runs: ``threads`` when it batches, else ``prefork``."""
-        return "threads" if self.max_batch == "auto" or int(self.max_batch) > 1 else "prefork"
+        return "threads" if auto_cap(self.max_batch) is not None or int(self.max_batch) > 1 else "prefork"
 
 
 @dataclass
@@ -303,7 +305,7 @@ def _load_before_threads(**_: Any) -> None:
         ) from None  # not an Exception: Celery's signal dispatch lets it through to the worker
     rt.server.ready.wait()
     heartbeat.start(rt)  # `specdec-llm workers` lists this process from now on (its batch size chosen)
-    if _options.max_batch == "auto":
+    if isinstance(_options.max_batch, str):  # auto, auto:N
         log.info(
             "batches of up to %d rows: the most tokens/s on this machine by its measured costs", rt.server.max_batch
         )

@@ -63,9 +63,9 @@ MaxBatchOpt = Annotated[
     str | None,
     typer.Option(
         "--max-batch",
-        help="Requests decoded together as one batch: an integer, or 'auto' (default: SPECDEC_MAX_BATCH "
-        "or auto: the size with the most tokens/s on this machine, chosen from measured costs); > 1 or auto "
-        "runs one process with that many task threads (threads pool)",
+        help="Requests decoded together as one batch: an integer, 'auto' or 'auto:N' (default: SPECDEC_MAX_BATCH "
+        "or auto: the size with the most tokens/s on this machine up to 32, or N, chosen from measured costs); "
+        "> 1 or auto runs one process with that many task threads (threads pool)",
     ),
 ]
 
@@ -337,12 +337,17 @@ def _run_to_the_end(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specdec_llm import client
+    from specdec_llm.engine.types import auto_cap
 
     err, job, procs = Console(stderr=True), sub["job_id"], []
     err.print(
         f"job {job}: {sub['rows']} rows, {sub['bad']} refused, {sub['enqueued']} to generate "
         f"({sub['done']} done before); broker {client.broker_display()}{_cancelled_note(job, sub['cancelled'])}"
     )
+
+    cap = auto_cap(max_batch)
+    if cap is not None and 0 < sub["enqueued"] < cap:  # its batch sizes above the job's rows are never reached:
+        max_batch = f"auto:{sub['enqueued']}"  # not measured (a first start's calibration of 32 rows: 4-5 s on 2 cores)
 
     def start() -> LocalWorker:  # also for a local worker killed (SIGKILL, OOM killer): its rows come back by lease
         return client.start_local_worker(pair, device=device, concurrency=concurrency, max_batch=max_batch)

@@ -44,6 +44,7 @@ from transformers.pytorch_utils import Conv1D
 from . import kernels
 from .kernels import DynamicInt8Linear, absmax, fastest_ms
 from .mapped import complete, mapped_tensors, remove_stale, save_tensors
+from .types import SCHEMES
 
 stage = logging.getLogger("specdec_llm.load").info  # a load's stages (the CLI prints them, a worker logs them)
 
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 GROUP = 32
-SCHEMES = ("int4", "int8", "fp8")  # draft = "quantized:SCHEME"
 # a stored draft (``stored_draft_file``) no load has mapped for this many days is deleted when
 # another is stored: a torch upgrade, another recipe or new target weights leave the old one behind
 STORED_UNUSED_DAYS = 30

@@ -14,7 +14,8 @@ Whatever the reason a row leaves (finished, cancelled, timed out, a failed step)
 drafters hear it (``Batch.keep``, ``Batch.close``) and give its resources back.
 ``max_batch="auto"`` (a bulk job's worker) takes the batch size with the most expected
 tokens per second on this machine, from its measured costs (``SpeculativeDecoder.best_batch``,
-cached on disk), before serving; ``ready`` is set once it is chosen.
+cached on disk), before serving; ``ready`` is set once it is chosen. ``"auto:N"``: the same up
+to N rows (a job of N rows never fills a wider batch: its sizes are not measured).
 ``cancel(future)`` withdraws a request: not started yet, it never joins; in the batch, it
 leaves before the next step (its Future raises CancelledError); the other rows go on.
 ``submit(..., stop=callable)``: asked before each step; once it returns True the row ends
@@ -35,24 +36,24 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from .decoder import Batch, Row, SpeculativeDecoder, TextCallback
-from .types import GenerationRequest, GenerationResult, RequestError
+from .types import GenerationRequest, GenerationResult, RequestError, auto_cap, parse_max_batch
 
 StopCheck = Callable[[], bool]  # "should this row stop now?" (asked before each step)
 # a submitted request: (request, on_text, deadline, stop, its future)
 _Item = tuple[GenerationRequest, TextCallback | None, float | None, StopCheck | None, "Future[GenerationResult]"]
 
 log = logging.getLogger(__name__)
-AUTO = "auto"  # max_batch: the batch size with the most tokens/s on this machine, up to AUTO_CAP
-AUTO_CAP = 32
 SAVE_EVERY_S = 30.0  # an idle server writes its live decoding costs to the cache at most this often
 
 
 class BatchServer:
     def __init__(self, decoder: SpeculativeDecoder, max_batch: int | str = 8, max_wait_ms: float = 20.0):
-        if max_batch != AUTO and (not isinstance(max_batch, int) or max_batch < 1):
-            raise ValueError(f"max_batch: use at least 1, or {AUTO!r}")
-        self.auto = max_batch == AUTO  # the decoder chooses it from measured costs (best_batch)
-        self.max_batch = 1 if self.auto else int(max_batch)
+        try:
+            self.setting = parse_max_batch(max_batch)  # as given, normalized
+        except ValueError as e:
+            raise ValueError(f"max_batch: {e}") from None
+        self.cap = auto_cap(self.setting)  # the decoder chooses the size up to it from measured costs (best_batch)
+        self.max_batch = 1 if self.cap is not None else int(self.setting)
         self.decoder, self.max_wait = decoder, max_wait_ms / 1000
         self.ready = threading.Event()  # set once the batch size is chosen and its costs measured
         self.inbox: queue.Queue[_Item | None] = queue.Queue()
@@ -113,8 +114,8 @@ class BatchServer:
 
             torch.cuda.set_device(device)
         try:
-            if self.auto:
-                self.max_batch = self.decoder.best_batch(AUTO_CAP)
+            if self.cap is not None:
+                self.max_batch = self.decoder.best_batch(self.cap)
             self.decoder.calibrate_batches(self.max_batch)
         except Exception:  # a batch calibrates lazily instead
             log.exception("could not calibrate the batch sizes up to %d", self.max_batch)

@@ -21,6 +21,34 @@ if TYPE_CHECKING:
 # "cancelled": the caller stopped the row mid-way (BatchServer.submit's stop); its text is partial
 FinishReason = Literal["eos", "stop", "length", "context", "cancelled"]
 
+SCHEMES = ("int4", "int8", "fp8")  # a quantized draft's schemes: draft = "quantized:SCHEME" (quant.py)
+AUTO = "auto"  # max_batch: the batch size with the most tokens/s on this machine, up to AUTO_CAP
+AUTO_CAP = 32
+
+
+def parse_max_batch(value: int | str) -> int | str:
+    """A batch size as given (an integer >= 1, "auto" or "auto:N"), normalized: an int, "auto"
+    or "auto:N". ValueError saying what is accepted otherwise."""
+    text = str(value).strip().lower()
+    name, colon, cap = text.partition(":")
+    try:
+        n = int(text if name != AUTO else cap if colon else AUTO_CAP)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(
+            f"{value!r} is not a batch size; use an integer >= 1, {AUTO!r} (the fastest size up to "
+            f"{AUTO_CAP}) or '{AUTO}:N' (the fastest up to N)"
+        )
+    return n if name != AUTO else f"{AUTO}:{n}" if colon else AUTO
+
+
+def auto_cap(max_batch: int | str) -> int | None:
+    """The most rows an automatic batch size may take ("auto": AUTO_CAP, "auto:N": N); None
+    for a fixed size."""
+    value = parse_max_batch(max_batch)
+    return None if isinstance(value, int) else int(value.partition(":")[2] or AUTO_CAP)
+
 
 class RequestError(SpecDecError, ValueError):
     """Bad input. ``field`` names the offending parameter; the message says the fix."""

@@ -19,31 +19,9 @@ GGUF caches), ``drafts`` (shared-tensor, distilled and quantized drafts), ``eagl
 Callers import from here.
 """
 
-from .drafts import (
-    REFERENCE,
-    SubsetHead,
-    fingerprint,
-    load_draft_dir,
-    quantized_draft,
-    reference,
-    refuse_other_target,
-    shared_draft,
-    vocab_subset,
-)
-from .eagle_draft import KIND, OWN_PREFIXES, EagleDraft, build_eagle, default_feature_layers, load_eagle_dir
-from .gguf import GGUF_INT4, cached_gguf_blocks, gguf_blocks, local_ref, resolve, tokenizer_only
-from .loading import (
-    DTYPES,
-    Pair,
-    check_pair_device,
-    check_vocab,
-    load_model,
-    load_pair,
-    load_tokenizer,
-    quiet_loading,
-    remote_code_refused,
-    use_threads,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .spec import (
     CHAT_TEMPLATES,
     CHAT_TURN_ENDS,
@@ -53,6 +31,7 @@ from .spec import (
     VOCAB_SUBSET,
     PairError,
     PairSpec,
+    check_pair_device,
     draft_dir,
     draft_kind,
     get_spec,
@@ -60,6 +39,51 @@ from .spec import (
     read_toml,
     registry,
 )
+
+if TYPE_CHECKING:
+    from .drafts import (
+        REFERENCE,
+        SubsetHead,
+        fingerprint,
+        load_draft_dir,
+        quantized_draft,
+        reference,
+        refuse_other_target,
+        shared_draft,
+        vocab_subset,
+    )
+    from .eagle_draft import KIND, OWN_PREFIXES, EagleDraft, build_eagle, default_feature_layers, load_eagle_dir
+    from .gguf import GGUF_INT4, cached_gguf_blocks, gguf_blocks, local_ref, resolve, tokenizer_only
+    from .loading import (
+        DTYPES,
+        Pair,
+        check_vocab,
+        load_model,
+        load_pair,
+        load_tokenizer,
+        quiet_loading,
+        remote_code_refused,
+        use_threads,
+    )
+
+# the rest loads torch and transformers (seconds): imported on first use, so that a command that
+# only reads the registry (`run`, checking its pair before a worker loads it) starts at once
+_LAZY = {
+    "drafts": "REFERENCE SubsetHead fingerprint load_draft_dir quantized_draft reference refuse_other_target "
+    "shared_draft vocab_subset",
+    "eagle_draft": "KIND OWN_PREFIXES EagleDraft build_eagle default_feature_layers load_eagle_dir",
+    "gguf": "GGUF_INT4 cached_gguf_blocks gguf_blocks local_ref resolve tokenizer_only",
+    "loading": "DTYPES Pair check_vocab load_model load_pair load_tokenizer quiet_loading remote_code_refused "
+    "use_threads",
+}
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names.split()}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+
 
 __all__ = [
     "CHAT_TEMPLATES",

@@ -11,14 +11,22 @@ from pathlib import Path
 import torch
 
 from ..engine import SpeculativeDecoder, hf
-from ..engine.devices import device_problem
 from ..engine.mapped import mapped_tensors
 from ..engine.ragged import unservable
 from ..settings import get_settings
 from .drafts import REFERENCE, fingerprint, load_draft_dir, quantized_draft, quantized_draft_model, shared_draft
 from .eagle_draft import load_eagle_dir
 from .gguf import local_ref, resolve
-from .spec import CHAT_TEMPLATES, CHAT_TURN_ENDS, DRAFT_META, PairError, PairSpec, draft_dir, get_spec
+from .spec import (
+    CHAT_TEMPLATES,
+    CHAT_TURN_ENDS,
+    DRAFT_META,
+    PairError,
+    PairSpec,
+    check_pair_device,
+    draft_dir,
+    get_spec,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -176,20 +184,6 @@ def _stop_at_turn_end(target, tokenizer, token: str | None) -> None:
     end = tokenizer.convert_tokens_to_ids(token)
     if end not in ids:
         target.generation_config.eos_token_id = [*ids, end]
-
-
-def check_pair_device(spec: PairSpec) -> None:
-    """A PairError, before anything loads, when this machine cannot run the pair's device,
-    naming where the device was set: ``SPECDEC_DEVICE``, or the pair's ``device`` key."""
-    why = device_problem(spec.device)
-    if why is None:
-        return
-    if get_settings().device:
-        raise PairError(f"SPECDEC_DEVICE: {why} (or unset SPECDEC_DEVICE to use each pair's own device)")
-    where = "the built-in pairs" if spec.source == "builtin" else spec.source
-    raise PairError(
-        f"{where}: pair {spec.name!r}: device {why} (the pair's `device` key; or SPECDEC_DEVICE=cpu for every pair)"
-    )
 
 
 def load_pair(name_or_spec: str | PairSpec) -> Pair:

@@ -11,7 +11,8 @@ from importlib import resources
 from pathlib import Path
 
 from ..engine import RequestError
-from ..engine.devices import DEVICE, FORMS
+from ..engine.devices import DEVICE, FORMS, device_problem
+from ..engine.types import SCHEMES
 from ..errors import SpecDecError
 from ..settings import DTYPE_NAMES, Settings, get_settings
 
@@ -342,9 +343,21 @@ def draft_dir(ref: str) -> Path:
 
 def quantization_scheme(draft: str, where: str) -> str:
     """The scheme of ``draft = "quantized:SCHEME"``; a PairError naming the known ones."""
-    from ..engine.quant import SCHEMES
-
     scheme = draft.removeprefix(QUANTIZED)
     if scheme not in SCHEMES:
         raise PairError(f"{where}: unknown quantization {draft!r}; known: " + ", ".join(QUANTIZED + s for s in SCHEMES))
     return scheme
+
+
+def check_pair_device(spec: PairSpec) -> None:
+    """A PairError, before anything loads, when this machine cannot run the pair's device,
+    naming where the device was set: ``SPECDEC_DEVICE``, or the pair's ``device`` key."""
+    why = device_problem(spec.device)
+    if why is None:
+        return
+    if get_settings().device:
+        raise PairError(f"SPECDEC_DEVICE: {why} (or unset SPECDEC_DEVICE to use each pair's own device)")
+    where = "the built-in pairs" if spec.source == "builtin" else spec.source
+    raise PairError(
+        f"{where}: pair {spec.name!r}: device {why} (the pair's `device` key; or SPECDEC_DEVICE=cpu for every pair)"
+    )

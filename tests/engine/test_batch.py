@@ -268,7 +268,8 @@ def test_a_bulk_job_batch_size_is_the_one_with_the_most_tokens_per_second():
 def test_an_auto_batch_server_chooses_its_size_before_serving(target):
     """BatchServer(max_batch="auto") measures (or reads) the buckets' costs and takes the best
     size before the first request; its rows decode exactly as one at a time."""
-    from specdec_llm.engine.serve import AUTO_CAP, BatchServer
+    from specdec_llm.engine.serve import BatchServer
+    from specdec_llm.engine.types import AUTO_CAP
 
     dec = SpeculativeDecoder(target, perturbed(target, 0.05, seed=1))
     server = BatchServer(dec, max_batch="auto")
@@ -282,8 +283,23 @@ def test_an_auto_batch_server_chooses_its_size_before_serving(target):
     finally:
         server.close(30)
     assert got == [dec.generate(r).token_ids for r in reqs]
-    with pytest.raises(ValueError, match="max_batch"):
+    with pytest.raises(ValueError, match="max_batch: 'big' is not a batch size; use an integer >= 1, 'auto'"):
         BatchServer(dec, max_batch="big")
+
+
+def test_an_auto_batch_server_with_a_cap_measures_no_wider_batch(target):
+    """max_batch="auto:3" (a job of 3 rows): the size is chosen among 1-3 rows, and no bucket
+    above the one 3 rows fall in is measured."""
+    from specdec_llm.engine.serve import BatchServer
+
+    dec = SpeculativeDecoder(target, perturbed(target, 0.05, seed=1))
+    server = BatchServer(dec, max_batch="auto:3")
+    try:
+        assert server.ready.wait(120)
+        assert 1 <= server.max_batch <= 3
+        assert set(dec.costs.models) == {1, 2, 4}
+    finally:
+        server.close(30)
 
 
 def test_a_callers_failing_callback_fails_its_row_alone_and_a_closed_server_answers_every_request(target):

@@ -177,8 +177,17 @@ def test_soft_time_limit_is_a_deadline_in_the_threads_pool(batch_fleet, referenc
 
 
 # -- run --max-batch: the local worker it starts batches ------------------------------------------
-def test_run_passes_max_batch_to_its_local_worker(embedded, tmp_path):
-    """Embedded broker (files), no servers: `run --max-batch 3` starts a batching worker."""
+@pytest.mark.parametrize(
+    "max_batch, shape",
+    [
+        ("3", "batches of up to 3 (threads pool"),
+        # the job's 6 rows never fill a wider batch: no size above 6 is measured or chosen
+        ("auto", "batches of up to the size measured fastest here (at most 6) (threads pool"),
+    ],
+)
+def test_run_passes_max_batch_to_its_local_worker(embedded, tmp_path, max_batch, shape):
+    """Embedded broker (files), no servers: `run --max-batch 3` starts a batching worker;
+    `--max-batch auto` one that chooses its size up to the job's rows."""
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"id": f"e{i}", "prompt": prompt(i, "run")}) + "\n" for i in range(6)))
     app = typer.Typer()
@@ -193,7 +202,7 @@ def test_run_passes_max_batch_to_its_local_worker(embedded, tmp_path):
             "--max-new-tokens",
             "12",
             "--max-batch",
-            "3",
+            max_batch,
             "--out",
             str(tmp_path / "out.jsonl"),
         ],
@@ -201,7 +210,10 @@ def test_run_passes_max_batch_to_its_local_worker(embedded, tmp_path):
     assert res.exit_code == 0, res.output
     assert "started a local worker for tiny" in res.output and "6 ok, 0 failed" in res.output
     log = "".join(p.read_text(errors="replace") for p in (embedded / "logs").glob("worker-tiny-*.log"))
-    assert "batches of up to 3 (threads pool" in log
+    assert shape in log
+    if max_batch == "auto":
+        chosen = re.search(r"batches of up to (\d+) rows: the most tokens/s", log)
+        assert chosen and 1 <= int(chosen[1]) <= 6, log
     job = json.loads((tmp_path / "out.jsonl").read_text().splitlines()[0])  # results are there, in order
     assert job["id"] == "e0" and job["status"] == "ok"
 

@@ -9,10 +9,24 @@ a ``Backend``), the target's own quantized copy (``selfdraft.py``), a feature-le
 acceptance estimator (``acceptance.py``); drafters by name (``registry.py``).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .base import DraftContext, Drafts, Forward, Proposal, RowView, Sampling
 from .free import FreeDrafter
-from .model import Backend, ModelDrafter, ModelRow
 from .registry import known, register_drafter, unregister_drafter
+
+if TYPE_CHECKING:
+    from .model import Backend, ModelDrafter, ModelRow
+
+
+def __getattr__(name: str) -> Any:
+    """The draft-model loop (torch) loads on first use: the registry alone reads no model."""
+    if name in ("Backend", "ModelDrafter", "ModelRow"):
+        from . import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Backend",

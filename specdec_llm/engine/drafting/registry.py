@@ -4,7 +4,8 @@
 a new drafter (base.py) for a decoder. Packages outside this one register theirs when
 imported, or through the ``specdec_llm.drafters`` entry point group (an object reference
 to a function called with no arguments that calls ``register_drafter``), so a pairs file
-read by a worker process can name them too::
+read by a worker process can name them too (the methods that run a model are imported when
+built: reading a pairs file loads no torch)::
 
     [project.entry-points."specdec_llm.drafters"]
     phrases = "my_package.drafting:register"
@@ -19,11 +20,7 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, cast
 
 from .base import DraftContext
-from .eagle import EagleDrafter, is_feature_draft
-from .forced import Forced
 from .lookup import Lookup
-from .model import ModelDrafter
-from .selfdraft import SELF_PRIOR, SelfDrafter
 from .suffix import Suffix
 
 if TYPE_CHECKING:
@@ -115,6 +112,8 @@ def check(names: list[str], draft_kind: str) -> str | None:
 
 def runnable(draft: Any) -> PreTrainedModel:
     """The causal LM a draft runs: the draft model itself, or a feature-level draft's layer."""
+    from .eagle import is_feature_draft
+
     return cast("PreTrainedModel", draft.model if is_feature_draft(draft) else draft)
 
 
@@ -142,6 +141,9 @@ def _model(name: str) -> Callable[[DraftContext], Drafter]:
     up from its cache (SelfDrafter), and their acceptance starts high (``SELF_PRIOR``)."""
 
     def make(c: DraftContext) -> Drafter:
+        from .model import ModelDrafter
+        from .selfdraft import SELF_PRIOR, SelfDrafter
+
         draft = c.draft
         if draft is None or runnable(draft) is not draft:
             raise ValueError(
@@ -155,6 +157,8 @@ def _model(name: str) -> Callable[[DraftContext], Drafter]:
 
 
 def _eagle(c: DraftContext) -> Drafter:
+    from .eagle import EagleDrafter, is_feature_draft
+
     if not is_feature_draft(c.draft):
         raise ValueError(
             "drafter 'eagle' needs a feature-level draft (specdec-llm distill --kind eagle) as the pair's "
@@ -199,6 +203,8 @@ register_drafter(
 
 
 def _forced(c: DraftContext) -> Drafter:
+    from .forced import Forced
+
     if c.grammar is None:
         raise ValueError("drafter 'grammar' needs a decoder with a tokenizer (its rows' grammars); drop 'grammar'")
     return Forced(c.grammar)
