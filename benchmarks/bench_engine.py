@@ -83,6 +83,7 @@ def main() -> None:
     n = args.max_new_tokens
 
     gguf = local_ref(pair.spec.target)
+    draft_gguf = local_ref(pair.spec.draft) if (pair.spec.draft or "").endswith(".gguf") else None
     ref_dec = pair.decoder()  # prepares the weights (kernels measured on this machine) for every method
     eos = set(ref_dec.eos_token_ids)
 
@@ -96,6 +97,7 @@ def main() -> None:
             compile_draft=compile_draft,
             target_file=gguf if gguf.endswith(".gguf") else None,
             trees=trees,
+            draft_file=draft_gguf,
         )
         for drafter in d.drafters:
             if not drafter.free:

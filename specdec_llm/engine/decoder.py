@@ -90,7 +90,8 @@ class SpeculativeDecoder:
     never uses the timing-driven schedule (the same seed must give the same text whatever
     the machine's timings): it uses ``default_k`` when that is an integer, else ``seeded_k``.
     ``target_file``: the file the target was loaded from, for a drafter that runs it another
-    way (``llamacpp``: llama.cpp on the target's GGUF).
+    way (``llamacpp``: llama.cpp on the target's GGUF); ``draft_file``: the pair's draft as a
+    GGUF file, for one that runs that instead (``llamacpp`` then runs the draft's).
     """
 
     def __init__(
@@ -111,6 +112,7 @@ class SpeculativeDecoder:
         compile_draft: bool = False,
         target_file: str | None = None,
         trees: bool = True,
+        draft_file: str | None = None,
     ) -> None:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         # verify trees of the drafters' proposals where they pay (tree.py); not under ALiBi, whose
@@ -127,7 +129,7 @@ class SpeculativeDecoder:
         if drafters is None:
             drafters = ["model"] if draft is not None else []
         self.context_length = context_length or getattr(target.config, "max_position_embeddings", None) or 2048
-        self.drafters: list[Drafter] = self._build(drafters, draft, tokenizer, target_file, max_k)
+        self.drafters: list[Drafter] = self._build(drafters, draft, tokenizer, (target_file, draft_file), max_k)
         self.offers_failed: set[str] = set()  # free drafters that raised offering to two-level drafting
         # the target layers whose outputs a feature-level drafter reads (eagle.py): every
         # target forward returns them (a pair has one draft, so at most one such drafter)
@@ -143,7 +145,12 @@ class SpeculativeDecoder:
         self.plain = PlainIterations()  # forced plain iterations, per batch-size bucket (schedule.py)
 
     def _build(
-        self, drafters: list[str | Drafter], draft: Any, tokenizer: Any, target_file: str | None, max_k: int
+        self,
+        drafters: list[str | Drafter],
+        draft: Any,
+        tokenizer: Any,
+        files: tuple[str | None, str | None],
+        max_k: int,
     ) -> list[Drafter]:
         """The drafters by name (or given built); with a tokenizer, the grammar's too (forced
         tokens of constrained rows, free: drafting/forced.py) when there is any drafting."""
@@ -155,13 +162,14 @@ class SpeculativeDecoder:
             draft,
             self.vocab_size,
             tokenizer,
-            target_file,
+            files[0],
             self.context_length,
             self.offers,
             self.draft_seconds,
             grammar,
             self.trees,
             max_k,
+            draft_file=files[1],
         )
         built = iter(registry.build(names, context))
         return [next(built) if isinstance(d, str) else d for d in drafters]

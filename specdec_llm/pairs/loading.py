@@ -154,10 +154,25 @@ class Pair:
                 default_k=self.spec.k,
                 kernel_cache=get_settings().cache_dir / "kernels.json",
                 compile_draft=self.spec.compile_draft,
-                target_file=local_ref(self.spec.target) if self.spec.target.endswith(".gguf") else None,
+                target_file=_gguf(self.spec.target),
+                draft_file=_gguf(self.spec.draft),
             )
         except ValueError as e:  # a drafter this pair lists cannot run here (llamacpp without its package)
             raise PairError(f"pair {self.spec.name!r}: {e}") from None
+
+
+def _gguf(ref: str | None) -> str | None:
+    """The local path of a model reference that is a GGUF file (a drafter may run it with llama.cpp)."""
+    return local_ref(ref) if ref is not None and ref.endswith(".gguf") else None
+
+
+def draft_model_unused(spec: PairSpec) -> bool:
+    """Whether none of the pair's drafters runs its draft as a model here (they list no draft
+    kinds: ``llamacpp`` decoding the draft's GGUF itself): then the draft is not loaded."""
+    from ..engine.drafting import registry
+
+    table = registry.registered()
+    return spec.draft is not None and all(not table[n].draft_kinds for n in spec.drafter_names() if n in table)
 
 
 def check_vocab(target_ref: str, tok_t, draft_ref: str, tok_d, vt: int, vd: int) -> int:
@@ -208,6 +223,8 @@ def _load_pair(name_or_spec: str | PairSpec) -> Pair:
     draft, info = None, {}
     if spec.draft is None:
         info = {"kind": "none"}
+    elif draft_model_unused(spec):
+        info = {"kind": "file", "file": spec.draft}  # (run by its drafter: llama.cpp checks its vocabulary)
     elif spec.quantized:
         draft, info = quantized_draft(spec, target, tokenizer)
     elif spec.draft.startswith("layers:"):

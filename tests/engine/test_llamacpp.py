@@ -1,5 +1,6 @@
-"""The ``llamacpp`` drafter (engine/llamacpp.py): llama.cpp decoding the target's own GGUF as
-the draft. Its refusals need nothing installed; its decoding needs the optional
+"""The ``llamacpp`` drafter (engine/llamacpp.py): llama.cpp decoding the pair's draft GGUF, or
+the target's own, as the draft. Its refusals, and a pair whose draft only llama.cpp runs (not
+loaded into torch; its file handed to the drafters), need nothing installed; its decoding needs the optional
 ``llama-cpp-python`` (skipped where it is not installed): on the real SmolLM2 pair, greedy
 outputs identical to target-only decoding, one row and a batch, each row's llama.cpp context
 holding a prefix of the row after every step, and the contexts reused."""
@@ -22,8 +23,34 @@ PROMPTS = [
 
 
 def test_the_llamacpp_drafter_needs_a_gguf_target():
-    with pytest.raises(ValueError, match="needs the pair's target as a GGUF file; drop 'llamacpp'"):
+    with pytest.raises(ValueError, match="needs the pair's draft or target as a GGUF file; drop 'llamacpp'"):
         SpeculativeDecoder(tiny_llama(0), drafters=["lookup", "llamacpp"])
+
+
+def test_a_draft_no_listed_drafter_runs_as_a_model_is_not_loaded_and_its_file_reaches_the_drafters():
+    """A pair whose draft is a GGUF and whose drafters read no draft model (``llamacpp`` on that
+    file): the draft is not converted nor held in torch; the drafters get its file."""
+    from specdec_llm.engine.drafting import register_drafter, unregister_drafter
+    from specdec_llm.engine.drafting.lookup import Lookup
+    from specdec_llm.pairs import PairSpec, get_spec, load_pair, local_ref
+
+    seen = []
+
+    def build(c):
+        seen.append((c.draft, c.draft_file, c.target_file))
+        drafter = Lookup()
+        drafter.name = "files"
+        return drafter
+
+    register_drafter("files", build)
+    try:
+        target = get_spec("smollm2-135m-q4").target  # a GGUF (pkg:), as the draft too: only its file is read
+        pair = load_pair(PairSpec(name="files", target=target, draft=target, drafters=["lookup", "files"]))
+        assert pair.draft is None and pair.draft_info == {"kind": "file", "file": target}
+        pair.decoder()
+    finally:
+        unregister_drafter("files")
+    assert seen == [(None, local_ref(target), local_ref(target))]
 
 
 def test_a_pair_listing_llamacpp_without_its_package_is_refused_by_name(monkeypatch):
@@ -129,3 +156,22 @@ def test_a_pair_whose_llamacpp_crashes_is_refused_at_load(q4, monkeypatch):
     monkeypatch.setattr(llamacpp, "probed", set())
     with pytest.raises(PairError, match=r"smollm2-135m-llamacpp.*crashed decoding .* \(SIGSEGV\)"):
         load_pair("smollm2-135m-llamacpp").decoder()
+
+
+def test_a_gguf_whose_tokenizer_is_not_the_pairs_is_refused(q4):
+    """llama.cpp must split text as the pair's tokenizer does (a GGUF of another vocabulary
+    would draft only tokens the target rejects): refused at load, naming the fix."""
+    from specdec_llm.engine.drafting.base import DraftContext
+    from specdec_llm.engine.drafting.llamacpp import LlamaCppDrafter
+    from specdec_llm.pairs import local_ref
+
+    class Shifted:  # another vocabulary: every id one further
+        def encode(self, text, add_special_tokens=False):
+            return [i + 1 for i in q4.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+    path = local_ref(q4.spec.target)
+    with pytest.raises(ValueError, match=r"otherwise than the pair's .* use a GGUF with the target's tokenizer"):
+        LlamaCppDrafter(path, DraftContext(None, q4.vocab_size, Shifted()))
+    with pytest.raises(ValueError, match="tokens, fewer than the pair's"):
+        LlamaCppDrafter(path, DraftContext(None, q4.vocab_size + 1, q4.tokenizer))
+    LlamaCppDrafter(path, DraftContext(None, q4.vocab_size, q4.tokenizer))  # its own tokenizer: taken

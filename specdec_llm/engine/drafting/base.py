@@ -261,3 +261,4 @@ class DraftContext:
     grammar: Callable[[dict[str, Any]], Any] | None = None  # response_format -> a fresh matcher (forced.py)
     trees: bool = True  # the loop verifies trees: a model drafter's alternatives are wanted (Proposal.branches)
     nodes: int = 8  # the most drafted tokens one verification of a row holds (its chain and branches)
+    draft_file: str | None = None  # the file the pair's draft comes from, if a GGUF (llamacpp.py runs it)

@@ -1,4 +1,5 @@
-"""A draft that is llama.cpp decoding the target's own GGUF file (optional: ``llama-cpp-python``).
+"""A draft that is llama.cpp decoding the target's own GGUF file, or the pair's draft model's
+(optional: ``llama-cpp-python``).
 
 Why: where PyTorch has no fast int4 kernel for the CPU (avx2 without avx512), the target's
 own int4 copy steps at 0.7 of the fp32 target's step, and speculation with it barely pays.
@@ -54,6 +55,26 @@ FIX = (
     "or drop 'llamacpp' from drafters"
 )
 probed: set[str] = set()  # the files llama.cpp decoded in a child process
+# text both tokenizers must split alike (code, prose, accents, CJK): a GGUF of another vocabulary
+# would only ever draft rejected tokens
+SAMPLE = "def add(a, b):\n    return a + b  # naïve café, 你好 - 3.14\nThe quick brown fox."
+
+
+def check_vocabulary(ctx: Context, path: str, context: DraftContext) -> None:
+    """A ValueError where llama.cpp's vocabulary for ``path`` is not the pair's."""
+    if ctx.vocab < context.vocab_size:
+        raise ValueError(
+            f"{path} has {ctx.vocab} tokens, fewer than the pair's {context.vocab_size}: "
+            "use a GGUF with the target's tokenizer"
+        )
+    if context.tokenizer is not None:
+        ours = list(context.tokenizer.encode(SAMPLE, add_special_tokens=False))
+        theirs = ctx.llm.tokenize(SAMPLE.encode(), add_bos=False, special=False)
+        if ours != theirs:
+            raise ValueError(
+                f"llama.cpp splits text with {path}'s tokenizer otherwise than the pair's "
+                f"({theirs[:8]}... against {ours[:8]}...): use a GGUF with the target's tokenizer"
+            )
 
 
 def probe(path: str) -> None:
@@ -168,8 +189,8 @@ class LlamaBackend(Backend):
 
 
 class LlamaCppDrafter(ModelDrafter):
-    """The ``llamacpp`` drafter: llama.cpp running ``path`` (the pair's target GGUF), on this
-    process's torch threads. Its acceptance is tracked per row as a model drafter's."""
+    """The ``llamacpp`` drafter: llama.cpp running ``path`` (the pair's draft GGUF, else its
+    target's), on this process's torch threads. Its acceptance is tracked per row as a model drafter's."""
 
     row_state = LlamaRow
 
@@ -178,6 +199,7 @@ class LlamaCppDrafter(ModelDrafter):
         self.path, self.n_ctx = path, min(context.context_length, MAX_CONTEXT)
         self.pool: list[Context] = []
         self.pool.append(self.take())  # a missing package or a file llama.cpp cannot read fails at load
+        check_vocabulary(self.pool[0], path, context)  # and so does another vocabulary
         probe(path)  # and so does a llama.cpp that crashes decoding on this CPU
         self.timing: Context | None = None  # calibration's
 

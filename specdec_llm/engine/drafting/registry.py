@@ -168,13 +168,18 @@ def _eagle(c: DraftContext) -> Drafter:
 
 
 def _llamacpp(c: DraftContext) -> Drafter:
-    """llama.cpp decoding the target's own GGUF file (llamacpp.py; optional package)."""
-    if not (c.target_file or "").endswith(".gguf"):
-        raise ValueError("drafter 'llamacpp' needs the pair's target as a GGUF file; drop 'llamacpp' from drafters")
+    """llama.cpp decoding the pair's draft GGUF file, else the target's own (llamacpp.py; optional package)."""
+    path = c.draft_file or c.target_file or ""
+    if not path.endswith(".gguf"):
+        raise ValueError(
+            "drafter 'llamacpp' needs the pair's draft or target as a GGUF file; drop 'llamacpp' from drafters"
+        )
     try:
-        from .llamacpp import LlamaCppDrafter
+        from .llamacpp import LLAMACPP_PRIOR, LlamaCppDrafter
+        from .model import DISTILLED_PRIOR
 
-        return LlamaCppDrafter(str(c.target_file), c)
+        # the target's own weights agree with it nearly always; a smaller model of its family, as a draft model
+        return LlamaCppDrafter(path, c, prior=DISTILLED_PRIOR if c.draft_file else LLAMACPP_PRIOR)
     except ImportError as e:
         raise ValueError(
             f"drafter 'llamacpp' needs llama-cpp-python ({e}): pip install 'specdec-llm[llamacpp]' (llama-cpp-python), or drop 'llamacpp' from drafters"
@@ -212,4 +217,6 @@ def _forced(c: DraftContext) -> Drafter:
 
 # every speculative decoder has it (decoder.py): it proposes only for rows with a response_format
 register_drafter("grammar", _forced, needs="a decoder with a tokenizer")
-register_drafter("llamacpp", _llamacpp, needs="the pair's target as a GGUF file and llama-cpp-python installed")
+register_drafter(
+    "llamacpp", _llamacpp, needs="the pair's draft or target as a GGUF file and llama-cpp-python installed"
+)
