@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import atexit
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _cache: dict[tuple, Loaded] = {}
 _lock = threading.Lock()  # callers on many threads wait for one load
@@ -42,6 +46,21 @@ class Loaded:
         return self.pair.tokenizer
 
 
+def _load(pair: Any) -> tuple[Any, Any]:
+    return pair, pair.decoder()
+
+
+def _on_a_thread_that_ends(fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread of its own, joined: a load's torch work leaves no OpenMP threads
+    behind. Loaded on the caller's thread (a worker's main thread), that thread kept its OpenMP
+    pool while the server's thread ran every forward with a pool of its own: more OpenMP threads
+    than CPUs, so libgomp stops spinning between parallel regions and each region waits for its
+    threads to wake. Calibration in the server's thread of a 2-vCPU worker took 25-50% longer
+    than on the loading thread itself (docs/benchmarks.md)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="specdec-load") as pool:
+        return pool.submit(fn).result()
+
+
 def get(pair, *, threads: int | None = None, max_batch: int | str = 1, max_wait_ms: float = 20.0) -> Loaded:
     """``pair`` (a name or a ``PairSpec``) loaded, with its server. The first load sets
     torch's threads (``pairs.use_threads(threads)``). A server with other batching settings,
@@ -65,8 +84,8 @@ def get(pair, *, threads: int | None = None, max_batch: int | str = 1, max_wait_
         entry = _cache.get(key)
         if entry is None:
             use_threads(threads)
-            loaded = load_pair(spec)
-            entry = _cache[key] = Loaded(spec, loaded, loaded.decoder(), None)
+            loaded, decoder = _on_a_thread_that_ends(lambda: _load(load_pair(spec)))
+            entry = _cache[key] = Loaded(spec, loaded, decoder, None)
         server = entry.server
         if (
             server is None
