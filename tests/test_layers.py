@@ -244,6 +244,21 @@ def test_sql_runs_in_the_store_only():
                 assert not inside(n, "specdec_llm.store.models"), (name, n)
 
 
+def _fresh(tmp_path: Path) -> dict[str, str]:
+    """A fresh interpreter's environment: this checkout importable, its own SQLite store and
+    data folder, the embedded broker (no broker variables), one torch thread."""
+    from specdec_llm.store.testing import sqlite_url
+
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        SPECDEC_DATABASE_URL=sqlite_url(tmp_path),
+        SPECDEC_DATA_DIR=str(tmp_path / "data"),
+        SPECDEC_THREADS="1",
+    )
+    return env
+
+
 def test_local_mode_does_not_import_celery(pairs_file, tmp_path):
     """LangChain's local mode builds and runs a request in this process: no Celery, no
     kombu, no worker code (a fresh interpreter, the tiny pair)."""
@@ -261,16 +276,9 @@ def test_local_mode_does_not_import_celery(pairs_file, tmp_path):
             assert name not in sys.modules, name
         print("ok", len(text))
     """)
-    from specdec_llm.store.testing import sqlite_url
-
-    env = {k: v for k, v in os.environ.items() if k not in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND")}
-    env.update(
-        PYTHONPATH=str(ROOT),
-        SPECDEC_DATABASE_URL=sqlite_url(tmp_path),
-        SPECDEC_DATA_DIR=str(tmp_path / "data"),
-        SPECDEC_THREADS="1",
+    res = subprocess.run(
+        [sys.executable, "-c", script], env=_fresh(tmp_path), capture_output=True, text=True, timeout=300
     )
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.startswith("ok")
 
@@ -290,18 +298,9 @@ def test_run_loads_no_model_code_in_its_own_process(pairs_file, tmp_path):
         assert "torch" not in sys.modules and "transformers" not in sys.modules
         print("ok")
     """)
-    from specdec_llm.store.testing import sqlite_url
-
     rows = tmp_path / "in.jsonl"
     rows.write_text('{"prompt": "The quick brown fox"}\n{"prompt": "Once upon a time"}\n')
-    env = {k: v for k, v in os.environ.items() if k not in ("SPECDEC_BROKER_URL", "SPECDEC_RESULT_BACKEND")}
-    env.update(
-        PYTHONPATH=str(ROOT),
-        SPECDEC_DATABASE_URL=sqlite_url(tmp_path),
-        SPECDEC_DATA_DIR=str(tmp_path / "data"),
-        SPECDEC_THREADS="1",
-    )
     args = [sys.executable, "-c", script, str(rows), str(tmp_path / "out.jsonl")]
-    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(args, env=_fresh(tmp_path), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
