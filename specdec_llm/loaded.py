@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import atexit
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-T = TypeVar("T")
+from typing import Any
 
 _cache: dict[tuple, Loaded] = {}
 _lock = threading.Lock()  # callers on many threads wait for one load
@@ -46,19 +43,28 @@ class Loaded:
         return self.pair.tokenizer
 
 
-def _load(pair: Any) -> tuple[Any, Any]:
-    return pair, pair.decoder()
+def _load_on_a_thread_that_ends(spec: Any) -> tuple[Any, Any]:
+    """The pair and its decoder, loaded on a thread of its own, joined: a load's torch work
+    leaves no OpenMP threads behind. Loaded on the caller's thread (a worker's main thread),
+    that thread kept its OpenMP pool while the server's thread ran every forward with a pool of
+    its own: more OpenMP threads than CPUs, so libgomp stops spinning between parallel regions
+    and each region waits for its threads to wake. Calibration in the server's thread of a
+    2-vCPU worker took 25-50% longer than on the loading thread itself (docs/benchmarks.md).
+    The caller's current CUDA device (per thread; a worker sets its own) goes along."""
+    import torch
 
+    from .pairs import load_pair
 
-def _on_a_thread_that_ends(fn: Callable[[], T]) -> T:
-    """``fn()`` on a thread of its own, joined: a load's torch work leaves no OpenMP threads
-    behind. Loaded on the caller's thread (a worker's main thread), that thread kept its OpenMP
-    pool while the server's thread ran every forward with a pool of its own: more OpenMP threads
-    than CPUs, so libgomp stops spinning between parallel regions and each region waits for its
-    threads to wake. Calibration in the server's thread of a 2-vCPU worker took 25-50% longer
-    than on the loading thread itself (docs/benchmarks.md)."""
+    cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def load() -> tuple[Any, Any]:
+        if cuda is not None:
+            torch.cuda.set_device(cuda)
+        pair = load_pair(spec)
+        return pair, pair.decoder()
+
     with ThreadPoolExecutor(1, thread_name_prefix="specdec-load") as pool:
-        return pool.submit(fn).result()
+        return pool.submit(load).result()
 
 
 def get(pair, *, threads: int | None = None, max_batch: int | str = 1, max_wait_ms: float = 20.0) -> Loaded:
@@ -67,7 +73,7 @@ def get(pair, *, threads: int | None = None, max_batch: int | str = 1, max_wait_
     or a closed one, is replaced (the loaded models are kept)."""
     from .engine.serve import BatchServer
     from .engine.types import parse_max_batch
-    from .pairs import get_spec, load_pair, use_threads
+    from .pairs import get_spec, use_threads
 
     spec = get_spec(pair) if isinstance(pair, str) else pair
     key = (
@@ -84,7 +90,7 @@ def get(pair, *, threads: int | None = None, max_batch: int | str = 1, max_wait_
         entry = _cache.get(key)
         if entry is None:
             use_threads(threads)
-            loaded, decoder = _on_a_thread_that_ends(lambda: _load(load_pair(spec)))
+            loaded, decoder = _load_on_a_thread_that_ends(spec)
             entry = _cache[key] = Loaded(spec, loaded, decoder, None)
         server = entry.server
         if (
