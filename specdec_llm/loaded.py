@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import atexit
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,21 +50,30 @@ def _load_on_a_thread_that_ends(spec: Any) -> tuple[Any, Any]:
     its own: more OpenMP threads than CPUs, so libgomp stops spinning between parallel regions
     and each region waits for its threads to wake. Calibration in the server's thread of a
     2-vCPU worker took 25-50% longer than on the loading thread itself (docs/benchmarks.md).
-    The caller's current CUDA device (per thread; a worker sets its own) goes along."""
+    The caller's current CUDA device (per thread; a worker sets its own) goes along. A daemon
+    thread: a worker told to stop while it loads exits without waiting for the load's end."""
     import torch
 
     from .pairs import load_pair
 
     cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
-    def load() -> tuple[Any, Any]:
-        if cuda is not None:
-            torch.cuda.set_device(cuda)
-        pair = load_pair(spec)
-        return pair, pair.decoder()
+    done: Future[tuple[Any, Any]] = Future()
 
-    with ThreadPoolExecutor(1, thread_name_prefix="specdec-load") as pool:
-        return pool.submit(load).result()
+    def load() -> None:
+        try:
+            if cuda is not None:
+                torch.cuda.set_device(cuda)
+            pair = load_pair(spec)
+            done.set_result((pair, pair.decoder()))
+        except BaseException as e:  # noqa: BLE001 - the caller's to raise
+            done.set_exception(e)
+
+    thread = threading.Thread(target=load, name="specdec-load", daemon=True)
+    thread.start()
+    result = done.result()
+    thread.join()  # (its OpenMP pool ends with it)
+    return result
 
 
 def get(pair, *, threads: int | None = None, max_batch: int | str = 1, max_wait_ms: float = 20.0) -> Loaded:
