@@ -174,9 +174,10 @@ def _llamacpp(c: DraftContext) -> Drafter:
         raise ValueError(
             "drafter 'llamacpp' needs the pair's draft or target as a GGUF file; drop 'llamacpp' from drafters"
         )
+    from .model import DISTILLED_PRIOR
+
     try:
         from .llamacpp import LLAMACPP_PRIOR, LlamaCppDrafter
-        from .model import DISTILLED_PRIOR
 
         # the target's own weights agree with it nearly always; a smaller model of its family, as a draft model
         return LlamaCppDrafter(path, c, prior=DISTILLED_PRIOR if c.draft_file else LLAMACPP_PRIOR)
