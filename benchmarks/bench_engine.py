@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec_llm.engine import GenerationRequest, SpeculativeDecoder, compiled
-from specdec_llm.pairs import load_pair, local_ref, quiet_loading
+from specdec_llm.pairs import gguf_file, load_pair, quiet_loading
 from specdec_llm.training.evaluate import read_prompts
 
 LLAMA_CPP = "llama.cpp (its own Q4 GGUF decoding)"
@@ -82,8 +82,7 @@ def main() -> None:
     pair = load_pair(args.pair)
     n = args.max_new_tokens
 
-    gguf = local_ref(pair.spec.target)
-    draft_gguf = local_ref(pair.spec.draft) if (pair.spec.draft or "").endswith(".gguf") else None
+    gguf = gguf_file(pair.spec.target)
     ref_dec = pair.decoder()  # prepares the weights (kernels measured on this machine) for every method
     eos = set(ref_dec.eos_token_ids)
 
@@ -95,9 +94,9 @@ def main() -> None:
             drafters=drafters,
             vocab_size=pair.vocab_size,
             compile_draft=compile_draft,
-            target_file=gguf if gguf.endswith(".gguf") else None,
+            target_file=gguf,
             trees=trees,
-            draft_file=draft_gguf,
+            draft_file=gguf_file(pair.spec.draft),
         )
         for drafter in d.drafters:
             if not drafter.free:
@@ -141,7 +140,7 @@ def main() -> None:
     if pair.spec.quantized:  # its one-token step compiled (engine/compiled.py), where measured faster
         builders["engine quantized compiled"] = lambda: engine(["quantized"], compile_draft=True)
         builders["engine default compiled (" + "+".join(names) + ")"] = lambda: engine(names, compile_draft=True)
-    if gguf.endswith(".gguf") and importlib.util.find_spec("llama_cpp") is not None:
+    if gguf and importlib.util.find_spec("llama_cpp") is not None:
         builders[LLAMA_CPP] = lambda: llama_cpp(gguf, n, eos)
         if "llamacpp" not in names:  # llama.cpp as the draft, with the free drafters
             builders["engine lookup+suffix+llamacpp"] = lambda: engine(["lookup", "suffix", "llamacpp"])

@@ -129,7 +129,7 @@ class SpeculativeDecoder:
         if drafters is None:
             drafters = ["model"] if draft is not None else []
         self.context_length = context_length or getattr(target.config, "max_position_embeddings", None) or 2048
-        self.drafters: list[Drafter] = self._build(drafters, draft, tokenizer, (target_file, draft_file), max_k)
+        self.drafters: list[Drafter] = self._build(drafters, draft, tokenizer, target_file, draft_file, max_k)
         self.offers_failed: set[str] = set()  # free drafters that raised offering to two-level drafting
         # the target layers whose outputs a feature-level drafter reads (eagle.py): every
         # target forward returns them (a pair has one draft, so at most one such drafter)
@@ -149,7 +149,8 @@ class SpeculativeDecoder:
         drafters: list[str | Drafter],
         draft: Any,
         tokenizer: Any,
-        files: tuple[str | None, str | None],
+        target_file: str | None,
+        draft_file: str | None,
         max_k: int,
     ) -> list[Drafter]:
         """The drafters by name (or given built); with a tokenizer, the grammar's too (forced
@@ -162,14 +163,14 @@ class SpeculativeDecoder:
             draft,
             self.vocab_size,
             tokenizer,
-            files[0],
+            target_file,
             self.context_length,
             self.offers,
             self.draft_seconds,
             grammar,
             self.trees,
             max_k,
-            draft_file=files[1],
+            draft_file=draft_file,
         )
         built = iter(registry.build(names, context))
         return [next(built) if isinstance(d, str) else d for d in drafters]

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
         vocab_subset,
     )
     from .eagle_draft import KIND, OWN_PREFIXES, EagleDraft, build_eagle, default_feature_layers, load_eagle_dir
-    from .gguf import GGUF_INT4, cached_gguf_blocks, gguf_blocks, local_ref, resolve, tokenizer_only
+    from .gguf import GGUF_INT4, cached_gguf_blocks, gguf_blocks, gguf_file, local_ref, resolve, tokenizer_only
     from .loading import (
         DTYPES,
         Pair,
@@ -72,7 +72,7 @@ _LAZY = {
     "drafts": "REFERENCE SubsetHead fingerprint load_draft_dir quantized_draft reference refuse_other_target "
     "shared_draft vocab_subset",
     "eagle_draft": "KIND OWN_PREFIXES EagleDraft build_eagle default_feature_layers load_eagle_dir",
-    "gguf": "GGUF_INT4 cached_gguf_blocks gguf_blocks local_ref resolve tokenizer_only",
+    "gguf": "GGUF_INT4 cached_gguf_blocks gguf_blocks gguf_file local_ref resolve tokenizer_only",
     "loading": "DTYPES Pair check_vocab load_model load_pair load_tokenizer quiet_loading remote_code_refused "
     "use_threads",
 }
@@ -112,6 +112,7 @@ __all__ = [
     "fingerprint",
     "get_spec",
     "gguf_blocks",
+    "gguf_file",
     "load_draft_dir",
     "load_eagle_dir",
     "load_model",

@@ -134,6 +134,12 @@ def local_ref(ref: str) -> str:
     return str(_package_file(ref)) if ref.startswith("pkg:") else ref
 
 
+def gguf_file(ref: str | None) -> str | None:
+    """The local path of a model reference that is a GGUF file, else None (a drafter may run
+    it with llama.cpp)."""
+    return local_ref(ref) if ref is not None and ref.endswith(".gguf") else None
+
+
 def resolve(ref: str, trust_remote_code: bool = False) -> str:
     """A loadable directory or hub id for ``ref``."""
     ref = local_ref(ref)

@@ -16,7 +16,7 @@ from ..engine.ragged import unservable
 from ..settings import get_settings
 from .drafts import REFERENCE, fingerprint, load_draft_dir, quantized_draft, quantized_draft_model, shared_draft
 from .eagle_draft import load_eagle_dir
-from .gguf import local_ref, resolve
+from .gguf import gguf_file, resolve
 from .spec import (
     CHAT_TEMPLATES,
     CHAT_TURN_ENDS,
@@ -154,16 +154,11 @@ class Pair:
                 default_k=self.spec.k,
                 kernel_cache=get_settings().cache_dir / "kernels.json",
                 compile_draft=self.spec.compile_draft,
-                target_file=_gguf(self.spec.target),
-                draft_file=_gguf(self.spec.draft),
+                target_file=gguf_file(self.spec.target),
+                draft_file=gguf_file(self.spec.draft),
             )
         except ValueError as e:  # a drafter this pair lists cannot run here (llamacpp without its package)
             raise PairError(f"pair {self.spec.name!r}: {e}") from None
-
-
-def _gguf(ref: str | None) -> str | None:
-    """The local path of a model reference that is a GGUF file (a drafter may run it with llama.cpp)."""
-    return local_ref(ref) if ref is not None and ref.endswith(".gguf") else None
 
 
 def draft_model_unused(spec: PairSpec) -> bool:
